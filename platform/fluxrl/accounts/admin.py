@@ -1,0 +1,27 @@
+from django.contrib import admin
+
+from .models import ApiToken, Membership, RunToken, Team
+
+
+class MembershipInline(admin.TabularInline):
+    model = Membership
+    extra = 0
+
+
+@admin.register(Team)
+class TeamAdmin(admin.ModelAdmin):
+    list_display = ["slug", "name", "created_at"]
+    search_fields = ["slug", "name"]
+    inlines = [MembershipInline]
+
+
+@admin.register(ApiToken)
+class ApiTokenAdmin(admin.ModelAdmin):
+    list_display = ["prefix", "user", "name", "scopes", "team", "expires_at", "last_used_at", "revoked_at"]
+    readonly_fields = ["prefix", "key_hash", "last_used_at", "created_at"]
+
+
+@admin.register(RunToken)
+class RunTokenAdmin(admin.ModelAdmin):
+    list_display = ["prefix", "run", "expires_at", "revoked_at"]
+    readonly_fields = ["prefix", "key_hash", "run", "created_at"]

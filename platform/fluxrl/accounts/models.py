@@ -1,0 +1,74 @@
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class Team(models.Model):
+    name = models.CharField(max_length=100)
+    slug = models.SlugField(max_length=50, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self):
+        return self.slug
+
+
+class Role(models.TextChoices):
+    ADMIN = "admin"
+    MEMBER = "member"
+
+
+class Membership(models.Model):
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=10, choices=Role.choices, default=Role.MEMBER)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["user", "team"], name="unique_membership")]
+
+    def __str__(self):
+        return f"{self.user} in {self.team} ({self.role})"
+
+
+class Scope(models.TextChoices):
+    READ = "read"
+    WRITE = "write"
+
+
+class TokenBase(models.Model):
+    """A bearer key of which only the sha256 is stored; `prefix` identifies it in lists."""
+
+    prefix = models.CharField(max_length=16, db_index=True)
+    key_hash = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        abstract = True
+
+    @property
+    def is_active(self) -> bool:
+        return self.revoked_at is None and (self.expires_at is None or self.expires_at > timezone.now())
+
+
+class ApiToken(TokenBase):
+    """A person's key for the REST API, optionally limited to one team and to read-only."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
+    name = models.CharField(max_length=100)
+    scopes = models.JSONField(default=list)
+    team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self):
+        return f"{self.prefix}… ({self.user}: {self.name})"
+
+
+class RunToken(TokenBase):
+    """A worker's key: may only report to its one run; revoked when the run ends."""
+
+    run = models.ForeignKey("runs.Run", on_delete=models.CASCADE, related_name="tokens")
+
+    def __str__(self):
+        return f"{self.prefix}… (run {self.run_id})"

@@ -1,0 +1,186 @@
+"""Teams, membership and bearer tokens (users' API tokens and workers' run tokens)."""
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.db import transaction
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from fluxrl.errors import Conflict, Forbidden, NotFound, field_error
+
+from .models import ApiToken, Membership, Role, RunToken, Scope, Team
+
+USER_KEY_PREFIX = "flxu_"
+RUN_KEY_PREFIX = "flxr_"
+LAST_USED_RESOLUTION = timedelta(minutes=1)  # avoid a write on every request
+
+
+def hash_key(key: str) -> str:
+    # Keys are 256-bit random, so a plain digest is enough (no salt or slow hash needed).
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key(kind_prefix: str, key: str | None = None) -> tuple[str, dict]:
+    """A fresh random key (or the given one) and the fields stored for it."""
+    key = key or kind_prefix + secrets.token_urlsafe(32)
+    return key, {"prefix": key[: len(kind_prefix) + 6], "key_hash": hash_key(key)}
+
+
+# --- teams -----------------------------------------------------------------------
+
+
+def visible_teams(user, token: ApiToken | None = None) -> QuerySet[Team]:
+    """The teams whose objects this request may see: the user's, narrowed by a team-bound token."""
+    teams = Team.objects.filter(memberships__user=user)
+    if isinstance(token, ApiToken) and token.team_id:
+        teams = teams.filter(id=token.team_id)
+    return teams
+
+
+def pick_team(user, token: ApiToken | None, slug: str | None) -> Team:
+    """The team a new object goes to: the one named, or the only one the user can see."""
+    teams = visible_teams(user, token)
+    if slug:
+        team = teams.filter(slug=slug).first()
+        if team is None:
+            raise NotFound(f"No team '{slug}' among your teams.", fields={"team": "not one of your teams"})
+        return team
+    only = list(teams[:2])
+    if len(only) != 1:
+        raise field_error("team", "required: name the team (slug) this belongs to")
+    return only[0]
+
+
+def get_visible_team(user, token, slug: str) -> Team:
+    team = visible_teams(user, token).filter(slug=slug).first()
+    if team is None:
+        raise NotFound(f"No team '{slug}' among your teams.")
+    return team
+
+
+def require_admin(user, team: Team) -> None:
+    if not Membership.objects.filter(user=user, team=team, role=Role.ADMIN).exists():
+        raise Forbidden(f"Only an admin of team '{team.slug}' may do this.")
+
+
+@transaction.atomic
+def create_team(user, name: str, slug: str) -> Team:
+    if Team.objects.filter(slug=slug).exists():
+        raise Conflict(f"A team with slug '{slug}' already exists.", fields={"slug": "already taken"})
+    team = Team.objects.create(name=name, slug=slug)
+    Membership.objects.create(user=user, team=team, role=Role.ADMIN)
+    return team
+
+
+def add_member(team: Team, by, username: str, role: str = Role.MEMBER) -> Membership:
+    require_admin(by, team)
+    user = get_user_model().objects.filter(username=username).first()
+    if user is None:
+        raise NotFound(f"No user '{username}'.", fields={"username": "no such user"})
+    membership, created = Membership.objects.get_or_create(user=user, team=team, defaults={"role": role})
+    if not created:
+        raise Conflict(f"'{username}' is already a member of '{team.slug}'.")
+    return membership
+
+
+@transaction.atomic
+def remove_member(team: Team, by, username: str) -> None:
+    require_admin(by, team)
+    membership = Membership.objects.select_for_update().filter(team=team, user__username=username).first()
+    if membership is None:
+        raise NotFound(f"'{username}' is not a member of '{team.slug}'.")
+    if membership.role == Role.ADMIN and not team.memberships.filter(role=Role.ADMIN).exclude(pk=membership.pk).exists():
+        raise Conflict("A team must keep at least one admin.")
+    membership.delete()
+
+
+# --- user API tokens -------------------------------------------------------------
+
+
+def create_api_token(
+    user,
+    name: str,
+    scopes: list[str] | None = None,
+    team: Team | None = None,
+    expires_at: datetime | None = None,
+    via: ApiToken | None = None,
+    key: str | None = None,
+) -> tuple[ApiToken, str]:
+    """Returns the token and its plain key, which is shown this once and never stored.
+    A token created through another token can have no more power than that one."""
+    scopes = sorted(set(scopes or [Scope.READ, Scope.WRITE]))
+    if team is not None and not Membership.objects.filter(user=user, team=team).exists():
+        raise NotFound(f"No team '{team.slug}' among your teams.")
+    if via is not None:
+        if not set(scopes) <= set(via.scopes):
+            raise Forbidden("A token cannot create a token with scopes it does not have.")
+        if via.team_id and (team is None or team.id != via.team_id):
+            raise Forbidden("A team-bound token can only create tokens bound to the same team.")
+    key, fields = new_key(USER_KEY_PREFIX, key)
+    token = ApiToken.objects.create(user=user, name=name, scopes=scopes, team=team, expires_at=expires_at, **fields)
+    return token, key
+
+
+def revoke_api_token(token: ApiToken) -> None:
+    if token.revoked_at is None:
+        token.revoked_at = timezone.now()
+        token.save(update_fields=["revoked_at"])
+
+
+# --- run tokens (workers) ---------------------------------------------------------
+
+
+def create_run_token(run, ttl_hours: float | None = None) -> tuple[RunToken, str]:
+    """A key that lets a worker report metrics, samples, status and checkpoints for this
+    run only. It stops working when the run reaches a terminal state or after ttl_hours
+    (FLUXRL_RUN_TOKEN_TTL_HOURS by default; 0 = no expiry)."""
+    ttl = settings.FLUXRL_RUN_TOKEN_TTL_HOURS if ttl_hours is None else ttl_hours
+    expires_at = timezone.now() + timedelta(hours=ttl) if ttl else None
+    key, fields = new_key(RUN_KEY_PREFIX)
+    return RunToken.objects.create(run=run, expires_at=expires_at, **fields), key
+
+
+def revoke_run_tokens(run) -> None:
+    RunToken.objects.filter(run=run, revoked_at__isnull=True).update(revoked_at=timezone.now())
+
+
+# --- authentication ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunPrincipal:
+    """request.user for a run token: authenticated, but no person and no team rights."""
+
+    run_id: int
+    is_authenticated = True
+    is_anonymous = False
+    is_active = True
+    is_staff = False
+    is_superuser = False
+
+    def __str__(self):
+        return f"run-{self.run_id}"
+
+
+def authenticate_key(key: str):
+    """(principal, token) for a valid key, None for an unknown, expired or revoked one."""
+    model = RunToken if key.startswith(RUN_KEY_PREFIX) else ApiToken
+    token = model.objects.select_related(*(["run"] if model is RunToken else ["user"])).filter(key_hash=hash_key(key)).first()
+    if token is None or not token.is_active:
+        return None
+    if isinstance(token, RunToken):
+        if token.run.is_terminal:
+            return None
+        return RunPrincipal(token.run_id), token
+    if not token.user.is_active:
+        return None
+    now = timezone.now()
+    if token.last_used_at is None or now - token.last_used_at > LAST_USED_RESOLUTION:
+        ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
+    return token.user, token

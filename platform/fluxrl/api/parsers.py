@@ -1,0 +1,29 @@
+"""Parsers that refuse an oversized body before reading it (413). A view sets
+`max_body_bytes`; otherwise Django's DATA_UPLOAD_MAX_MEMORY_SIZE applies."""
+from django.conf import settings
+from rest_framework.parsers import JSONParser, MultiPartParser
+
+from fluxrl.api.errors import PayloadTooLarge
+
+
+def check_body_size(parser_context) -> None:
+    request, view = parser_context.get("request"), parser_context.get("view")
+    limit = getattr(view, "max_body_bytes", None) or settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    try:
+        length = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        length = 0
+    if length > limit:
+        raise PayloadTooLarge(f"The request body is {length} bytes; the limit here is {limit} bytes.")
+
+
+class LimitedJSONParser(JSONParser):
+    def parse(self, stream, media_type=None, parser_context=None):
+        check_body_size(parser_context or {})
+        return super().parse(stream, media_type, parser_context)
+
+
+class LimitedMultiPartParser(MultiPartParser):
+    def parse(self, stream, media_type=None, parser_context=None):
+        check_body_size(parser_context or {})
+        return super().parse(stream, media_type, parser_context)

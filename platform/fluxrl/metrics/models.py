@@ -1,0 +1,19 @@
+from django.db import models
+
+
+class MetricPoint(models.Model):
+    """Append-only: one value of one metric key at one step of a run (DESIGN.md §5)."""
+
+    run = models.ForeignKey("runs.Run", on_delete=models.CASCADE, related_name="metric_points")
+    key = models.CharField(max_length=100)
+    step = models.BigIntegerField()
+    value = models.FloatField()
+    time = models.FloatField(help_text="wall clock, unix seconds")
+
+    class Meta:
+        # The unique index (run, key, step) makes retried batches idempotent and also
+        # serves the range reads: WHERE run = ? AND key IN (...) AND step > ? ORDER BY key, step.
+        constraints = [models.UniqueConstraint(fields=["run", "key", "step"], name="unique_metric_point")]
+
+    def __str__(self):
+        return f"run {self.run_id} {self.key}@{self.step}={self.value}"

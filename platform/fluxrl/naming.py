@@ -1,0 +1,42 @@
+"""Names of team objects (datasets, reward functions) and references `name@version`."""
+from __future__ import annotations
+
+import re
+
+from django.db.models import Max
+
+from fluxrl.errors import NotFound, field_error
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def check_name(name: str, field: str = "name") -> str:
+    # Names appear in references (name@3) and in URLs: no '@', '/', spaces or leading dot.
+    if not NAME_PATTERN.fullmatch(name or ""):
+        raise field_error(field, "use letters, digits, '.', '_' or '-' (at most 100), starting with a letter or digit")
+    return name
+
+
+def parse_ref(ref: str, field: str) -> tuple[str, int | None]:
+    """'name@3' -> ('name', 3); 'name' or 'name@latest' -> ('name', None): the newest version."""
+    name, _, version = str(ref).partition("@")
+    if version not in ("", "latest") and not version.isdigit():
+        raise field_error(field, f"'{ref}' is not name@version (version is a number or 'latest')")
+    check_name(name, field)
+    return name, int(version) if version.isdigit() else None
+
+
+def find_version(versions, parent: str, team, ref: str, field: str):
+    """The version named by ref among `versions` (a queryset of DatasetVersion or
+    RewardVersion, whose FK to the named object is `parent`) of this team."""
+    name, number = parse_ref(ref, field)
+    versions = versions.filter(**{f"{parent}__team": team, f"{parent}__name": name})
+    found = versions.filter(version=number).first() if number else versions.order_by("-version").first()
+    if found is None:
+        raise NotFound(f"No {parent} '{ref}' in team '{team.slug}'.", fields={field: f"no such {parent} version"})
+    return found
+
+
+def next_version_number(parent) -> int:
+    """Call with `parent` locked (select_for_update) so two uploads never share a number."""
+    return (parent.versions.aggregate(top=Max("version"))["top"] or 0) + 1

@@ -1,0 +1,110 @@
+"""Reward functions: built-ins (workers.rewards) and a team's versioned Python code,
+and "try it", which scores a few rows in workers.sandbox — never in the web process."""
+from __future__ import annotations
+
+import ast
+import inspect
+
+from django.conf import settings
+from django.db import transaction
+
+import workers.rewards
+from fluxrl.datasets.services import read_rows
+from fluxrl.errors import Conflict, field_error
+from fluxrl.naming import check_name, find_version, next_version_number
+from workers.rewards import BUILTIN_REWARDS
+from workers.sandbox import try_reward
+
+from .models import RewardFunction, RewardVersion
+
+
+def builtin_catalog() -> list[dict]:
+    return [{"name": name, "description": inspect.getdoc(fn) or ""} for name, fn in BUILTIN_REWARDS.items()]
+
+
+def builtin_code(name: str) -> str:
+    """Source that defines `reward` as a built-in, so built-ins are tried in the same
+    sandbox as user code (their fields, e.g. a regex pattern, come from the user)."""
+    return inspect.getsource(workers.rewards) + f"\nreward = {name}\n"
+
+
+def check_code(code: str) -> None:
+    """Parse (never run) the code: syntax errors and a missing `reward` are reported at once."""
+    if len(code.encode()) > settings.FLUXRL_REWARD_CODE_MAX_BYTES:
+        raise field_error("code", f"longer than {settings.FLUXRL_REWARD_CODE_MAX_BYTES} bytes")
+    try:
+        tree = ast.parse(code)
+    except SyntaxError as exc:
+        raise field_error("code", f"line {exc.lineno}: {exc.msg}") from None
+    except (ValueError, RecursionError, MemoryError) as exc:
+        raise field_error("code", f"cannot be parsed ({type(exc).__name__})") from None
+    defines_reward = any(
+        (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "reward")
+        or (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "reward" for t in node.targets))
+        or (isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == "reward" for a in node.names))
+        for node in tree.body
+    )
+    if not defines_reward:
+        raise field_error("code", "must define a function reward(prompt, completion, **fields) -> float")
+
+
+@transaction.atomic
+def create_function(team, user, name: str, code: str, description: str = "") -> RewardVersion:
+    check_name(name)
+    if name in BUILTIN_REWARDS:
+        raise field_error("name", f"'{name}' is a built-in reward; choose another name")
+    check_code(code)
+    if RewardFunction.objects.filter(team=team, name=name).exists():
+        raise Conflict(f"Reward function '{name}' exists in '{team.slug}'; add a version to it instead.",
+                       fields={"name": "already exists"})
+    function = RewardFunction.objects.create(team=team, name=name, description=description, created_by=user)
+    return RewardVersion.objects.create(function=function, version=1, code=code, created_by=user)
+
+
+@transaction.atomic
+def add_version(function: RewardFunction, user, code: str) -> RewardVersion:
+    check_code(code)
+    function = RewardFunction.objects.select_for_update().get(pk=function.pk)
+    return RewardVersion.objects.create(function=function, version=next_version_number(function), code=code, created_by=user)
+
+
+def get_version(team, ref: str, field: str = "function") -> RewardVersion:
+    """The team's reward version named by 'name@version' (or the newest for 'name')."""
+    return find_version(RewardVersion.objects.select_related("function"), "function", team, ref, field)
+
+
+def code_for(team, function: str) -> str:
+    """Code to try for a built-in name or a team's 'name@version'."""
+    return builtin_code(function) if function in BUILTIN_REWARDS else get_version(team, function).code
+
+
+# --- try it ------------------------------------------------------------------------------
+
+
+def rows_from_dataset(version, n: int, completions: list[str] | None = None) -> list[dict]:
+    """The first n rows of a dataset version as try-rows; completion = the row's answer
+    unless completions are given (one per row)."""
+    rows = read_rows(version, 0, n)
+    if completions is not None and len(completions) != len(rows):
+        raise field_error("completions", f"give one completion per row ({len(rows)} rows)")
+    return [
+        {"prompt": row["prompt"], "completion": completions[i] if completions is not None else row["answer"],
+         "fields": {k: v for k, v in row.items() if k != "prompt"}}
+        for i, row in enumerate(rows)
+    ]
+
+
+def try_code(code: str, rows: list[dict], timeout_s: float = 2.0, memory_mb: int = 256) -> dict:
+    """Score rows ({prompt, completion, fields}) in the sandbox. Errors in the code come
+    back in the result ({"ok": false, "error" or per-row "error"}), never as exceptions."""
+    if not rows:
+        raise field_error("rows", "give at least one row")
+    if len(rows) > settings.FLUXRL_REWARD_TRY_MAX_ROWS:
+        raise field_error("rows", f"at most {settings.FLUXRL_REWARD_TRY_MAX_ROWS} rows")
+    timeout_s = min(timeout_s, settings.FLUXRL_REWARD_TRY_MAX_TIMEOUT_S)
+    outcome = try_reward(code, rows, timeout_s=timeout_s, memory_mb=memory_mb)
+    outcome["results"] = [
+        {"prompt": row["prompt"], "completion": row["completion"], **result}
+        for row, result in zip(rows, outcome["results"])
+    ]
+    return outcome

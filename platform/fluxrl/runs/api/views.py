@@ -1,0 +1,145 @@
+from django.conf import settings
+from django.shortcuts import get_object_or_404
+from drf_spectacular.utils import extend_schema
+from rest_framework import generics, status
+from rest_framework.response import Response
+
+from fluxrl.accounts.models import RunToken
+from fluxrl.accounts.services import create_run_token, visible_teams
+from fluxrl.api.base import TeamScopedMixin, is_schema_generation, validated
+from fluxrl.api.permissions import RunWorkerOrTeamUser
+
+from .. import services
+from ..models import Checkpoint, Run, Sample
+from .serializers import (
+    CheckpointSerializer,
+    RunCreateSerializer,
+    RunDetailSerializer,
+    RunListQuerySerializer,
+    RunSerializer,
+    RunStatusReportSerializer,
+    RunStatusSerializer,
+    RunTokenSerializer,
+    RunUpdateSerializer,
+    SampleBatchSerializer,
+    SampleSerializer,
+    SinceStepQuerySerializer,
+    StoredCountSerializer,
+)
+
+
+class RunMixin(TeamScopedMixin):
+    queryset = Run.objects.select_related("team", "owner", "dataset_version__dataset", "reward_version__function").prefetch_related("tags")
+    serializer_class = RunSerializer
+
+
+class RunListView(RunMixin, generics.ListAPIView):
+    def get_queryset(self):
+        query = validated(RunListQuerySerializer, self.request.query_params) if not is_schema_generation(self) else {}
+        return services.filter_runs(super().get_queryset(), **query)
+
+    @extend_schema(parameters=[RunListQuerySerializer])
+    def get(self, request):
+        return super().get(request)
+
+    @extend_schema(request=RunCreateSerializer, responses={201: RunDetailSerializer}, summary="Submit a run")
+    def post(self, request):
+        data = validated(RunCreateSerializer, request.data)
+        team = self.team_for_new_object(data.get("team"))
+        run = services.submit_run(team, request.user, data["spec"], data["tags"], data["notes"])
+        return Response(RunDetailSerializer(self.get_queryset().get(pk=run.pk)).data, status=status.HTTP_201_CREATED)
+
+
+class RunDetailView(RunMixin, generics.RetrieveAPIView):
+    serializer_class = RunDetailSerializer
+
+    @extend_schema(request=RunUpdateSerializer, responses={200: RunDetailSerializer}, summary="Edit tags and notes")
+    def patch(self, request, pk):
+        services.update_run(self.get_object(), **validated(RunUpdateSerializer, request.data))
+        return Response(RunDetailSerializer(self.get_object()).data)
+
+
+class RunCancelView(RunMixin, generics.GenericAPIView):
+    serializer_class = RunStatusSerializer
+
+    @extend_schema(request=None, responses={200: RunStatusSerializer})
+    def post(self, request, pk):
+        return Response(RunStatusSerializer(services.cancel_run(self.get_object())).data)
+
+
+class RunTokenView(RunMixin, generics.GenericAPIView):
+    serializer_class = RunTokenSerializer
+
+    @extend_schema(request=None, responses={201: RunTokenSerializer}, summary="Create a run token for a worker")
+    def post(self, request, pk):
+        run = self.get_object()
+        if run.is_terminal:
+            raise services.IllegalTransition(f"The run has {run.status}; it takes no more reports.")
+        token, key = create_run_token(run)
+        token.key = key
+        return Response(RunTokenSerializer(token).data, status=status.HTTP_201_CREATED)
+
+
+class RunReportMixin:
+    """Endpoints under /api/runs/<run_id>/ that workers post to: the run's own token may
+    use them, and so may a team user (an API token needs the write scope to post)."""
+
+    permission_classes = [RunWorkerOrTeamUser]
+
+    @property
+    def max_body_bytes(self):
+        return settings.FLUXRL_INGEST_MAX_BYTES
+
+    def get_run(self) -> Run:
+        if isinstance(self.request.auth, RunToken):
+            return self.request.auth.run  # the permission already matched it to run_id
+        runs = Run.objects.filter(team__in=visible_teams(self.request.user, self.request.auth))
+        return get_object_or_404(runs, pk=self.kwargs["run_id"])
+
+    def since_step(self, queryset):
+        since = validated(SinceStepQuerySerializer, self.request.query_params).get("since_step")
+        return queryset if since is None else queryset.filter(step__gt=since)
+
+
+class RunStatusView(RunReportMixin, generics.GenericAPIView):
+    serializer_class = RunStatusSerializer
+
+    def get(self, request, run_id):
+        return Response(RunStatusSerializer(self.get_run()).data)
+
+    @extend_schema(request=RunStatusReportSerializer, responses={200: RunStatusSerializer},
+                   summary="Report a status change or heartbeat (the reply carries cancel_requested)")
+    def post(self, request, run_id):
+        data = validated(RunStatusReportSerializer, request.data)
+        run = services.transition(self.get_run(), data.pop("status"), **data)
+        return Response(RunStatusSerializer(run).data)
+
+
+class RunSamplesView(RunReportMixin, generics.ListAPIView):
+    serializer_class = SampleSerializer
+
+    def get_queryset(self):
+        return Sample.objects.none() if is_schema_generation(self) else self.since_step(self.get_run().samples.all())
+
+    @extend_schema(parameters=[SinceStepQuerySerializer])
+    def get(self, request, run_id):
+        return super().get(request)
+
+    @extend_schema(request=SampleBatchSerializer, responses={201: StoredCountSerializer})
+    def post(self, request, run_id):
+        run = self.get_run()
+        samples = validated(SampleBatchSerializer, request.data)["samples"]
+        return Response({"received": services.add_samples(run, samples)}, status=status.HTTP_201_CREATED)
+
+
+class RunCheckpointsView(RunReportMixin, generics.ListAPIView):
+    serializer_class = CheckpointSerializer
+
+    def get_queryset(self):
+        return Checkpoint.objects.none() if is_schema_generation(self) else self.get_run().checkpoints.all()
+
+    @extend_schema(request=CheckpointSerializer, responses={201: CheckpointSerializer})
+    def post(self, request, run_id):
+        run = self.get_run()
+        checkpoint = services.add_checkpoint(run, **validated(CheckpointSerializer, request.data))
+        return Response(CheckpointSerializer(checkpoint).data, status=status.HTTP_201_CREATED)

@@ -1,0 +1,225 @@
+"""Runs: submission (validate with workers.spec, resolve team references), the status
+state machine, cooperative cancellation, and what workers report (samples, checkpoints)."""
+from __future__ import annotations
+
+import copy
+import re
+from itertools import groupby
+
+import yaml
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q, QuerySet
+from django.utils import timezone
+
+from fluxrl.accounts.services import revoke_run_tokens
+from fluxrl.datasets import services as datasets
+from fluxrl.errors import Conflict, InvalidInput, NotFound, TooLarge, field_error
+from fluxrl.rewards import services as rewards
+from workers.rewards import BUILTIN_REWARDS
+from workers.spec import SpecError, validate_spec
+from workers.tasks import GENERATORS
+
+from .models import TERMINAL_STATUSES, Checkpoint, Run, RunStatus, RunTag, Sample
+
+ALLOWED_TRANSITIONS = {
+    RunStatus.QUEUED: {RunStatus.STARTING, RunStatus.FAILED, RunStatus.CANCELLED},
+    RunStatus.STARTING: {RunStatus.RUNNING, RunStatus.FAILED, RunStatus.CANCELLED},
+    RunStatus.RUNNING: {RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED},
+}
+TAG_PATTERN = re.compile(r"[\w.:/+-]{1,50}")
+MAX_TAGS = 20
+
+
+class IllegalTransition(Conflict):
+    code = "illegal_transition"
+
+
+# --- submission ------------------------------------------------------------------------
+
+
+def spec_errors(errors: list[dict], prefix: str = "spec") -> InvalidInput:
+    fields = {f"{prefix}.{e['field']}": e["message"] for e in errors}
+    return InvalidInput("; ".join(f"{k}: {v}" for k, v in fields.items()), fields=fields)
+
+
+def parse_user_spec(spec_input) -> dict:
+    """The submitted spec (a mapping, or YAML/JSON text) checked by workers.spec, the one
+    validator: unknown fields and bad values are reported by their dotted name."""
+    try:
+        validate_spec(spec_input)
+    except SpecError as exc:
+        raise spec_errors(exc.errors) from None
+    return yaml.safe_load(spec_input) if isinstance(spec_input, (str, bytes)) else copy.deepcopy(spec_input)
+
+
+def resolve_references(team, spec: dict):
+    """(dataset_version, reward_version) named by the spec in the team; None where the
+    spec names a built-in generator (gen:<name>), a built-in reward or inline code."""
+    dataset_ref = spec["task"]["dataset"]
+    function = (spec.get("reward") or {}).get("function", "numeric_match")
+    try:
+        if dataset_ref.startswith("gen:"):
+            if dataset_ref[4:] not in GENERATORS:
+                raise field_error("spec.task.dataset", f"unknown generator; choose one of {sorted(GENERATORS)}")
+            dataset_version = None
+        else:
+            dataset_version = datasets.get_version(team, dataset_ref, field="spec.task.dataset")
+        inline = function == "user" or function in BUILTIN_REWARDS
+        reward_version = None if inline else rewards.get_version(team, function, field="spec.reward.function")
+    except NotFound as exc:  # a dangling reference is a bad spec, not a missing URL
+        raise InvalidInput(exc.message, fields=exc.fields) from None
+    return dataset_version, reward_version
+
+
+def engine_spec(spec: dict, dataset_version=None, reward_version=None) -> dict:
+    """The spec with team references replaced by what a worker can use: the dataset's
+    immutable JSONL file (fields normalized to prompt/answer) and the reward's code."""
+    resolved = copy.deepcopy(spec)
+    if dataset_version is not None:
+        resolved["task"].update(dataset=str(dataset_version.path), prompt_field="prompt", answer_field="answer")
+    if reward_version is not None:
+        resolved.setdefault("reward", {}).update(function="user", code=reward_version.code)
+    try:
+        return validate_spec(resolved).to_dict()
+    except SpecError as exc:
+        raise spec_errors(exc.errors) from None
+
+
+def resolve_spec(run: Run) -> dict:
+    """Engine-ready spec of a run, from its spec and pinned versions (paths computed now,
+    so a moved FLUXRL_DATA_DIR is followed). Use this at dispatch time."""
+    return engine_spec(run.spec, run.dataset_version, run.reward_version)
+
+
+def clean_tags(tags) -> list[str]:
+    tags = list(dict.fromkeys(str(t).strip() for t in tags or []))
+    bad = [t for t in tags if not TAG_PATTERN.fullmatch(t)]
+    if bad or len(tags) > MAX_TAGS:
+        raise field_error("tags", f"at most {MAX_TAGS} tags of letters, digits and . : / + - _ (bad: {bad})")
+    return tags
+
+
+def set_tags(run: Run, tags) -> None:
+    tags = clean_tags(tags)
+    run.tags.exclude(name__in=tags).delete()
+    RunTag.objects.bulk_create([RunTag(run=run, name=t) for t in tags], ignore_conflicts=True)
+
+
+@transaction.atomic
+def submit_run(team, owner, spec_input, tags=(), notes: str = "") -> Run:
+    """Validate and store a run as queued. The submitted spec is kept as is; the dataset
+    and reward versions it names are pinned, so later uploads do not change the run."""
+    spec = parse_user_spec(spec_input)
+    dataset_version, reward_version = resolve_references(team, spec)
+    run = Run.objects.create(
+        team=team, owner=owner, name=spec["name"], spec=spec, notes=notes,
+        resolved_spec=engine_spec(spec, dataset_version, reward_version),
+        dataset_version=dataset_version, reward_version=reward_version,
+    )
+    set_tags(run, tags)
+    # DISPATCH HOOK: enqueue the run here, after commit, on queue run.resolved_spec["resources"]["queue"]:
+    #   transaction.on_commit(lambda: execute_run.apply_async((run.pk,), queue=...))
+    return run
+
+
+def update_run(run: Run, tags=None, notes: str | None = None) -> Run:
+    with transaction.atomic():
+        if tags is not None:
+            set_tags(run, tags)
+        if notes is not None:
+            run.notes = notes
+            run.save(update_fields=["notes", "updated_at"])
+    return run
+
+
+def filter_runs(runs: QuerySet, status: str = "", tag: str = "", owner: str = "", q: str = "", team: str = "") -> QuerySet:
+    if status:
+        runs = runs.filter(status__in=status.split(","))
+    if tag:
+        runs = runs.filter(tags__name=tag)
+    if owner:
+        runs = runs.filter(owner__username=owner)
+    if team:
+        runs = runs.filter(team__slug=team)
+    if q:
+        runs = runs.filter(Q(name__icontains=q) | Q(notes__icontains=q))
+    return runs.distinct() if tag else runs
+
+
+# --- lifecycle -----------------------------------------------------------------------------
+
+
+@transaction.atomic
+def transition(run: Run, status: str, *, failure_reason: str = "", worker_host: str | None = None,
+               worker_pid: int | None = None) -> Run:
+    """Move a run along queued -> starting -> running -> succeeded/failed/cancelled
+    (any live state may fail or be cancelled). Reporting the current status again is a
+    heartbeat. Reaching a terminal state revokes the run's tokens. Raises
+    IllegalTransition (HTTP 409) for any other move."""
+    run = Run.objects.select_for_update().get(pk=run.pk)
+    now = timezone.now()
+    if status != run.status:
+        if status not in ALLOWED_TRANSITIONS.get(run.status, ()):
+            raise IllegalTransition(f"A run cannot go from {run.status} to {status}.",
+                                    fields={"status": f"not allowed from {run.status}"})
+        run.status = status
+        if status == RunStatus.RUNNING:
+            run.started_at = now
+        if status in TERMINAL_STATUSES:
+            run.finished_at = now
+            run.failure_reason = failure_reason if status == RunStatus.FAILED else ""
+    if not run.is_terminal:
+        run.heartbeat_at = now
+    if worker_host is not None:
+        run.worker_host = worker_host
+    if worker_pid is not None:
+        run.worker_pid = worker_pid
+    run.save()
+    if run.is_terminal:
+        revoke_run_tokens(run)
+    return run
+
+
+@transaction.atomic
+def cancel_run(run: Run) -> Run:
+    """Ask a run to stop: a queued run is cancelled at once; a starting or running one
+    gets cancel_requested, which its worker sees in each status reply, and stops."""
+    run = Run.objects.select_for_update().get(pk=run.pk)
+    if run.is_terminal:
+        raise IllegalTransition(f"The run has already {run.status}.")
+    run.cancel_requested = True
+    run.save(update_fields=["cancel_requested", "updated_at"])
+    return transition(run, RunStatus.CANCELLED) if run.status == RunStatus.QUEUED else run
+
+
+# --- what workers report ------------------------------------------------------------------
+
+
+def compress_versions(versions: list[int]) -> list[list[int]]:
+    """Per-token policy versions -> [[version, count], ...]: [3, 3, 4] -> [[3, 2], [4, 1]]."""
+    return [[version, len(list(group))] for version, group in groupby(versions)]
+
+
+def add_samples(run: Run, samples: list[dict]) -> int:
+    """Store validated samples ({step, prompt, completion, reward, versions, length,
+    error, uid}); samples whose uid is already stored are skipped (retried batches)."""
+    if len(samples) > settings.FLUXRL_INGEST_MAX_SAMPLES:
+        raise TooLarge(f"{len(samples)} samples in one batch; the limit is {settings.FLUXRL_INGEST_MAX_SAMPLES}.")
+    rows = []
+    for item in samples:
+        versions = item.get("versions") or []
+        length = item.get("length")
+        rows.append(Sample(
+            run=run, uid=item.get("uid"), step=item["step"], prompt=item["prompt"], completion=item["completion"],
+            reward=item.get("reward"), version_runs=compress_versions(versions), error=item.get("error") or "",
+            length=length if length is not None else len(versions),
+        ))
+    Sample.objects.bulk_create(rows, ignore_conflicts=True)
+    return len(rows)
+
+
+def add_checkpoint(run: Run, step: int, version: int, path: str) -> Checkpoint:
+    """Record a saved checkpoint; reporting the same step again returns the first record."""
+    checkpoint, _ = Checkpoint.objects.get_or_create(run=run, step=step, defaults={"version": version, "path": path})
+    return checkpoint

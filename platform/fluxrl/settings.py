@@ -1,0 +1,206 @@
+"""FluxRL settings: every knob is read from the environment here, and only here.
+
+Embedded default (nothing set): SQLite file, filesystem Celery broker and in-memory
+channel layer, all under FLUXRL_DATA_DIR. Production: DATABASE_URL and REDIS_URL.
+"""
+import os
+import secrets
+from importlib.util import find_spec
+from pathlib import Path
+
+import dj_database_url
+
+REPO_DIR = Path(__file__).resolve().parents[2]
+
+
+def env_bool(name: str, default: bool) -> bool:
+    return os.environ.get(name, str(int(default))).strip().lower() in {"1", "true", "yes", "on"}
+
+
+def env_list(name: str, default: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
+
+
+FLUXRL_DATA_DIR = Path(os.environ.get("FLUXRL_DATA_DIR", REPO_DIR / "var")).resolve()
+FLUXRL_DATA_DIR.mkdir(parents=True, exist_ok=True)
+
+
+def _secret_key() -> str:
+    # Unset: a random key kept in the data folder, so a fresh install is never insecure.
+    if os.environ.get("DJANGO_SECRET_KEY"):
+        return os.environ["DJANGO_SECRET_KEY"]
+    key_file = FLUXRL_DATA_DIR / "secret_key"
+    if not key_file.exists():
+        key_file.write_text(secrets.token_urlsafe(50))
+        key_file.chmod(0o600)
+    return key_file.read_text().strip()
+
+
+SECRET_KEY = _secret_key()
+DEBUG = env_bool("DJANGO_DEBUG", False)
+ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]")
+CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", "")
+
+HAS_SIDECAR = find_spec("drf_spectacular_sidecar") is not None
+
+INSTALLED_APPS = [
+    "daphne",  # runserver serves ASGI (websockets) too
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    *(["drf_spectacular_sidecar"] if HAS_SIDECAR else []),
+    "channels",
+    "fluxrl.accounts",
+    "fluxrl.datasets",
+    "fluxrl.rewards",
+    "fluxrl.runs",
+    "fluxrl.metrics",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "fluxrl.urls"
+WSGI_APPLICATION = "fluxrl.wsgi.application"
+ASGI_APPLICATION = "fluxrl.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [REPO_DIR / "frontend" / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {
+    "default": dj_database_url.parse(
+        os.environ.get("DATABASE_URL") or f"sqlite:///{FLUXRL_DATA_DIR / 'fluxrl.sqlite3'}",
+        conn_max_age=int(os.environ.get("DATABASE_CONN_MAX_AGE", "60")),
+    )
+}
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # Wait for the writer lock instead of failing at once (web + celery share the file).
+    DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = FLUXRL_DATA_DIR / "static"
+STATICFILES_DIRS = [REPO_DIR / "frontend" / "static"]
+
+# --- Redis: broker, channel layer (optional: unset means the embedded defaults) ---
+REDIS_URL = os.environ.get("REDIS_URL", "")
+
+if REDIS_URL:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}}
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# --- Celery (namespace CELERY_, read by fluxrl/celery.py) ---
+CELERY_BROKER_URL = REDIS_URL or "filesystem://"
+_BROKER_DIR = FLUXRL_DATA_DIR / "broker"
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 24 * 3600}  # a run can hold a task for hours
+if not REDIS_URL:
+    for sub in ("queue", "control"):
+        (_BROKER_DIR / sub).mkdir(parents=True, exist_ok=True)
+    # One folder in and out: producers (web) and consumers (celery workers) share it.
+    CELERY_BROKER_TRANSPORT_OPTIONS |= {
+        "data_folder_in": str(_BROKER_DIR / "queue"),
+        "data_folder_out": str(_BROKER_DIR / "queue"),
+        "control_folder": str(_BROKER_DIR / "control"),
+    }
+# Task state lives in the database (Run.status), so results are not kept.
+CELERY_RESULT_BACKEND = REDIS_URL or None
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ACKS_LATE = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_DEFAULT_QUEUE = "cpu"
+# Tasks named gpu_* (e.g. fluxrl.runs.tasks.gpu_execute_run) go to GPU hosts; the
+# dispatcher may also pick the queue per run: apply_async(queue=spec.resources.queue).
+CELERY_TASK_ROUTES = {"fluxrl.*.tasks.gpu_*": {"queue": "gpu"}, "fluxrl.*": {"queue": "cpu"}}
+CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
+
+# --- REST API ---
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "fluxrl.accounts.authentication.BearerTokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["fluxrl.api.permissions.IsTeamUser"],
+    "DEFAULT_PARSER_CLASSES": ["fluxrl.api.parsers.LimitedJSONParser"],
+    "DEFAULT_RENDERER_CLASSES": [
+        "rest_framework.renderers.JSONRenderer",
+        "rest_framework.renderers.BrowsableAPIRenderer",
+    ],
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 50,
+    "EXCEPTION_HANDLER": "fluxrl.api.errors.api_exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "TEST_REQUEST_DEFAULT_FORMAT": "json",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "FluxRL API",
+    "DESCRIPTION": "Datasets, reward functions, runs and their metrics. Authenticate with "
+    "`Authorization: Bearer <key>` (a user API token, or a run token for worker endpoints).",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {
+        "RunStatusEnum": "fluxrl.runs.models.RunStatus",
+        "TeamRoleEnum": "fluxrl.accounts.models.Role",
+    },
+}
+if HAS_SIDECAR:  # no internet: serve Swagger UI / Redoc from our own static files
+    SPECTACULAR_SETTINGS |= {
+        "SWAGGER_UI_DIST": "SIDECAR",
+        "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+        "REDOC_DIST": "SIDECAR",
+    }
+
+# --- FluxRL limits ---
+FLUXRL_MAX_UPLOAD_BYTES = int(float(os.environ.get("FLUXRL_MAX_UPLOAD_MB", "64")) * 1024 * 1024)
+FLUXRL_INGEST_MAX_POINTS = int(os.environ.get("FLUXRL_INGEST_MAX_POINTS", "1000"))
+FLUXRL_INGEST_MAX_SAMPLES = int(os.environ.get("FLUXRL_INGEST_MAX_SAMPLES", "500"))
+FLUXRL_INGEST_MAX_BYTES = int(os.environ.get("FLUXRL_INGEST_MAX_BYTES", str(1024 * 1024)))
+FLUXRL_METRICS_MAX_POINTS = int(os.environ.get("FLUXRL_METRICS_MAX_POINTS", "10000"))  # per series, per read
+FLUXRL_REWARD_CODE_MAX_BYTES = 64 * 1024
+FLUXRL_REWARD_TRY_MAX_ROWS = 20
+FLUXRL_REWARD_TRY_MAX_TIMEOUT_S = 5.0
+FLUXRL_RUN_TOKEN_TTL_HOURS = float(os.environ.get("FLUXRL_RUN_TOKEN_TTL_HOURS", "168"))  # 0 = until the run ends
+# Ordinary JSON bodies (run specs, reward code); uploads and ingest have their own limits.
+DATA_UPLOAD_MAX_MEMORY_SIZE = 4 * 1024 * 1024
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("FLUXRL_LOG_LEVEL", "INFO")},
+}
