@@ -33,7 +33,8 @@ def find_version(versions, parent: str, team, ref: str, field: str):
     versions = versions.filter(**{f"{parent}__team": team, f"{parent}__name": name})
     found = versions.filter(version=number).first() if number else versions.order_by("-version").first()
     if found is None:
-        raise NotFound(f"No {parent} '{ref}' in team '{team.slug}'.", fields={field: f"no such {parent} version"})
+        kind = versions.model._meta.verbose_name
+        raise NotFound(f"No {kind} '{ref}' in team '{team.slug}'.", fields={field: f"no such {kind}"})
     return found
 
 

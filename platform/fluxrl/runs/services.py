@@ -68,7 +68,7 @@ def resolve_references(team, spec: dict):
         inline = function == "user" or function in BUILTIN_REWARDS
         reward_version = None if inline else rewards.get_version(team, function, field="spec.reward.function")
     except NotFound as exc:  # a dangling reference is a bad spec, not a missing URL
-        raise InvalidInput(exc.message, fields=exc.fields) from None
+        raise InvalidInput("; ".join(f"{f}: {exc.message}" for f in exc.fields), fields=exc.fields) from None
     return dataset_version, reward_version
 
 

@@ -1,0 +1,117 @@
+import hashlib
+import json
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+
+from fluxrl.datasets.models import DatasetVersion
+
+GOOD_JSONL = b'{"prompt": "1+1=", "answer": "2", "level": 1}\n\n{"prompt": "2+3=", "answer": 5}\n'
+
+
+def upload(client, content: bytes, file_name="data.jsonl", **fields):
+    fields.setdefault("name", "arith")
+    return client.post("/api/datasets/", {"file": SimpleUploadedFile(file_name, content), **fields}, format="multipart")
+
+
+def test_jsonl_upload_is_stored_normalized_immutable_and_checksummed(api_a, data_dir):
+    response = upload(api_a, GOOD_JSONL)
+    assert response.status_code == 201, response.content
+    body = response.json()
+    assert (body["ref"], body["row_count"], body["columns"]) == ("arith@1", 2, ["prompt", "answer", "level"])
+    version = DatasetVersion.objects.get(dataset_id=body["dataset"], version=1)
+    stored = version.path.read_bytes()
+    assert version.path.is_relative_to(data_dir / "datasets")
+    assert hashlib.sha256(stored).hexdigest() == body["sha256"]
+    assert [json.loads(line)["answer"] for line in stored.splitlines()] == ["2", "5"]  # answers as text
+    assert oct(version.path.stat().st_mode & 0o777) == "0o444"
+
+
+def test_csv_upload_with_custom_field_names_is_renamed_to_prompt_and_answer(api_a):
+    csv = "question,solution,source\nWhat is 2+2?,4,book\n\"a, b\",\"x\ny\",web\n".encode()
+    response = upload(api_a, csv, "q.csv", prompt_field="question", answer_field="solution")
+    assert response.status_code == 201, response.content
+    assert response.json()["columns"] == ["prompt", "answer", "source"]
+    rows = api_a.get(f"/api/datasets/{response.json()['dataset']}/versions/1/preview/").json()["rows"]
+    assert rows[1] == {"prompt": "a, b", "answer": "x\ny", "source": "web"}
+
+
+def test_uploading_the_same_name_again_makes_a_new_version(api_a):
+    first = upload(api_a, GOOD_JSONL).json()
+    second = upload(api_a, GOOD_JSONL[:46] + b"\n").json()
+    assert second["dataset"] == first["dataset"]
+    assert (first["version"], second["version"], second["row_count"]) == (1, 2, 1)
+    detail = api_a.get(f"/api/datasets/{first['dataset']}/").json()
+    assert detail["version_count"] == 2 and detail["latest"]["version"] == 2
+    assert [v["version"] for v in api_a.get(f"/api/datasets/{first['dataset']}/versions/").json()["results"]] == [2, 1]
+
+
+@pytest.mark.parametrize(
+    "content, message_part",
+    [
+        (b'{"prompt": "a", "answer": "b"}\n{"prompt": "c", "answer": \n', "line 2: not valid JSON"),
+        (b'{"prompt": "a", "answer": "b"}\n[1, 2]\n', "line 2: expected a JSON object"),
+        (b'{"prompt": "a"}\n', "line 1: missing field 'answer'"),
+        (b'{"prompt": "", "answer": "1"}\n', "line 1: field 'prompt' must be non-empty text"),
+        (b'{"prompt": "a", "answer": {"x": 1}}\n', "line 1: field 'answer' must be text or a number"),
+        (b"", "file is empty"),
+        (b"\n  \n", "the file is empty"),
+        (b'{"prompt": "a", "answer": "1"}\n\xff\xfe{"prompt": "b"}\n', "line 2: not UTF-8"),
+    ],
+)
+def test_malformed_jsonl_is_rejected_naming_the_problem(api_a, assert_error, content, message_part):
+    error = assert_error(upload(api_a, content), 400, "invalid", field="file")
+    assert message_part in error["fields"]["file"]
+    assert not DatasetVersion.objects.exists()
+
+
+def test_many_bad_lines_are_summarized(api_a, assert_error):
+    content = b"".join(b"not json\n" for _ in range(12))
+    message = assert_error(upload(api_a, content), 400)["fields"]["file"]
+    assert "line 1:" in message and "line 5:" in message and "and 7 more bad lines" in message
+
+
+def test_csv_rows_with_wrong_cell_count_and_header_only_files_are_rejected(api_a, assert_error):
+    error = assert_error(upload(api_a, b"prompt,answer\n1+1=,2\n2+2=,4,extra\n", "d.csv"), 400)
+    assert "line 3:" in error["fields"]["file"]
+    assert "no rows" in assert_error(upload(api_a, b"prompt,answer\n", "d.csv"), 400)["fields"]["file"]
+
+
+def test_oversized_upload_is_413(api_a, settings, assert_error):
+    settings.FLUXRL_MAX_UPLOAD_BYTES = 100
+    assert_error(upload(api_a, GOOD_JSONL * 2), 413, "too_large")
+
+
+def test_request_body_far_over_the_upload_limit_is_refused_before_parsing(api_a, settings, assert_error):
+    settings.FLUXRL_MAX_UPLOAD_BYTES = 10
+    big = b'{"prompt": "a", "answer": "1"}\n' * 40000  # > limit + 1 MiB of form overhead
+    assert_error(upload(api_a, big), 413, "too_large")
+
+
+def test_path_traversal_in_file_name_never_becomes_a_path(api_a, data_dir):
+    response = upload(api_a, GOOD_JSONL, "../../../etc/passwd.jsonl")
+    assert response.status_code == 201
+    version = DatasetVersion.objects.get()
+    assert version.source_name == "passwd.jsonl"
+    assert version.path.resolve().is_relative_to(data_dir.resolve())
+
+
+@pytest.mark.parametrize("name", ["../evil", "a/b", "x@1", ".hidden", ""])
+def test_unsafe_dataset_names_are_rejected(api_a, assert_error, name):
+    assert_error(upload(api_a, GOOD_JSONL, name=name), 400, field="name")
+
+
+def test_unknown_extension_needs_an_explicit_format(api_a, assert_error):
+    assert_error(upload(api_a, GOOD_JSONL, "data.txt"), 400, field="format")
+    assert upload(api_a, GOOD_JSONL, "data.txt", format="jsonl").status_code == 201
+
+
+def test_member_of_two_teams_must_name_the_team(api_a, alice, make_member, team_b, assert_error):
+    make_member("alice", team_b)
+    assert_error(upload(api_a, GOOD_JSONL), 400, field="team")
+    response = upload(api_a, GOOD_JSONL, team="team-b")
+    assert response.status_code == 201 and api_a.get(f"/api/datasets/{response.json()['dataset']}/").json()["team"] == "team-b"
+
+
+def test_uploading_into_a_team_you_are_not_in_is_404(api_a, team_b, assert_error):
+    assert_error(upload(api_a, GOOD_JSONL, team="team-b"), 404)

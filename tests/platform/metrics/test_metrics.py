@@ -1,0 +1,108 @@
+import json
+import math
+
+import pytest
+
+from fluxrl.metrics.models import MetricPoint
+from fluxrl.metrics.services import downsample, ingest_points, read_series
+
+
+def points(key="reward/mean", steps=range(3), value=lambda s: s / 10):
+    return [{"key": key, "step": s, "value": value(s), "time": 1763769600.0 + s} for s in steps]
+
+
+def test_worker_ingests_a_batch_and_reads_it_back(run_a, worker_client, api_a):
+    batch = points() + points("loss/policy", [0, 1])
+    response = worker_client(run_a).post(f"/api/runs/{run_a.id}/metrics/", {"points": batch})
+    assert response.status_code == 201 and response.json() == {"received": 5}
+    series = api_a.get(f"/api/runs/{run_a.id}/metrics/").json()["series"]
+    assert series["reward/mean"] == {"step": [0, 1, 2], "value": [0.0, 0.1, 0.2],
+                                     "time": [1763769600.0, 1763769601.0, 1763769602.0], "count": 3, "downsampled": False}
+    assert set(series) == {"reward/mean", "loss/policy"}
+
+
+def test_the_same_batch_twice_is_stored_once(run_a, worker_client):
+    worker = worker_client(run_a)
+    for _ in range(2):
+        assert worker.post(f"/api/runs/{run_a.id}/metrics/", {"points": points()}).status_code == 201
+    assert MetricPoint.objects.filter(run=run_a).count() == 3
+
+
+def test_first_value_of_a_key_and_step_wins(run_a):
+    ingest_points(run_a, points(steps=[5], value=lambda s: 1.0))
+    ingest_points(run_a, points(steps=[5], value=lambda s: 2.0) + points(steps=[5], value=lambda s: 3.0))
+    assert MetricPoint.objects.get(run=run_a).value == 1.0
+
+
+def test_more_than_1000_points_is_413(run_a, worker_client, assert_error):
+    response = worker_client(run_a).post(f"/api/runs/{run_a.id}/metrics/", {"points": points(steps=range(1001))})
+    assert_error(response, 413, "too_large")
+    assert not MetricPoint.objects.exists()
+
+
+def test_body_over_1_mb_is_413(run_a, worker_client, assert_error):
+    batch = points(key="k", steps=range(10)) + [{"key": "k", "step": 99, "value": 1, "pad": "x" * (1024 * 1024)}]
+    response = worker_client(run_a).post(f"/api/runs/{run_a.id}/metrics/", json.dumps({"points": batch}),
+                                         content_type="application/json")
+    assert_error(response, 413, "too_large")
+
+
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"key": "a b", "step": 1, "value": 1}, "points.1.key"),
+        ({"key": "k", "step": -1, "value": 1}, "points.1.step"),
+        ({"key": "k", "step": 1.5, "value": 1}, "points.1.step"),
+        ({"key": "k", "step": 1, "value": "high"}, "points.1.value"),
+        ({"key": "k", "step": 1, "value": True}, "points.1.value"),
+        ({"key": "k", "step": 1, "value": 1, "time": "now"}, "points.1.time"),
+        ("just text", "points.1"),
+    ],
+)
+def test_invalid_points_reject_the_batch_naming_the_point(run_a, worker_client, assert_error, bad, field):
+    batch = points(steps=[0]) + [bad]
+    assert_error(worker_client(run_a).post(f"/api/runs/{run_a.id}/metrics/", {"points": batch}), 400, field=field)
+    assert not MetricPoint.objects.exists()
+
+
+def test_missing_points_list_is_400(run_a, worker_client, assert_error):
+    assert_error(worker_client(run_a).post(f"/api/runs/{run_a.id}/metrics/", {"pts": []}), 400, field="points")
+
+
+def test_read_filters_keys_and_since_step(run_a, api_a):
+    ingest_points(run_a, points(steps=range(10)) + points("loss/kl", range(10)))
+    body = api_a.get(f"/api/runs/{run_a.id}/metrics/", {"keys": "reward/mean,nope", "since_step": 6}).json()
+    assert body["run"] == run_a.id
+    assert list(body["series"]) == ["reward/mean"] and body["series"]["reward/mean"]["step"] == [7, 8, 9]
+
+
+def test_read_downsamples_to_max_points_keeping_last_and_extremes(run_a, api_a):
+    spike = {500: 100.0, 1200: -50.0}
+    ingest_points(run_a, points(steps=range(1000), value=lambda s: spike.get(s, math.sin(s / 50))))
+    ingest_points(run_a, points(steps=range(1000, 2000), value=lambda s: spike.get(s, math.sin(s / 50))))
+    series = api_a.get(f"/api/runs/{run_a.id}/metrics/", {"max_points": 50}).json()["series"]["reward/mean"]
+    assert len(series["step"]) <= 50 and series["downsampled"] and series["count"] == 2000
+    assert series["step"][0] == 0 and series["step"][-1] == 1999
+    assert max(series["value"]) == 100.0 and min(series["value"]) == -50.0
+    assert series["step"] == sorted(series["step"])
+
+
+@pytest.mark.parametrize("n, max_points", [(10, 10), (11, 10), (1000, 7), (1000, 3), (1000, 2), (1000, 1), (5, 4)])
+def test_downsample_never_exceeds_max_points_and_keeps_the_last_point(n, max_points):
+    series = [(s, float((s * 7919) % 101), 0.0) for s in range(n)]
+    kept = downsample(series, max_points)
+    assert len(kept) <= max_points and kept[-1] == series[-1]
+    assert kept == series if n <= max_points else len(kept) < n
+
+
+def test_read_rejects_out_of_range_max_points(run_a, api_a, settings, assert_error):
+    assert_error(api_a.get(f"/api/runs/{run_a.id}/metrics/", {"max_points": 0}), 400, field="max_points")
+    settings.FLUXRL_METRICS_MAX_POINTS = 100
+    with pytest.raises(Exception, match="max_points"):
+        read_series(run_a, max_points=101)
+
+
+def test_other_teams_cannot_read_or_write_metrics(run_a, api_b, assert_error):
+    assert_error(api_b.get(f"/api/runs/{run_a.id}/metrics/"), 404)
+    assert_error(api_b.post(f"/api/runs/{run_a.id}/metrics/", {"points": points()}), 404)
+    assert not MetricPoint.objects.exists()
