@@ -8,14 +8,20 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fluxrl.settings")
 django_asgi_app = get_asgi_application()  # sets Django up before the imports below
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
+from django.conf import settings  # noqa: E402
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from fluxrl.routing import websocket_urlpatterns  # noqa: E402
 
+# Static files (admin, API docs, dashboard) straight from the app folders: no
+# collectstatic or extra server needed at this scale; FLUXRL_SERVE_STATIC=0 to leave it to a proxy.
+http_app = ASGIStaticFilesHandler(django_asgi_app) if settings.FLUXRL_SERVE_STATIC else django_asgi_app
+
 application = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
+        "http": http_app,
         "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

@@ -40,6 +40,10 @@ SECRET_KEY = _secret_key()
 DEBUG = env_bool("DJANGO_DEBUG", False)
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]")
 CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", "")
+if env_bool("DJANGO_HTTPS", False):  # served over HTTPS (behind a TLS-terminating proxy)
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_SSL_REDIRECT = SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = int(os.environ.get("DJANGO_HSTS_SECONDS", "3600"))
 
 HAS_SIDECAR = find_spec("drf_spectacular_sidecar") is not None
 
@@ -115,6 +119,7 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = FLUXRL_DATA_DIR / "static"
 STATICFILES_DIRS = [REPO_DIR / "frontend" / "static"]
+FLUXRL_SERVE_STATIC = env_bool("FLUXRL_SERVE_STATIC", True)  # by the ASGI app itself (fluxrl/asgi.py)
 
 # --- Redis: broker, channel layer (optional: unset means the embedded defaults) ---
 REDIS_URL = os.environ.get("REDIS_URL", "")

@@ -44,3 +44,36 @@ def test_celery_is_configured_for_long_runs_on_cpu_and_gpu_queues():
     assert conf.task_default_queue == "cpu"
     assert app.amqp.router.route({}, "fluxrl.runs.tasks.gpu_execute_run")["queue"].name == "gpu"
     assert settings.CHANNEL_LAYERS["default"]["BACKEND"].startswith("channels")
+
+
+
+
+def test_asgi_app_serves_api_docs_assets_itself():
+    from asgiref.sync import async_to_sync
+    from asgiref.testing import ApplicationCommunicator
+
+    from fluxrl.asgi import application
+
+    async def get(path):
+        scope = {"type": "http", "http_version": "1.1", "method": "GET", "path": path, "query_string": b"",
+                 "headers": [(b"host", b"localhost")], "scheme": "http", "server": ("localhost", 80)}
+        app = ApplicationCommunicator(application, scope)
+        await app.send_input({"type": "http.request", "body": b""})
+        start, body, message = await app.receive_output(10), b"", {"more_body": True}
+        while message.get("more_body"):
+            message = await app.receive_output(10)
+            body += message.get("body", b"")
+        return start["status"], body
+
+    status, body = async_to_sync(get)("/static/drf_spectacular_sidecar/swagger-ui-dist/swagger-ui.css")
+    assert status == 200 and b"swagger" in body[:5000].lower()
+
+
+def test_admin_pages_render_for_every_model(admin_client, run_a, alice):
+    from django.contrib import admin
+
+    for model in admin.site._registry:
+        meta = model._meta
+        if meta.app_label in {"accounts", "datasets", "rewards", "runs", "metrics"}:
+            assert admin_client.get(f"/admin/{meta.app_label}/{meta.model_name}/").status_code == 200, meta.label
+    assert admin_client.get(f"/admin/runs/run/{run_a.id}/change/").status_code == 200

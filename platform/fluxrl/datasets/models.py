@@ -3,26 +3,14 @@ from pathlib import Path
 from django.conf import settings
 from django.db import models
 
-from fluxrl.accounts.models import Team
+from fluxrl.versioned import ImmutableVersion, NamedTeamObject
 
 
-class Dataset(models.Model):
+class Dataset(NamedTeamObject):
     """A named dataset of a team; its content lives in immutable DatasetVersions."""
 
-    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="datasets")
-    name = models.CharField(max_length=100)
-    description = models.TextField(blank=True)
-    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
-    created_at = models.DateTimeField(auto_now_add=True)
 
-    class Meta:
-        constraints = [models.UniqueConstraint(fields=["team", "name"], name="unique_dataset_name")]
-
-    def __str__(self):
-        return f"{self.team}/{self.name}"
-
-
-class DatasetVersion(models.Model):
+class DatasetVersion(ImmutableVersion):
     """One upload (or generation): normalized JSONL rows {"prompt", "answer", ...extra},
     written once under FLUXRL_DATA_DIR and never changed; `sha256` is of that file."""
 
@@ -32,7 +20,6 @@ class DatasetVersion(models.Model):
         GENERATOR = "generator"
 
     dataset = models.ForeignKey(Dataset, on_delete=models.CASCADE, related_name="versions")
-    version = models.PositiveIntegerField()
     file = models.CharField(max_length=300, help_text="path relative to FLUXRL_DATA_DIR")
     sha256 = models.CharField(max_length=64)
     size_bytes = models.BigIntegerField()
@@ -42,12 +29,9 @@ class DatasetVersion(models.Model):
     source_name = models.CharField(max_length=200, blank=True, help_text="uploaded file name, sanitized")
     source_fields = models.JSONField(default=dict, help_text="source column names of prompt and answer")
     generator = models.JSONField(null=True, blank=True, help_text="{name, n, seed, params} for built-in data")
-    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
-    created_at = models.DateTimeField(auto_now_add=True)
 
-    class Meta:
+    class Meta(ImmutableVersion.Meta):
         constraints = [models.UniqueConstraint(fields=["dataset", "version"], name="unique_dataset_version")]
-        ordering = ["dataset", "-version"]
 
     def __str__(self):
         return f"{self.dataset.name}@{self.version}"

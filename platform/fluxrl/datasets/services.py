@@ -17,7 +17,7 @@ from django.conf import settings
 from django.db import transaction
 
 from fluxrl.errors import NotFound, TooLarge, field_error
-from fluxrl.naming import check_name, find_version, next_version_number
+from fluxrl.versioned import check_name, find_version, next_version_number
 from workers.tasks import GENERATORS, generate
 
 from .models import Dataset, DatasetVersion

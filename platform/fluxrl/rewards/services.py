@@ -11,7 +11,7 @@ from django.db import transaction
 import workers.rewards
 from fluxrl.datasets.services import read_rows
 from fluxrl.errors import Conflict, field_error
-from fluxrl.naming import check_name, find_version, next_version_number
+from fluxrl.versioned import check_name, find_version, next_version_number
 from workers.rewards import BUILTIN_REWARDS
 from workers.sandbox import try_reward
 

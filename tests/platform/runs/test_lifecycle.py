@@ -135,3 +135,14 @@ def test_checkpoints_are_recorded_once_per_step(run_a, worker_client, api_a):
     assert first.status_code == 201
     worker.post(f"/api/runs/{run_a.id}/checkpoints/", {"step": 10, "version": 10, "path": "/ck/10-retry"})
     assert [(c["step"], c["path"]) for c in api_a.get(f"/api/runs/{run_a.id}/checkpoints/").json()["results"]] == [(10, "/ck/10")]
+
+
+def test_expired_run_token_is_401(run_a, assert_error):
+    from rest_framework.test import APIClient
+
+    from fluxrl.accounts.services import create_run_token
+
+    _, key = create_run_token(run_a, ttl_hours=-1)
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+    assert_error(client.post(f"/api/runs/{run_a.id}/status/", {"status": "starting"}), 401, "authentication_failed")

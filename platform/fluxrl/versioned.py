@@ -1,8 +1,11 @@
-"""Names of team objects (datasets, reward functions) and references `name@version`."""
+"""Named, versioned team objects (datasets, reward functions): their abstract models,
+names, references `name@version` and version numbering."""
 from __future__ import annotations
 
 import re
 
+from django.conf import settings
+from django.db import models
 from django.db.models import Max
 
 from fluxrl.errors import NotFound, field_error
@@ -41,3 +44,31 @@ def find_version(versions, parent: str, team, ref: str, field: str):
 def next_version_number(parent) -> int:
     """Call with `parent` locked (select_for_update) so two uploads never share a number."""
     return (parent.versions.aggregate(top=Max("version"))["top"] or 0) + 1
+
+
+class NamedTeamObject(models.Model):
+    team = models.ForeignKey("accounts.Team", on_delete=models.CASCADE, related_name="%(app_label)s")
+    name = models.CharField(max_length=100)
+    description = models.TextField(blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        abstract = True
+        constraints = [models.UniqueConstraint(fields=["team", "name"], name="%(app_label)s_unique_name")]
+
+    def __str__(self):
+        return f"{self.team}/{self.name}"
+
+
+class ImmutableVersion(models.Model):
+    """Subclasses add the FK to their NamedTeamObject (related_name="versions") and a
+    unique (that FK, version) constraint; rows are written once and never updated."""
+
+    version = models.PositiveIntegerField()
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        abstract = True
+        ordering = ["-version"]
