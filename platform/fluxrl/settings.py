@@ -178,6 +178,10 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "fluxrl.api.schema.add_error_responses",
+    ],
     "ENUM_NAME_OVERRIDES": {
         "RunStatusEnum": "fluxrl.runs.models.RunStatus",
         "TeamRoleEnum": "fluxrl.accounts.models.Role",

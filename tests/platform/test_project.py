@@ -30,7 +30,8 @@ def test_openapi_schema_and_docs_are_served_without_internet(db):
     schema = client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json")
     assert schema.status_code == 200
     paths = schema.json()["paths"]
-    assert {"/api/runs/{run_id}/metrics/", "/api/datasets/", "/api/rewards/try/"} <= set(paths)
+    assert {"/api/runs/{id}/metrics/", "/api/datasets/", "/api/rewards/try/"} <= set(paths)
+    assert paths["/api/runs/{id}/status/"]["post"]["responses"]["409"]["content"]
     docs = client.get("/api/docs/").content.decode()
     assert "swagger-ui" in docs and "cdn" not in docs.lower()
 

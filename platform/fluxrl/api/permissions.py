@@ -27,10 +27,10 @@ class IsTeamUser(BasePermission):
 
 
 class RunWorkerOrTeamUser(IsTeamUser):
-    """Worker endpoints under /api/runs/<run_id>/: the run's own token, or a team user."""
+    """Worker endpoints under /api/runs/<pk>/: the run's own token, or a team user."""
 
     def has_permission(self, request, view):
         if isinstance(request.auth, RunToken):
             self.message = "This run token belongs to another run."
-            return str(request.auth.run_id) == str(view.kwargs.get("run_id"))
+            return str(request.auth.run_id) == str(view.kwargs.get("pk"))
         return super().has_permission(request, view)

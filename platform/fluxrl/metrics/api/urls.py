@@ -3,5 +3,5 @@ from django.urls import path
 from . import views
 
 urlpatterns = [
-    path("runs/<int:run_id>/metrics/", views.RunMetricsView.as_view(), name="run-metrics"),
+    path("runs/<int:pk>/metrics/", views.RunMetricsView.as_view(), name="run-metrics"),
 ]

@@ -13,7 +13,7 @@ class RunMetricsView(RunReportMixin, generics.GenericAPIView):
     serializer_class = MetricsSerializer
 
     @extend_schema(parameters=[MetricsQuerySerializer], summary="Read metric series, downsampled")
-    def get(self, request, run_id):
+    def get(self, request, pk):
         query = validated(MetricsQuerySerializer, request.query_params)
         keys = [k.strip() for k in query.get("keys", "").split(",") if k.strip()]
         run = self.get_run()
@@ -22,7 +22,7 @@ class RunMetricsView(RunReportMixin, generics.GenericAPIView):
 
     @extend_schema(request=MetricBatchSerializer, responses={201: IngestResultSerializer},
                    summary="Ingest a batch of metric points (idempotent by run, key, step)")
-    def post(self, request, run_id):
+    def post(self, request, pk):
         run = self.get_run()
         body = request.data if isinstance(request.data, dict) else {}
         stored = services.ingest_points(run, body.get("points"))

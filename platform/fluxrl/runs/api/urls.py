@@ -7,7 +7,7 @@ urlpatterns = [
     path("runs/<int:pk>/", views.RunDetailView.as_view(), name="run-detail"),
     path("runs/<int:pk>/cancel/", views.RunCancelView.as_view(), name="run-cancel"),
     path("runs/<int:pk>/tokens/", views.RunTokenView.as_view(), name="run-tokens"),
-    path("runs/<int:run_id>/status/", views.RunStatusView.as_view(), name="run-status"),
-    path("runs/<int:run_id>/samples/", views.RunSamplesView.as_view(), name="run-samples"),
-    path("runs/<int:run_id>/checkpoints/", views.RunCheckpointsView.as_view(), name="run-checkpoints"),
+    path("runs/<int:pk>/status/", views.RunStatusView.as_view(), name="run-status"),
+    path("runs/<int:pk>/samples/", views.RunSamplesView.as_view(), name="run-samples"),
+    path("runs/<int:pk>/checkpoints/", views.RunCheckpointsView.as_view(), name="run-checkpoints"),
 ]

@@ -81,7 +81,7 @@ class RunTokenView(RunMixin, generics.GenericAPIView):
 
 
 class RunReportMixin:
-    """Endpoints under /api/runs/<run_id>/ that workers post to: the run's own token may
+    """Endpoints under /api/runs/<pk>/ that workers post to: the run's own token may
     use them, and so may a team user (an API token needs the write scope to post)."""
 
     permission_classes = [RunWorkerOrTeamUser]
@@ -92,9 +92,9 @@ class RunReportMixin:
 
     def get_run(self) -> Run:
         if isinstance(self.request.auth, RunToken):
-            return self.request.auth.run  # the permission already matched it to run_id
+            return self.request.auth.run  # the permission already matched it to the URL
         runs = Run.objects.filter(team__in=visible_teams(self.request.user, self.request.auth))
-        return get_object_or_404(runs, pk=self.kwargs["run_id"])
+        return get_object_or_404(runs, pk=self.kwargs["pk"])
 
     def since_step(self, queryset):
         since = validated(SinceStepQuerySerializer, self.request.query_params).get("since_step")
@@ -104,12 +104,12 @@ class RunReportMixin:
 class RunStatusView(RunReportMixin, generics.GenericAPIView):
     serializer_class = RunStatusSerializer
 
-    def get(self, request, run_id):
+    def get(self, request, pk):
         return Response(RunStatusSerializer(self.get_run()).data)
 
     @extend_schema(request=RunStatusReportSerializer, responses={200: RunStatusSerializer},
                    summary="Report a status change or heartbeat (the reply carries cancel_requested)")
-    def post(self, request, run_id):
+    def post(self, request, pk):
         data = validated(RunStatusReportSerializer, request.data)
         run = services.transition(self.get_run(), data.pop("status"), **data)
         return Response(RunStatusSerializer(run).data)
@@ -122,11 +122,11 @@ class RunSamplesView(RunReportMixin, generics.ListAPIView):
         return Sample.objects.none() if is_schema_generation(self) else self.since_step(self.get_run().samples.all())
 
     @extend_schema(parameters=[SinceStepQuerySerializer])
-    def get(self, request, run_id):
+    def get(self, request, pk):
         return super().get(request)
 
     @extend_schema(request=SampleBatchSerializer, responses={201: StoredCountSerializer})
-    def post(self, request, run_id):
+    def post(self, request, pk):
         run = self.get_run()
         samples = validated(SampleBatchSerializer, request.data)["samples"]
         return Response({"received": services.add_samples(run, samples)}, status=status.HTTP_201_CREATED)
@@ -139,7 +139,7 @@ class RunCheckpointsView(RunReportMixin, generics.ListAPIView):
         return Checkpoint.objects.none() if is_schema_generation(self) else self.get_run().checkpoints.all()
 
     @extend_schema(request=CheckpointSerializer, responses={201: CheckpointSerializer})
-    def post(self, request, run_id):
+    def post(self, request, pk):
         run = self.get_run()
         checkpoint = services.add_checkpoint(run, **validated(CheckpointSerializer, request.data))
         return Response(CheckpointSerializer(checkpoint).data, status=status.HTTP_201_CREATED)
