@@ -25,6 +25,10 @@ def test_malformed_json_body_is_400(api_a, assert_error):
     assert_error(api_a.post("/api/runs/", "{not json", content_type="application/json"), 400, "parse_error")
 
 
+def test_nul_characters_in_json_are_400_not_a_database_error(api_a, spec, assert_error):
+    assert_error(api_a.post("/api/runs/", {"spec": spec(name="a\x00b")}), 400, "parse_error")
+
+
 def test_openapi_schema_and_docs_are_served_without_internet(db):
     client = APIClient()
     schema = client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json")

@@ -1,9 +1,11 @@
 """Parsers that refuse an oversized body before reading it (413). A view sets
 `max_body_bytes`; otherwise Django's DATA_UPLOAD_MAX_MEMORY_SIZE applies."""
 from django.conf import settings
+from rest_framework.exceptions import ParseError
 from rest_framework.parsers import JSONParser, MultiPartParser
 
 from fluxrl.api.errors import PayloadTooLarge
+from fluxrl.validation import contains_nul
 
 
 def check_body_size(parser_context) -> None:
@@ -20,7 +22,10 @@ def check_body_size(parser_context) -> None:
 class LimitedJSONParser(JSONParser):
     def parse(self, stream, media_type=None, parser_context=None):
         check_body_size(parser_context or {})
-        return super().parse(stream, media_type, parser_context)
+        data = super().parse(stream, media_type, parser_context)
+        if contains_nul(data):
+            raise ParseError("JSON strings must not contain NUL (\\u0000) characters.")
+        return data
 
 
 class LimitedMultiPartParser(MultiPartParser):

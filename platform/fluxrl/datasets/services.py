@@ -17,6 +17,7 @@ from django.conf import settings
 from django.db import transaction
 
 from fluxrl.errors import NotFound, TooLarge, field_error
+from fluxrl.validation import contains_nul
 from fluxrl.versioned import check_name, find_version, next_version_number
 from workers.tasks import GENERATORS, generate
 
@@ -79,6 +80,8 @@ def normalize_row(obj, prompt_field: str, answer_field: str) -> dict:
     """{"prompt", "answer", **extra}: the two named source fields renamed, answer as text."""
     if not isinstance(obj, dict):
         raise RowProblem("expected a JSON object")
+    if contains_nul(obj):
+        raise RowProblem("contains a NUL character")
     for field, canonical in ((prompt_field, "prompt"), (answer_field, "answer")):
         if field not in obj or obj[field] is None:
             raise RowProblem(f"missing field '{field}'")

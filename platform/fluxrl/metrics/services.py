@@ -9,6 +9,7 @@ from itertools import groupby
 from django.conf import settings
 
 from fluxrl.errors import TooLarge, field_error
+from fluxrl.runs.models import MAX_STEP
 
 from .models import MetricPoint
 
@@ -26,8 +27,8 @@ def clean_point(index: int, point) -> tuple[str, int, float, float]:
     key, step, value, when = point.get("key"), point.get("step"), point.get("value"), point.get("time")
     if not isinstance(key, str) or not KEY_PATTERN.fullmatch(key):
         raise field_error(f"{where}.key", "1-100 characters of letters, digits and _ . / : -")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise field_error(f"{where}.step", "a whole number >= 0")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        raise field_error(f"{where}.step", "a whole number >= 0 (64-bit)")
     if not is_number(value):
         raise field_error(f"{where}.value", "a finite number")
     if when is not None and not is_number(when):

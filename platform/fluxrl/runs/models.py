@@ -13,6 +13,9 @@ class RunStatus(models.TextChoices):
     CANCELLED = "cancelled"
 
 
+MAX_STEP = 2**63 - 1  # BigIntegerField
+MAX_INT = 2**31 - 1  # IntegerField on every database
+
 TERMINAL_STATUSES = frozenset({RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED})
 
 

@@ -57,6 +57,7 @@ def test_uploading_the_same_name_again_makes_a_new_version(api_a):
         (b"", "file is empty"),
         (b"\n  \n", "the file is empty"),
         (b'{"prompt": "a", "answer": "1"}\n\xff\xfe{"prompt": "b"}\n', "line 2: not UTF-8"),
+        (b'{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2", "x\\u0000": 1}\n', "line 2: contains a NUL"),
     ],
 )
 def test_malformed_jsonl_is_rejected_naming_the_problem(api_a, assert_error, content, message_part):

@@ -53,6 +53,7 @@ def test_body_over_1_mb_is_413(run_a, worker_client, assert_error):
         ({"key": "a b", "step": 1, "value": 1}, "points.1.key"),
         ({"key": "k", "step": -1, "value": 1}, "points.1.step"),
         ({"key": "k", "step": 1.5, "value": 1}, "points.1.step"),
+        ({"key": "k", "step": 2**63, "value": 1}, "points.1.step"),
         ({"key": "k", "step": 1, "value": "high"}, "points.1.value"),
         ({"key": "k", "step": 1, "value": True}, "points.1.value"),
         ({"key": "k", "step": 1, "value": 1, "time": "now"}, "points.1.time"),

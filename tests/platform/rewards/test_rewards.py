@@ -23,6 +23,9 @@ def test_list_shows_builtins_first_then_team_functions(api_a, api_b, reward_a):
     assert {"exact_match", "numeric_match", "format_check", "length_penalty"} <= set(builtins)
     assert items[-1] == {**items[-1], "name": "exact", "builtin": False, "team": "team-a", "ref": "exact@1"}
     assert all(i["builtin"] for i in api_b.get("/api/rewards/").json()["results"])
+    assert items[0] | {"name": "x", "description": "x", "ref": "x"} == {
+        "id": None, "team": None, "name": "x", "builtin": True, "description": "x", "latest_version": None, "ref": "x",
+        "created_at": None}
 
 
 def test_create_and_add_versions(api_a):

@@ -127,6 +127,8 @@ def test_samples_are_stored_once_with_versions_compressed(run_a, worker_client, 
     assert [(s["uid"], s["version_runs"], s["length"]) for s in stored] == [("s1", [[4, 2], [5, 1]], 3), (None, [[5, 1]], 1)]
     assert [s["step"] for s in api_a.get(f"/api/runs/{run_a.id}/samples/", {"since_step": 3}).json()["results"]] == [4]
     assert_error(worker.post(f"/api/runs/{run_a.id}/samples/", {"samples": [{"step": -1}]}), 400, field="samples.0.step")
+    huge = {"step": 1, "prompt": "p", "completion": "c", "versions": [2**40]}
+    assert_error(worker.post(f"/api/runs/{run_a.id}/samples/", {"samples": [huge]}), 400, field="samples.0.versions.0")
 
 
 def test_checkpoints_are_recorded_once_per_step(run_a, worker_client, api_a):

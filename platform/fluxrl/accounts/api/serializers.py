@@ -35,7 +35,7 @@ class MeSerializer(serializers.Serializer):
 
 
 class ApiTokenSerializer(serializers.ModelSerializer):
-    team = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    team = serializers.SlugRelatedField(slug_field="slug", read_only=True, allow_null=True)
     scopes = serializers.ListField(child=serializers.ChoiceField(choices=Scope.choices))
     active = serializers.BooleanField(source="is_active", read_only=True)
 

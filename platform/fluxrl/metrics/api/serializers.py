@@ -5,7 +5,7 @@ class MetricPointSerializer(serializers.Serializer):
     key = serializers.CharField(max_length=100, help_text="e.g. reward/mean (DESIGN.md §5)")
     step = serializers.IntegerField(min_value=0)
     value = serializers.FloatField()
-    time = serializers.FloatField(required=False, help_text="wall clock, unix seconds (default: arrival)")
+    time = serializers.FloatField(required=False, allow_null=True, help_text="wall clock, unix seconds (default: arrival)")
 
 
 class MetricBatchSerializer(serializers.Serializer):

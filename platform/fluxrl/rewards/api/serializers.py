@@ -6,6 +6,8 @@ from ..models import RewardFunction, RewardVersion
 class RewardFunctionSerializer(serializers.ModelSerializer):
     """A team's function, or a built-in (builtin=true, no id, team or versions)."""
 
+    id = serializers.IntegerField(read_only=True, allow_null=True)
+    created_at = serializers.DateTimeField(read_only=True, allow_null=True)
     team = serializers.SlugRelatedField(slug_field="slug", read_only=True, allow_null=True)
     builtin = serializers.BooleanField(read_only=True)
     latest_version = serializers.IntegerField(read_only=True, allow_null=True)

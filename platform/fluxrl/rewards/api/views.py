@@ -30,7 +30,8 @@ class RewardListView(RewardFunctionMixin, generics.ListAPIView):
     """Built-ins first, then your teams' functions."""
 
     def list(self, request):
-        builtins = [{**item, "builtin": True} for item in services.builtin_catalog()]
+        builtins = [{**item, "builtin": True, "id": None, "team": None, "latest_version": None, "created_at": None}
+                    for item in services.builtin_catalog()]
         page = self.paginate_queryset(builtins + list(self.get_queryset()))
         return self.get_paginated_response(self.get_serializer(page, many=True).data)
 

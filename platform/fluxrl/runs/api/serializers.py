@@ -1,6 +1,6 @@
 from rest_framework import serializers
 
-from ..models import Checkpoint, Run, RunStatus, Sample
+from ..models import MAX_INT, MAX_STEP, Checkpoint, Run, RunStatus, Sample
 
 WORKER_STATUSES = [RunStatus.STARTING, RunStatus.RUNNING, RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED]
 
@@ -9,8 +9,10 @@ class RunSerializer(serializers.ModelSerializer):
     team = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     owner = serializers.SlugRelatedField(slug_field="username", read_only=True)
     tags = serializers.SlugRelatedField(slug_field="name", many=True, read_only=True)
-    dataset = serializers.StringRelatedField(source="dataset_version", help_text="name@version, or null for gen:<name>")
-    reward = serializers.StringRelatedField(source="reward_version", help_text="name@version, or null for a built-in")
+    dataset = serializers.StringRelatedField(source="dataset_version", allow_null=True,
+                                             help_text="name@version, or null for gen:<name>")
+    reward = serializers.StringRelatedField(source="reward_version", allow_null=True,
+                                            help_text="name@version, or null for a built-in or inline code")
 
     class Meta:
         model = Run
@@ -50,7 +52,7 @@ class RunStatusReportSerializer(serializers.Serializer):
     status = serializers.ChoiceField(choices=WORKER_STATUSES, help_text="the current status again = heartbeat")
     failure_reason = serializers.CharField(default="", allow_blank=True)
     worker_host = serializers.CharField(required=False, max_length=255)
-    worker_pid = serializers.IntegerField(required=False)
+    worker_pid = serializers.IntegerField(required=False, min_value=0, max_value=MAX_INT)
 
 
 class RunStatusSerializer(serializers.ModelSerializer):
@@ -69,13 +71,13 @@ class SampleSerializer(serializers.ModelSerializer):
 
 class SampleInSerializer(serializers.Serializer):
     uid = serializers.CharField(required=False, max_length=64, help_text="makes retries idempotent")
-    step = serializers.IntegerField(min_value=0)
+    step = serializers.IntegerField(min_value=0, max_value=MAX_STEP)
     prompt = serializers.CharField(allow_blank=True, trim_whitespace=False)
     completion = serializers.CharField(allow_blank=True, trim_whitespace=False)
     reward = serializers.FloatField(required=False, allow_null=True)
-    versions = serializers.ListField(child=serializers.IntegerField(min_value=0), default=list,
+    versions = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=MAX_INT), default=list,
                                      help_text="policy version of each completion token")
-    length = serializers.IntegerField(required=False, min_value=0, help_text="default: len(versions)")
+    length = serializers.IntegerField(required=False, min_value=0, max_value=MAX_INT, help_text="default: len(versions)")
     error = serializers.CharField(required=False, allow_blank=True)
 
 
@@ -92,6 +94,7 @@ class CheckpointSerializer(serializers.ModelSerializer):
         model = Checkpoint
         fields = ["id", "step", "version", "path", "created_at"]
         read_only_fields = ["id", "created_at"]
+        extra_kwargs = {"step": {"min_value": 0, "max_value": MAX_STEP}, "version": {"min_value": 0, "max_value": MAX_INT}}
 
 
 class SinceStepQuerySerializer(serializers.Serializer):
