@@ -47,7 +47,7 @@ class RunListView(RunMixin, generics.ListAPIView):
         data = validated(RunCreateSerializer, request.data)
         team = self.team_for_new_object(data.get("team"))
         run = services.submit_run(team, request.user, data["spec"], data["tags"], data["notes"])
-        return Response(RunDetailSerializer(self.get_queryset().get(pk=run.pk)).data, status=status.HTTP_201_CREATED)
+        return Response(RunDetailSerializer(self.queryset.get(pk=run.pk)).data, status=status.HTTP_201_CREATED)
 
 
 class RunDetailView(RunMixin, generics.RetrieveAPIView):
