@@ -69,3 +69,51 @@ def generate(name: str, n: int, seed: int = 0, **params) -> list[dict]:
     if name not in GENERATORS:
         raise ValueError(f"unknown generator {name!r}; choose one of {sorted(GENERATORS)}")
     return GENERATORS[name](n, seed=seed, **params)
+
+
+class DatasetError(ValueError):
+    pass
+
+
+def load_rows(dataset: str, size: int = 4000, eval_size: int = 200, seed: int = 0,
+              prompt_field: str = "prompt", answer_field: str = "answer") -> tuple[list[dict], list[dict]]:
+    """Training and held-out rows of a task: a JSONL file or ``gen:<generator>[?k=v&...]``.
+
+    Rows are returned with ``prompt`` and ``answer`` keys (renamed from the configured
+    fields); held-out prompts never appear in training.
+    """
+    import json
+    from urllib.parse import parse_qsl
+
+    if dataset.startswith("gen:"):
+        name, _, query = dataset[4:].partition("?")
+        params = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in parse_qsl(query)}
+        rows = generate(name, size + eval_size, seed=seed, **params)
+    else:
+        try:
+            with open(dataset, encoding="utf-8") as fh:
+                rows = []
+                for n, line in enumerate(fh, 1):
+                    if line.strip():
+                        try:
+                            rows.append(json.loads(line))
+                        except json.JSONDecodeError as exc:
+                            raise DatasetError(f"{dataset} line {n}: not JSON ({exc.msg})") from None
+        except FileNotFoundError:
+            raise DatasetError(f"dataset file {dataset!r} does not exist") from None
+    if not rows:
+        raise DatasetError(f"dataset {dataset!r} is empty")
+    out = []
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row, dict) or prompt_field not in row or answer_field not in row:
+            raise DatasetError(f"dataset {dataset!r} row {n} lacks the field {prompt_field!r} or {answer_field!r}")
+        extra = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
+        out.append({**extra, "prompt": str(row[prompt_field]), "answer": str(row[answer_field])})
+    if len(out) <= eval_size:
+        eval_size = max(0, len(out) // 5)
+    held_out = out[len(out) - eval_size:] if eval_size else []
+    seen = {r["prompt"] for r in held_out}
+    train = [r for r in out[: len(out) - eval_size] if r["prompt"] not in seen]
+    if not train:
+        raise DatasetError(f"dataset {dataset!r} has no training rows left after the held-out split")
+    return train, held_out

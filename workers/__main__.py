@@ -1,0 +1,124 @@
+"""FluxRL engine CLI (no web app needed).
+
+  python -m workers bootstrap                 build (or find) the tiny model, print its folder
+  python -m workers validate spec.yaml        check a run spec, naming any bad field
+  python -m workers run spec.yaml [--out DIR] [--platform URL --token T --run-id N]
+
+``model.path: builtin:tiny`` in a spec means the tiny model (built on first use).
+Exit codes: 0 done, 2 bad input (spec, dataset, model, reward), 1 failure, 130 stopped.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+
+def _resolve_model(spec) -> None:
+    if spec.model.path == "builtin:tiny":
+        from .tinymodel import ensure_tiny_model
+
+        spec.model.path = str(ensure_tiny_model())
+
+
+def cmd_run(args) -> int:
+    from .controller import Controller
+    from .report import PlatformClient, Reporter
+    from .reward_service import RewardFunctionBroken
+    from .sandbox import RewardCodeError
+    from .spec import SpecError, load_spec_file
+    from .tasks import DatasetError
+
+    platform = PlatformClient(args.platform, args.token, args.run_id) if args.platform else None
+    out = Path(args.out or f"var/runs/{time.strftime('%Y%m%d-%H%M%S')}")
+
+    def fail(reason: str, code: int) -> int:
+        print(f"error: {reason}", file=sys.stderr)
+        if platform:
+            try:
+                platform.status("failed", reason)
+            except Exception as exc:  # the platform will notice the process exit anyway
+                print(f"(could not report the failure: {exc})", file=sys.stderr)
+        return code
+
+    try:
+        spec = load_spec_file(args.spec)
+    except SpecError as exc:
+        return fail(f"invalid run spec: {exc}", 2)
+    except OSError as exc:
+        return fail(f"cannot read the spec: {exc}", 2)
+    _resolve_model(spec)
+    reporter = Reporter(out / "metrics.jsonl", platform)
+    if platform:
+        platform.status("running", "")
+
+    async def main():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        controller = Controller(spec, out, reporter, progress=not args.no_progress, stop_event=stop)
+        result = await controller.run()
+        return result, stop.is_set()
+
+    try:
+        result, stopped = asyncio.run(main())
+    except (SpecError, DatasetError, FileNotFoundError, RewardCodeError, RewardFunctionBroken, ValueError) as exc:
+        reporter.close()
+        return fail(str(exc), 2)
+    except Exception as exc:
+        reporter.close()
+        return fail(f"{type(exc).__name__}: {exc}", 1)
+    reporter.close()
+    summary = {
+        "steps": result.steps, "trained_samples": result.trained_samples, "seconds": round(result.seconds, 1),
+        "samples_per_s": round(result.samples_per_s, 3), "accuracy_before": result.accuracy_before,
+        "accuracy_after": result.accuracy_after, "staleness_max": result.staleness_max,
+        "dropped_stale": result.dropped_stale, "final_model": result.final_model,
+    }
+    (out / "result.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    if platform and not stopped:
+        platform.status("succeeded", "")
+    return 130 if stopped else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m workers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("bootstrap", help="build the tiny model")
+    b.add_argument("--root", default=None)
+    v = sub.add_parser("validate", help="validate a run spec")
+    v.add_argument("spec")
+    r = sub.add_parser("run", help="run a training from a spec")
+    r.add_argument("spec")
+    r.add_argument("--out", default=None, help="output folder (metrics.jsonl, result.json, final_model/)")
+    r.add_argument("--platform", default=None, help="platform base URL to report to")
+    r.add_argument("--token", default=None, help="run-scoped API token")
+    r.add_argument("--run-id", default=None)
+    r.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.cmd == "bootstrap":
+        from .tinymodel import ensure_tiny_model
+
+        print(ensure_tiny_model(args.root))
+        return 0
+    if args.cmd == "validate":
+        from .spec import SpecError, load_spec_file
+
+        try:
+            load_spec_file(args.spec)
+        except SpecError as exc:
+            print(f"invalid run spec: {exc}", file=sys.stderr)
+            return 2
+        print("ok")
+        return 0
+    return cmd_run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

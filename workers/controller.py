@@ -1,0 +1,346 @@
+"""Controller: turns a run spec into a trained policy by wiring the roles together.
+
+- ``sync``: generate a whole batch → (scored as each sample finishes) → train → update.
+- ``async``: rollouts and training overlap. Admission (``StalenessGate``) bounds how far
+  ahead generation may run; finished samples stream to the reward service and into a
+  queue; the trainer steps as soon as it has a batch, then pushes weights into running
+  engines with the spec's update mode (keep = in-flight, interrupt, drain).
+
+Everything here is asyncio in one process; the vLLM engines are their own processes
+and the trainer's step runs in a thread so generation streams on meanwhile.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from . import algorithms
+from .report import Reporter
+from .reward_service import RewardService
+from .rollout import Completion, RolloutEngine, configure_cpu_environment
+from .spec import RunSpec
+from .staleness import StalenessGate
+from .tasks import load_rows
+from .tinymodel import EOS_ID, decode, encode
+from .trainer import TrainSample, Trainer
+from .weight_sync import serialize_state_dict
+
+
+@dataclass
+class Sample:
+    row: dict
+    completion: Completion
+    text: str
+    reward: float
+    error: Optional[str] = None
+
+
+@dataclass
+class Group:
+    samples: list[Sample]
+    start_version: int
+    index: int
+
+
+@dataclass
+class RunResult:
+    steps: int = 0
+    trained_samples: int = 0
+    trained_tokens: int = 0
+    seconds: float = 0.0
+    accuracy_before: Optional[float] = None
+    accuracy_after: Optional[float] = None
+    staleness_max: int = 0
+    dropped_stale: int = 0
+    update_sync_ms: list[float] = field(default_factory=list)
+    update_load_ms: list[float] = field(default_factory=list)
+    gen_stall_ms: list[float] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    final_model: Optional[str] = None
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.trained_samples / self.seconds if self.seconds else 0.0
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, int(math.ceil(q * len(s))) - 1)]
+
+
+class Controller:
+    def __init__(self, spec: RunSpec, out_dir: str | Path, reporter: Optional[Reporter] = None,
+                 progress: bool = True, stop_event: Optional[asyncio.Event] = None):
+        self.spec = spec
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.reporter = reporter or Reporter(self.out / "metrics.jsonl")
+        self.progress = progress
+        self.stop = stop_event or asyncio.Event()
+        self.engines: list[RolloutEngine] = []
+        self.result = RunResult()
+        self._failure: Optional[BaseException] = None
+        self._rng = random.Random(spec.seed)
+
+    # -- set-up -------------------------------------------------------------------
+    def _cpu_split(self) -> tuple[Optional[str], Optional[int]]:
+        """CPU only: in async mode generation and training run at once, so they get one
+        half of the cores each; in sync mode each phase has the whole machine."""
+        import torch
+
+        if torch.cuda.is_available():
+            return None, None
+        cores = os.cpu_count() or 1
+        if self.spec.schedule.mode == "sync" or cores < 2:
+            return f"0-{cores - 1}" if cores > 1 else "0", cores
+        half = max(1, cores // 2)
+        return (f"0-{half - 1}" if half > 1 else "0"), cores - half
+
+    async def setup(self) -> None:
+        spec = self.spec
+        t = spec.task
+        self.train_rows, self.eval_rows = load_rows(t.dataset, t.size, t.eval_size, t.seed, t.prompt_field, t.answer_field)
+        self.eval_rows = self.eval_rows[: spec.eval.prompts]
+        if not os.path.isfile(os.path.join(spec.model.path, "config.json")):
+            raise FileNotFoundError(f"model.path {spec.model.path!r} is not a model folder (no config.json there)")
+        self.rewards = RewardService(spec.reward)
+        bind, threads = self._cpu_split()
+        configure_cpu_environment(bind, spec.rollout.kv_cache_gb)
+        self.trainer = await asyncio.to_thread(Trainer, spec, spec.model.path, threads)
+        blob = serialize_state_dict(self.trainer.state_dict())
+        longest = max(len(r["prompt"]) for r in self.train_rows + self.eval_rows)
+        self.engines = [
+            RolloutEngine(spec.model.path, index=i, update_mode=spec.rollout.update_mode,
+                          max_model_len=longest + spec.rollout.max_tokens + 8, max_num_seqs=spec.rollout.max_num_seqs,
+                          dtype=spec.model.dtype, seed=spec.seed + i)
+            for i in range(spec.rollout.engines)
+        ]
+        for engine in self.engines:  # one at a time: start-up is CPU-heavy
+            await engine.start(warm_blob=blob)
+
+    async def close(self) -> None:
+        for engine in self.engines:
+            engine.shutdown()
+        if hasattr(self, "rewards"):
+            self.rewards.close()
+
+    # -- roles ---------------------------------------------------------------------
+    def _pick_engine(self) -> RolloutEngine:
+        return min(self.engines, key=lambda e: len(e.active))
+
+    async def _sample(self, engine: RolloutEngine, row: dict, temperature: float) -> Sample:
+        comp = await engine.generate(encode(row["prompt"]), self.spec.rollout.max_tokens, temperature)
+        text = decode([t for t in comp.token_ids if t != EOS_ID])
+        fields = {k: v for k, v in row.items() if k != "prompt"}
+        score = await self.rewards.score(row["prompt"], text, fields)
+        return Sample(row, comp, text, score.reward, score.error)
+
+    async def _group(self, row: dict, index: int, start_version: int) -> Group:
+        engine = self._pick_engine()
+        samples = await asyncio.gather(*(self._sample(engine, row, self.spec.rollout.temperature)
+                                         for _ in range(self.spec.algorithm.group_size)))
+        return Group(list(samples), start_version, index)
+
+    def _rows(self):
+        while True:
+            order = list(range(len(self.train_rows)))
+            self._rng.shuffle(order)
+            for i in order:
+                yield self.train_rows[i]
+
+    async def evaluate(self, step: int) -> float:
+        """Greedy accuracy (mean reward) on the held-out rows."""
+        if not self.eval_rows:
+            return float("nan")
+        samples = await asyncio.gather(*(self._sample(self._pick_engine(), r, 0.0) for r in self.eval_rows))
+        accuracy = sum(s.reward for s in samples) / len(samples)
+        self.reporter.log(step, {"eval/accuracy": accuracy})
+        return accuracy
+
+    # -- training step ----------------------------------------------------------------
+    async def _train_on(self, groups: list[Group], step: int, t_start: float) -> None:
+        spec = self.spec
+        version = self.trainer.version
+        rewards = [s.reward for g in groups for s in g.samples]
+        adv = algorithms.group_advantages(rewards, spec.algorithm.group_size, spec.algorithm.adv_std_norm)
+        samples = [s for g in groups for s in g.samples]
+        batch = [TrainSample(s.completion.prompt_ids, s.completion.token_ids, s.completion.logprobs, a)
+                 for s, a in zip(samples, adv)]
+        staleness = [version - s.completion.versions.oldest for s in samples]
+        stats = await asyncio.to_thread(self.trainer.train_step, batch)
+        blob = await asyncio.to_thread(serialize_state_dict, self.trainer.state_dict())
+        timings = await asyncio.gather(*(e.update_weights(blob, self.trainer.version) for e in self.engines))
+        self.gate.advance(self.trainer.version)
+
+        r = self.result
+        lengths = [s.completion.length for s in samples]
+        r.steps, r.trained_samples = step, r.trained_samples + len(samples)
+        r.trained_tokens += sum(lengths)
+        r.lengths += lengths
+        r.staleness_max = max(r.staleness_max, max(staleness))
+        r.update_sync_ms += [t.sync_ms for t in timings]
+        r.update_load_ms += [t.load_ms for t in timings]
+        elapsed = time.time() - t_start
+        mean_r = sum(rewards) / len(rewards)
+        hist = {f"staleness/hist/{k}": staleness.count(k) for k in range(max(staleness) + 1)}
+        self.reporter.log(step, {
+            **{k: v for k, v in stats.items() if not k.startswith("trainer/micro") and k != "trainer/step_s"},
+            "reward/mean": mean_r,
+            "reward/std": statistics.pstdev(rewards),
+            "reward/errors": sum(1 for s in samples if s.error),
+            "throughput/samples_per_s": r.trained_samples / elapsed,
+            "throughput/tokens_per_s": r.trained_tokens / elapsed,
+            "rollout/gen_tokens_per_s": sum(e.generated_tokens for e in self.engines) / elapsed,
+            "staleness/mean": sum(staleness) / len(staleness),
+            "staleness/max": max(staleness),
+            **hist,
+            "weights/sync_ms": max(t.sync_ms for t in timings),
+            "weights/load_ms": max(t.load_ms for t in timings),
+            "lengths/mean": sum(lengths) / len(lengths),
+            "lengths/p99": _percentile(lengths, 0.99),
+            "queue/depth": self.ready.qsize() if hasattr(self, "ready") else 0,
+            "version/current": self.trainer.version,
+        })
+        # A few samples for the run page; a sequence spanning an update first.
+        shown = sorted(samples, key=lambda s: (-len(s.completion.versions.runs), -s.completion.length))[:4]
+        for s in shown:
+            self.reporter.sample({"step": step, "prompt": s.row["prompt"], "completion": s.text, "reward": s.reward,
+                                  "versions": s.completion.versions.runs, "length": s.completion.length, "error": s.error})
+        self._collect_stalls()
+        if spec.trainer.checkpoint_every and step % spec.trainer.checkpoint_every == 0:
+            path = self.out / "checkpoints" / f"step-{step}"
+            await asyncio.to_thread(self.trainer.save, str(path))
+        if spec.eval.every_steps and step % spec.eval.every_steps == 0 and step < spec.stop.max_steps:
+            await self.evaluate(step)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(reward=f"{mean_r:.2f}", stale=max(staleness), sps=f"{r.trained_samples / elapsed:.1f}")
+
+    def _collect_stalls(self) -> None:
+        for e in self.engines:
+            done = [u for u in e.updates if u.gen_stall_ms is not None or u.version < self.trainer.version - 1]
+            for u in done:
+                if u.gen_stall_ms is not None:
+                    self.result.gen_stall_ms.append(u.gen_stall_ms)
+                    self.reporter.log(u.version, {"weights/gen_stall_ms": u.gen_stall_ms})
+                e.updates.remove(u)
+
+    def _out_of_time(self, t_start: float) -> bool:
+        return self.stop.is_set() or (time.time() - t_start) / 60 > self.spec.stop.max_minutes
+
+    # -- the two schedules ------------------------------------------------------------
+    async def _run_sync(self, t_start: float) -> None:
+        rows = self._rows()
+        for step in range(1, self.spec.stop.max_steps + 1):
+            if self._out_of_time(t_start):
+                break
+            groups = await asyncio.gather(*(self._group(next(rows), i, self.trainer.version)
+                                            for i in range(self.spec.schedule.batch_prompts)))
+            await self._train_on(list(groups), step, t_start)
+
+    async def _run_async(self, t_start: float) -> None:
+        spec, rows = self.spec, self._rows()
+        self.ready: asyncio.Queue[Group] = asyncio.Queue()
+        wake = asyncio.Event()
+        pending: set[asyncio.Task] = set()
+        counter = 0
+
+        def finished(task: asyncio.Task) -> None:
+            pending.discard(task)
+            self.gate.finish(accepted=not task.cancelled() and task.exception() is None)
+            if not task.cancelled() and task.exception() is not None:
+                self._failure = self._failure or task.exception()
+                self.stop.set()
+            elif not task.cancelled():
+                self.ready.put_nowait(task.result())
+            wake.set()
+
+        async def produce() -> None:
+            nonlocal counter
+            while not self.stop.is_set():
+                while self.gate.can_start() and not self.stop.is_set():
+                    version = self.gate.start()
+                    task = asyncio.create_task(self._group(next(rows), counter, version))
+                    counter += 1
+                    pending.add(task)
+                    task.add_done_callback(finished)
+                wake.clear()
+                await wake.wait()
+
+        producer = asyncio.create_task(produce())
+        stash: list[Group] = []
+        try:
+            for step in range(1, spec.stop.max_steps + 1):
+                if self._out_of_time(t_start):
+                    break
+                batch: list[Group] = []
+                while len(batch) < spec.schedule.batch_prompts and not self.stop.is_set():
+                    stash.sort(key=lambda g: g.start_version)  # oldest first keeps staleness low
+                    if stash:
+                        group = stash.pop(0)
+                    else:
+                        get = asyncio.create_task(self.ready.get())
+                        stopper = asyncio.create_task(self.stop.wait())
+                        await asyncio.wait({get, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                        stopper.cancel()
+                        if not get.done():
+                            get.cancel()
+                            break
+                        group = get.result()
+                        while not self.ready.empty():
+                            stash.append(self.ready.get_nowait())
+                        stash.append(group)
+                        continue
+                    if self.trainer.version - group.start_version > spec.schedule.max_staleness:
+                        self.result.dropped_stale += 1  # would break the bound: never train on it
+                        continue
+                    batch.append(group)
+                if len(batch) < spec.schedule.batch_prompts:
+                    break
+                await self._train_on(batch, step, t_start)
+                wake.set()
+        finally:
+            self.stop.set()
+            wake.set()
+            producer.cancel()
+            for task in list(pending):
+                task.cancel()
+            await asyncio.gather(producer, *pending, return_exceptions=True)
+
+    async def run(self) -> RunResult:
+        from tqdm import tqdm
+
+        spec = self.spec
+        try:
+            await self.setup()
+            self.result.accuracy_before = await self.evaluate(0)
+            self.gate = StalenessGate(spec.schedule.batch_prompts,
+                                      0 if spec.schedule.mode == "sync" else spec.schedule.max_staleness)
+            self.bar = tqdm(total=spec.stop.max_steps, desc=f"{spec.name} [{spec.schedule.mode}]", unit="step",
+                            disable=not self.progress)
+            t_start = time.time()
+            if spec.schedule.mode == "sync":
+                await self._run_sync(t_start)
+            else:
+                await self._run_async(t_start)
+            self.result.seconds = time.time() - t_start
+            self.bar.close()
+            if self._failure is not None:
+                raise self._failure
+            self._collect_stalls()
+            self.result.accuracy_after = await self.evaluate(self.result.steps)
+            final = self.out / "final_model"
+            await asyncio.to_thread(self.trainer.save, str(final))
+            self.result.final_model = str(final)
+            return self.result
+        finally:
+            await self.close()

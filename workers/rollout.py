@@ -1,0 +1,212 @@
+"""Rollout worker: one vLLM ``AsyncLLM`` engine that generates completions with
+behaviour log-probs and takes new weights while requests are in flight.
+
+Update modes (``rollout.update_mode``):
+- ``keep`` (PipelineRL): pause the scheduler keeping requests and KV cache, load,
+  label the new version, resume. The four engine calls are sent back to back without
+  waiting for each other: the engine handles them in order, so loading happens while
+  paused, and the generation stall is the load itself, not four round trips plus the
+  client-side sleep that ``AsyncLLM.pause_generation`` adds.
+- ``interrupt`` (AReaL): abort in-flight requests, load, resubmit each as prompt +
+  tokens so far with the remaining budget; the kept prefix keeps its old labels.
+- ``drain``: stop admitting, let running requests finish, then load ("update between
+  requests", the conventional asynchronous baseline).
+Every token's producing version comes from the engine itself (vLLM labels each output
+step with the engine's weight version), so labels are exact across an update.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .staleness import VersionTrack
+
+_ids = itertools.count()
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # behaviour log-prob of each generated token
+    versions: VersionTrack
+    finish_reason: str
+    start_version: int
+    started_at: float
+    finished_at: float
+    resubmits: int = 0  # interrupt mode: times this request was aborted and resumed
+    engine: int = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class UpdateTiming:
+    version: int
+    sync_ms: float  # from the call to the engine's acknowledgement
+    load_ms: float  # time the engine spent loading (generation cannot run meanwhile)
+    gen_stall_ms: Optional[float] = None  # measured on the token stream, filled in later
+    stall_samples: list[float] = field(default_factory=list)
+
+
+def configure_cpu_environment(threads_bind: Optional[str], kv_cache_gb: float) -> None:
+    """vLLM's CPU backend reads these when its engine process starts."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gb)))))
+    if threads_bind:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class RolloutEngine:
+    def __init__(self, model_path: str, *, index: int = 0, update_mode: str = "keep", max_model_len: int = 256,
+                 max_num_seqs: int = 256, dtype: str = "float32", seed: int = 0):
+        self.model_path, self.index, self.update_mode = model_path, index, update_mode
+        self.max_model_len, self.max_num_seqs, self.dtype, self.seed = max_model_len, max_num_seqs, dtype, seed
+        self.engine = None
+        self.version = 0
+        self.active: dict[str, float] = {}  # request id -> time of its last output
+        self.updates: list[UpdateTiming] = []
+        self.generated_tokens = 0
+        self._resume = asyncio.Event()
+        self._resume.set()
+        self._interrupted: set[str] = set()
+        self._gap_ema: Optional[float] = None
+        self._pending_stall: Optional[tuple[UpdateTiming, float, dict[str, float]]] = None
+
+    # -- lifecycle ---------------------------------------------------------------
+    async def start(self, warm_blob: Optional[bytes] = None) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if not os.path.isfile(os.path.join(self.model_path, "config.json")):
+            raise FileNotFoundError(f"model.path {self.model_path!r} is not a Hugging Face model folder (no config.json)")
+        args = AsyncEngineArgs(
+            model=self.model_path, dtype=self.dtype, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+            enforce_eager=True, seed=self.seed, disable_log_stats=True,
+            worker_extension_cls="workers.weight_sync.WeightSyncExtension",
+            # behaviour log-probs of the distribution actually sampled from (after temperature)
+            logprobs_mode="processed_logprobs",
+            # a cached prefix computed with old weights would leak into new requests
+            enable_prefix_caching=False,
+            distributed_executor_backend="uni",
+        )
+        self.engine = AsyncLLM.from_engine_args(args)
+        await self.engine.engine_core.set_weight_version_async("0")
+        # The first weight load and the first steps of a process are slow (warm-up): pay them now.
+        await self.generate([1, 5], max_tokens=4, temperature=1.0)
+        if warm_blob is not None:
+            await self.engine.collective_rpc("fluxrl_load_weights", args=(warm_blob,))
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    # -- generation ----------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float,
+                       seed: Optional[int] = None) -> Completion:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        track = VersionTrack()
+        start_version, started, resubmits = self.version, time.time(), 0
+        finish = "length"
+        while True:
+            await self._resume.wait()  # interrupt mode: do not resubmit into a half-loaded engine
+            rid = f"e{self.index}-{next(_ids)}"
+            params = SamplingParams(
+                max_tokens=max_tokens - len(tokens), temperature=temperature, logprobs=0, seed=seed,
+                output_kind=RequestOutputKind.DELTA, skip_special_tokens=True, detokenize=False,
+            )
+            self.active[rid] = time.perf_counter()
+            spans = None
+            try:
+                async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids + tokens), params, request_id=rid):
+                    c = out.outputs[0]
+                    tokens += c.token_ids
+                    logprobs += [next(iter(d.values())).logprob for d in (c.logprobs or [])]
+                    self.generated_tokens += len(c.token_ids)
+                    self._note_output(rid)
+                    if c.finish_reason is not None:
+                        finish, spans = c.finish_reason, c.weight_versions
+            finally:
+                self.active.pop(rid, None)
+            offset = track.tokens
+            for span in spans or []:
+                track.add(int(span.version), span.end - span.start)
+            if track.tokens < len(tokens):  # an aborted request may not report spans
+                track.add(self.version if not spans else int(spans[-1].version), len(tokens) - track.tokens)
+            del offset
+            if rid in self._interrupted and len(tokens) < max_tokens:
+                self._interrupted.discard(rid)
+                resubmits += 1
+                continue  # resume from prompt + tokens so far under the new weights
+            return Completion(prompt_ids, tokens, logprobs, track, finish, start_version, started, time.time(),
+                              resubmits, self.index)
+
+    # -- weight updates ------------------------------------------------------------
+    async def update_weights(self, blob: bytes, version: int) -> UpdateTiming:
+        core = self.engine.engine_core
+        t0 = time.perf_counter()
+        if self.update_mode == "keep":
+            _, loaded, _, _ = await asyncio.gather(
+                core.pause_scheduler_async(mode="keep", clear_cache=False),
+                self.engine.collective_rpc("fluxrl_load_weights", args=(blob,)),
+                core.set_weight_version_async(str(version)),
+                core.resume_scheduler_async(),
+            )
+        elif self.update_mode == "interrupt":
+            self._resume.clear()
+            try:
+                victims = list(self.active)
+                self._interrupted.update(victims)
+                await self.engine.abort(victims)
+                loaded = await self.engine.collective_rpc("fluxrl_load_weights", args=(blob,))
+                await core.set_weight_version_async(str(version))
+            finally:
+                self._resume.set()
+        elif self.update_mode == "drain":
+            await core.pause_scheduler_async(mode="wait", clear_cache=False)
+            loaded = await self.engine.collective_rpc("fluxrl_load_weights", args=(blob,))
+            await core.set_weight_version_async(str(version))
+            await core.resume_scheduler_async()
+        else:
+            raise ValueError(f"unknown update mode {self.update_mode!r}")
+        self.version = version
+        timing = UpdateTiming(version, (time.perf_counter() - t0) * 1000, loaded[0]["load_ms"])
+        self.updates.append(timing)
+        if self.update_mode == "keep" and self.active:
+            # Stall as the requests see it: the gap across the update minus a usual gap.
+            self._pending_stall = (timing, time.perf_counter(), {r: t for r, t in self.active.items()})
+        return timing
+
+    def _note_output(self, rid: str) -> None:
+        now = time.perf_counter()
+        last = self.active.get(rid, now)
+        gap = now - last
+        self.active[rid] = now
+        pending = self._pending_stall
+        if pending is not None and rid in pending[2]:
+            timing, _, before = pending
+            if before.pop(rid) == last and self._gap_ema is not None:
+                timing.stall_samples.append(max(0.0, (gap - self._gap_ema) * 1000))
+            if not before or len(timing.stall_samples) >= 8:
+                timing.gen_stall_ms = statistics.median(timing.stall_samples) if timing.stall_samples else None
+                self._pending_stall = None
+            return
+        self._gap_ema = gap if self._gap_ema is None else 0.9 * self._gap_ema + 0.1 * gap
+
+    async def weights_checksum(self) -> Optional[str]:
+        return (await self.engine.collective_rpc("fluxrl_loaded_checksum"))[0]
