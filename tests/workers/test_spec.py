@@ -1,0 +1,41 @@
+import pytest
+
+from workers.spec import SpecError, validate_spec
+
+GOOD = {"name": "t", "model": {"path": "m"}, "task": {"dataset": "gen:add"}}
+
+
+def test_minimal_spec_gets_documented_defaults():
+    spec = validate_spec(GOOD)
+    assert spec.schedule.mode == "async" and spec.schedule.max_staleness == 2
+    assert spec.rollout.update_mode == "keep" and spec.algorithm.loss == "ppo"
+
+
+def test_unknown_field_is_rejected_by_name():
+    with pytest.raises(SpecError) as err:
+        validate_spec({**GOOD, "schedule": {"mode": "async", "max_stalenes": 3}})
+    assert err.value.errors == [{"field": "schedule.max_stalenes", "message": "unknown field"}]
+
+
+def test_wrong_type_names_the_field():
+    with pytest.raises(SpecError) as err:
+        validate_spec({**GOOD, "algorithm": {"group_size": "eight"}})
+    assert err.value.errors[0]["field"] == "algorithm.group_size"
+
+
+def test_bad_enum_and_missing_section_are_both_reported():
+    with pytest.raises(SpecError) as err:
+        validate_spec({"name": "t", "model": {"path": "m"}, "rollout": {"update_mode": "sometimes"}})
+    fields = {e["field"] for e in err.value.errors}
+    assert fields == {"task", "rollout.update_mode"}
+
+
+def test_user_reward_needs_code():
+    with pytest.raises(SpecError, match="reward.code"):
+        validate_spec({**GOOD, "reward": {"function": "user"}})
+
+
+def test_yaml_text_is_accepted_and_garbage_is_not():
+    assert validate_spec("name: t\nmodel: {path: m}\ntask: {dataset: x.jsonl}\n").task.dataset == "x.jsonl"
+    with pytest.raises(SpecError, match="mapping"):
+        validate_spec("- just\n- a list\n")
