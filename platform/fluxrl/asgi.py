@@ -13,6 +13,7 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
+from fluxrl.accounts.websocket_auth import TokenAuthMiddleware  # noqa: E402
 from fluxrl.routing import websocket_urlpatterns  # noqa: E402
 
 # Static files (admin, API docs, dashboard) straight from the app folders: no
@@ -22,6 +23,6 @@ http_app = ASGIStaticFilesHandler(django_asgi_app) if settings.FLUXRL_SERVE_STAT
 application = ProtocolTypeRouter(
     {
         "http": http_app,
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(TokenAuthMiddleware(URLRouter(websocket_urlpatterns)))),
     }
 )

@@ -19,6 +19,10 @@ class InvalidInput(DomainError):
     pass
 
 
+class Unauthorized(DomainError):
+    status, code = 401, "not_authenticated"
+
+
 class Forbidden(DomainError):
     status, code = 403, "permission_denied"
 

@@ -1,2 +1,8 @@
-"""Websocket routes, e.g. path("ws/runs/<int:run_id>/", RunConsumer.as_asgi())."""
-websocket_urlpatterns: list = []
+"""Websocket routes: a run's live view (runs/consumers.py, DESIGN.md §7)."""
+from django.urls import path
+
+from fluxrl.runs.consumers import RunConsumer
+
+websocket_urlpatterns: list = [
+    path("ws/runs/<int:run_id>/", RunConsumer.as_asgi()),
+]

@@ -5,6 +5,8 @@ channel layer, all under FLUXRL_DATA_DIR. Production: DATABASE_URL and REDIS_URL
 """
 import os
 import secrets
+import shlex
+import sys
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -152,6 +154,20 @@ CELERY_TASK_DEFAULT_QUEUE = "cpu"
 # dispatcher may also pick the queue per run: apply_async(queue=spec.resources.queue).
 CELERY_TASK_ROUTES = {"fluxrl.*.tasks.gpu_*": {"queue": "gpu"}, "fluxrl.*": {"queue": "cpu"}}
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
+# The reaper fails runs whose watcher stopped heart-beating; it needs a beat process
+# (`celery -A fluxrl worker -B`, or `celery -A fluxrl beat`); workers also reap at start.
+CELERY_BEAT_SCHEDULE = {"reap-stale-runs": {"task": "fluxrl.runs.tasks.reap_stale_runs", "schedule": 60.0}}
+CELERY_BEAT_SCHEDULE_FILENAME = str(FLUXRL_DATA_DIR / "celerybeat-schedule")
+
+# --- Run dispatch (fluxrl/runs/dispatch.py) ---
+# Where engines report to: the web server as seen from the worker hosts.
+FLUXRL_PUBLIC_URL = os.environ.get("FLUXRL_PUBLIC_URL", "http://127.0.0.1:8000").rstrip("/")
+# The engine command, before `run SPEC --out ...`; GPU hosts may use another Python environment.
+FLUXRL_ENGINE_COMMAND = shlex.split(os.environ.get("FLUXRL_ENGINE_COMMAND", "")) or [sys.executable, "-m", "workers"]
+FLUXRL_CANCEL_GRACE_S = float(os.environ.get("FLUXRL_CANCEL_GRACE_S", "10"))  # SIGTERM -> SIGKILL
+FLUXRL_HEARTBEAT_S = float(os.environ.get("FLUXRL_HEARTBEAT_S", "5"))
+FLUXRL_RUN_STALE_S = float(os.environ.get("FLUXRL_RUN_STALE_S", "60"))  # no heartbeat this long: failed
+FLUXRL_WS_STATUS_POLL_S = float(os.environ.get("FLUXRL_WS_STATUS_POLL_S", "3"))  # see runs/consumers.py
 
 # --- REST API ---
 REST_FRAMEWORK = {

@@ -10,6 +10,16 @@ from fluxrl.datasets.services import generate_version
 from fluxrl.runs.services import submit_run
 
 
+@pytest.fixture(autouse=True, scope="session")
+def celery_broker_in_this_process():
+    """Runs submitted in committed transactions are enqueued for real, but to a broker
+    inside the test process: never to Redis or var/broker, where a worker would run them."""
+    from fluxrl.celery import app
+
+    app.conf.broker_url = "memory://"
+    return app
+
+
 @pytest.fixture(autouse=True)
 def data_dir(settings, tmp_path):
     settings.FLUXRL_DATA_DIR = tmp_path / "data"

@@ -9,6 +9,7 @@ from itertools import groupby
 from django.conf import settings
 
 from fluxrl.errors import TooLarge, field_error
+from fluxrl.runs import live
 from fluxrl.runs.models import MAX_STEP
 
 from .models import MetricPoint
@@ -55,9 +56,9 @@ def ingest_points(run, points: list) -> list[dict]:
 
 
 def on_points_stored(run, points: list[dict]) -> None:
-    """LIVE HOOK: called after every ingested batch (retries included, so consumers key
-    points by (key, step)). Push {"type": "metrics", "points": points} to the Channels
-    group f"run-{run.pk}" here (DESIGN.md §7)."""
+    """Called after every ingested batch (retries included, so consumers key points by
+    (key, step)): pushes {"type": "metrics", "points": points} to the run's live views."""
+    live.publish_points(run, points)
 
 
 # --- reads ------------------------------------------------------------------------------
@@ -103,3 +104,14 @@ def read_series(run, keys: list[str] | None = None, since_step: int | None = Non
             "count": len(full), "downsampled": len(kept) < len(full),
         }
     return series
+
+
+def read_points(run, keys: list[str] | None = None, since_step: int | None = None, max_points: int = 1000) -> list[dict]:
+    """read_series flattened to points [{key, step, value, time}] ordered by step, the
+    shape live views receive (the history on connect, then each ingested batch)."""
+    points = [
+        {"key": key, "step": step, "value": value, "time": when}
+        for key, series in read_series(run, keys, since_step, max_points).items()
+        for step, value, when in zip(series["step"], series["value"], series["time"])
+    ]
+    return sorted(points, key=lambda p: (p["step"], p["key"]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
+from functools import partial
 from itertools import groupby
 
 import yaml
@@ -20,6 +21,7 @@ from workers.rewards import BUILTIN_REWARDS
 from workers.spec import SpecError, validate_spec
 from workers.tasks import GENERATORS
 
+from . import live
 from .models import TERMINAL_STATUSES, Checkpoint, Run, RunStatus, RunTag, Sample
 
 ALLOWED_TRANSITIONS = {
@@ -118,9 +120,15 @@ def submit_run(team, owner, spec_input, tags=(), notes: str = "") -> Run:
         dataset_version=dataset_version, reward_version=reward_version,
     )
     set_tags(run, tags)
-    # DISPATCH HOOK: enqueue the run here, after commit, on queue run.resolved_spec["resources"]["queue"]:
-    #   transaction.on_commit(lambda: execute_run.apply_async((run.pk,), queue=...))
+    transaction.on_commit(partial(enqueue_run, run))  # after commit, so the worker finds the row
     return run
+
+
+def enqueue_run(run: Run) -> None:
+    """Hand a queued run to a Celery worker on the queue its spec asks for (cpu | gpu)."""
+    from .tasks import execute_run  # tasks -> dispatch -> this module
+
+    execute_run.apply_async((run.pk,), queue=run.resolved_spec["resources"]["queue"])
 
 
 def update_run(run: Run, tags=None, notes: str | None = None) -> Run:
@@ -178,6 +186,7 @@ def transition(run: Run, status: str, *, failure_reason: str = "", worker_host: 
     run.save()
     if run.is_terminal:
         revoke_run_tokens(run)
+    transaction.on_commit(partial(live.publish_status, run))
     return run
 
 
@@ -190,7 +199,10 @@ def cancel_run(run: Run) -> Run:
         raise IllegalTransition(f"The run has already {run.status}.")
     run.cancel_requested = True
     run.save(update_fields=["cancel_requested", "updated_at"])
-    return transition(run, RunStatus.CANCELLED) if run.status == RunStatus.QUEUED else run
+    if run.status == RunStatus.QUEUED:
+        return transition(run, RunStatus.CANCELLED)
+    transaction.on_commit(partial(live.publish_status, run))
+    return run
 
 
 # --- what workers report ------------------------------------------------------------------
@@ -216,6 +228,7 @@ def add_samples(run: Run, samples: list[dict]) -> int:
             length=length if length is not None else len(versions),
         ))
     Sample.objects.bulk_create(rows, ignore_conflicts=True)
+    live.publish_samples(run, rows)
     return len(rows)
 
 

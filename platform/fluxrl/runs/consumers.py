@@ -1,0 +1,81 @@
+"""Websocket ws/runs/<id>/?since_step=N&max_points=M: on connect a run's status, its
+metric history after step N (each series downsampled to M points) and recent samples;
+then every change as it is pushed to the group run-<id> (live.py).
+
+Close codes: 4400 bad query, 4401 not signed in, 4403 not a member of the run's team
+(or a token without the read scope), 4404 no such run."""
+import asyncio
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
+from django.http import QueryDict
+
+from fluxrl.errors import DomainError, field_error
+
+from . import live
+
+
+def query_options(scope) -> tuple[int | None, int]:
+    query = QueryDict(scope.get("query_string", b""))
+    try:
+        since_step = int(query["since_step"]) if query.get("since_step") else None
+    except ValueError:
+        raise field_error("since_step", "a whole number") from None
+    try:
+        max_points = int(query.get("max_points") or 1000)
+    except ValueError:
+        raise field_error("max_points", "a whole number") from None
+    return since_step, max_points
+
+
+def status_key(message: dict) -> tuple:
+    return message["status"], message["cancel_requested"], message["failure_reason"]
+
+
+class RunConsumer(AsyncJsonWebsocketConsumer):
+    group = None
+    poller = None
+    last_status = None
+
+    async def connect(self):
+        await self.accept()  # first, so that a refusal reaches the client as a close code
+        run_id = self.scope["url_route"]["kwargs"]["run_id"]
+        try:
+            since_step, max_points = query_options(self.scope)
+            run = await database_sync_to_async(live.run_for_subscriber)(self.scope.get("user"), self.scope.get("auth"), run_id)
+            # Join before reading the history: a batch stored in between then arrives
+            # twice (subscribers key points by key and step) instead of not at all.
+            self.group = live.group_name(run.pk)
+            await self.channel_layer.group_add(self.group, self.channel_name)
+            messages = await database_sync_to_async(live.snapshot)(run, since_step, max_points)
+        except DomainError as exc:
+            await self.close(code=4000 + exc.status, reason=exc.message[:120])
+            return
+        for message in messages:
+            await self.send_json(message)
+        self.last_status = status_key(messages[0])
+        if settings.FLUXRL_WS_STATUS_POLL_S > 0:
+            self.poller = asyncio.create_task(self.poll_status(run.pk))
+
+    async def disconnect(self, code):
+        if self.poller:
+            self.poller.cancel()
+        if self.group:
+            await self.channel_layer.group_discard(self.group, self.channel_name)
+
+    async def run_event(self, event):
+        message = event["message"]
+        if message["type"] == "status":
+            self.last_status = status_key(message)
+        await self.send_json(message)
+
+    async def poll_status(self, run_id: int):
+        # Status changes made where this server's channel layer does not reach (the
+        # embedded in-memory layer: transitions made by the Celery worker) still
+        # arrive, a few seconds late.
+        while True:
+            await asyncio.sleep(settings.FLUXRL_WS_STATUS_POLL_S)
+            message = await database_sync_to_async(live.current_status)(run_id)
+            if message and status_key(message) != self.last_status:
+                await self.run_event({"message": message})

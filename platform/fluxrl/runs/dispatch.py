@@ -1,0 +1,284 @@
+"""Running a run on a worker host. The Celery task (tasks.execute_run) calls
+execute_run here: it starts the engine CLI (`python -m workers run SPEC ...`) as a
+subprocess in its own process group, watches it until it exits, and records how it
+ended. The engine reports everything else itself, over the REST API, with a run token.
+
+    queued -> starting (here) -> running (the engine) -> succeeded (the engine, or here on exit 0)
+                                                      -> failed (the engine, or here with the log's tail)
+                                                      -> cancelled (here, after stopping the group)
+
+The engine spawns vLLM and trainer processes; they share its process group, so
+cancelling or cleaning up after a crash signals the whole tree at once. A run whose
+watcher died (Celery worker killed, host lost) stops heart-beating; reap_stale_runs
+fails it.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from django.conf import settings
+from django.db import DatabaseError, close_old_connections, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from fluxrl.accounts.services import create_run_token
+from fluxrl.errors import DomainError
+
+from .models import Run, RunStatus
+from .services import IllegalTransition, resolve_spec, transition
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0
+LIVE_STATUSES = (RunStatus.STARTING, RunStatus.RUNNING)
+LOG_TAIL_LINES = 20
+LOG_TAIL_CHARS = 3000
+# Never handed to the engine: workers do not touch the database (DESIGN.md §2), and
+# the engine runs user reward code.
+PRIVATE_ENV = ("DATABASE_URL", "DJANGO_SECRET_KEY", "POSTGRES_PASSWORD")
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def run_dir(run_id: int) -> Path:
+    return Path(settings.FLUXRL_DATA_DIR) / "runs" / str(run_id)
+
+
+def engine_command(run_id: int, spec_path: Path, out_dir: Path, token: str) -> list[str]:
+    return [*settings.FLUXRL_ENGINE_COMMAND, "run", str(spec_path), "--out", str(out_dir),
+            "--platform", settings.FLUXRL_PUBLIC_URL, "--token", token, "--run-id", str(run_id), "--no-progress"]
+
+
+def _term_with_parent() -> None:  # runs in the child, between fork and exec
+    # If the watching Celery process dies, the engine gets SIGTERM (and stops its
+    # children) instead of training on, unwatched and uncancellable.
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_engine(command: list[str], log_path: Path) -> subprocess.Popen:
+    """The engine in a new session (its own process group, pgid = pid), output to log_path."""
+    env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
+    with open(log_path, "ab") as log_file:
+        return subprocess.Popen(
+            command, cwd=settings.REPO_DIR, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
+            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_term_with_parent if _libc else None,
+        )
+
+
+# --- process groups -----------------------------------------------------------------------
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids of the live processes (zombies excluded) in a process group."""
+    if not os.path.isdir("/proc"):  # not Linux: ask the kernel whether anyone is left
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except (ProcessLookupError, PermissionError):
+            return []
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()  # the command name may hold spaces
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(entry.name))
+    return members
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_group_empty(proc: subprocess.Popen, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        proc.poll()  # reap the leader, or it stays in the group as a zombie
+        if not group_members(proc.pid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def stop_group(proc: subprocess.Popen, grace: float | None = None) -> None:
+    """SIGTERM every process of the engine's group, SIGKILL what is left after the
+    grace period, and return once none is left."""
+    grace = settings.FLUXRL_CANCEL_GRACE_S if grace is None else grace
+    if group_members(proc.pid):
+        signal_group(proc.pid, signal.SIGTERM)
+        if not _wait_group_empty(proc, grace):
+            log.warning("engine group %s ignored SIGTERM for %.0f s: SIGKILL", proc.pid, grace)
+            signal_group(proc.pid, signal.SIGKILL)
+            _wait_group_empty(proc, 10)
+    proc.wait()
+
+
+# --- one run ------------------------------------------------------------------------------
+
+
+def execute_run(run_id: int) -> str:
+    """Run a queued run to its end and return its final status. A redelivered task
+    (acks_late) or a run cancelled while queued finds the run no longer queued, and
+    nothing is started."""
+    try:
+        launched = launch(run_id)
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the run must not stay queued
+        # Typically: the spec no longer validates, the data folder is not writable.
+        log.exception("run %s: could not start the engine", run_id)
+        message = exc.message if isinstance(exc, DomainError) else f"{type(exc).__name__}: {exc}"
+        transition(Run(pk=run_id), RunStatus.FAILED, failure_reason=f"Could not start the engine: {message}")
+        return RunStatus.FAILED
+    if launched is None:
+        return "skipped"
+    proc, log_path = launched
+    try:
+        code = watch(run_id, proc)
+    finally:
+        stop_group(proc)  # the engine's children outlive it when it is killed
+    return finish(run_id, code, log_path)
+
+
+def launch(run_id: int) -> tuple[subprocess.Popen, Path] | None:
+    """Start the engine of a queued run and move the run to starting, or None if the run
+    is not queued. The row stays locked until the pid is recorded, so a cancel or the
+    engine's first report waits for it."""
+    folder = run_dir(run_id)
+    proc = None
+    try:
+        with transaction.atomic():
+            run = Run.objects.select_for_update().filter(pk=run_id).first()
+            if run is None or run.status != RunStatus.QUEUED:
+                log.info("run %s is %s: nothing to start", run_id, run.status if run else "gone")
+                return None
+            folder.mkdir(parents=True, exist_ok=True)
+            spec_path = folder / "spec.json"
+            spec_path.write_text(json.dumps(resolve_spec(run), indent=2))
+            _, key = create_run_token(run)
+            proc = start_engine(engine_command(run.pk, spec_path, folder / "out", key), folder / "engine.log")
+            transition(run, RunStatus.STARTING, worker_host=socket.gethostname(), worker_pid=proc.pid)
+    except BaseException:
+        if proc is not None:
+            stop_group(proc, grace=0)
+        raise
+    log.info("run %s: engine started, pid %s", run_id, proc.pid)
+    return proc, folder / "engine.log"
+
+
+def watch(run_id: int, proc: subprocess.Popen) -> int | None:
+    """Wait for the engine to exit, heart-beating and checking the cancel flag about
+    once a second. Returns its exit code, or None if it was stopped for a cancel."""
+    next_beat = 0.0
+    ended_at = None  # when the run turned terminal while the engine was still up
+    while True:
+        try:
+            return proc.wait(timeout=POLL_S)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            close_old_connections()  # hours-long task: drop connections the server closed
+            row = Run.objects.filter(pk=run_id).values_list("status", "cancel_requested").first()
+            if time.monotonic() >= next_beat:
+                Run.objects.filter(pk=run_id, status__in=LIVE_STATUSES).update(heartbeat_at=timezone.now())
+                next_beat = time.monotonic() + settings.FLUXRL_HEARTBEAT_S
+        except DatabaseError:
+            log.warning("run %s: database unavailable, watching on", run_id, exc_info=True)
+            continue
+        if row is None or row[1]:
+            log.info("run %s: %s, stopping the engine", run_id, "cancel requested" if row else "deleted")
+            stop_group(proc)
+            return None
+        if row[0] not in LIVE_STATUSES:
+            # Reported finished (or failed by the reaper) but still up: give it the grace period.
+            ended_at = ended_at or time.monotonic()
+            if time.monotonic() - ended_at > settings.FLUXRL_CANCEL_GRACE_S:
+                stop_group(proc)
+                return proc.returncode
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES, max_chars: int = LOG_TAIL_CHARS) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    # Progress bars rewrite their line with \r: keep what was shown last.
+    shown = [line.rsplit("\r", 1)[-1].rstrip() for line in text.split("\n")]
+    return "\n".join([line for line in shown if line][-lines:])[-max_chars:]
+
+
+def failure_reason(code: int, log_path: Path) -> str:
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    tail = log_tail(log_path)
+    return f"The engine {how}." + (f" Last lines of its log:\n{tail}" if tail else "")
+
+
+def finish(run_id: int, code: int | None, log_path: Path) -> str:
+    """Record how the engine ended unless it did so itself: cancelled (code None),
+    succeeded (exit 0) or failed with the last lines of its log."""
+    close_old_connections()
+    run = Run.objects.filter(pk=run_id).first()
+    if run is None:
+        return "gone"
+    if run.is_terminal:
+        if run.status == RunStatus.FAILED and not run.failure_reason and code:
+            # The engine reported the failure without saying why: its log says.
+            Run.objects.filter(pk=run_id, failure_reason="").update(failure_reason=failure_reason(code, log_path))
+        return run.status
+    if code is None:
+        status, reason = RunStatus.CANCELLED, ""
+    elif code == 0:
+        status, reason = RunStatus.SUCCEEDED, ""
+        if run.status == RunStatus.STARTING:  # an engine that never reported
+            run = transition(run, RunStatus.RUNNING)
+    else:
+        status, reason = RunStatus.FAILED, failure_reason(code, log_path)
+    try:
+        return transition(run, status, failure_reason=reason).status
+    except IllegalTransition:  # it finished in the meantime
+        run.refresh_from_db()
+        return run.status
+
+
+# --- runs nobody watches any more -----------------------------------------------------------
+
+
+def reap_stale_runs() -> list[int]:
+    """Fail the starting/running runs whose heartbeat is older than FLUXRL_RUN_STALE_S:
+    the Celery worker that watched them died, so they would never end otherwise.
+    Returns their ids."""
+    stale_s = settings.FLUXRL_RUN_STALE_S
+    cutoff = timezone.now() - timedelta(seconds=stale_s)
+    stale = Q(status__in=LIVE_STATUSES) & (Q(heartbeat_at__lt=cutoff) | Q(heartbeat_at__isnull=True, updated_at__lt=cutoff))
+    reaped = []
+    for run_id in Run.objects.filter(stale).values_list("pk", flat=True):
+        with transaction.atomic():
+            run = Run.objects.select_for_update().filter(stale, pk=run_id).first()  # still stale under the lock?
+            if run is None:
+                continue
+            where = f"{run.worker_host or 'an unknown host'}, pid {run.worker_pid}"
+            transition(run, RunStatus.FAILED, failure_reason=(
+                f"Lost: no heartbeat for more than {stale_s:.0f} s from the worker watching the engine ({where}); "
+                "its Celery worker stopped or the host went down."))
+        log.warning("run %s: no heartbeat since %s, marked failed", run_id, run.heartbeat_at)
+        reaped.append(run_id)
+    return reaped

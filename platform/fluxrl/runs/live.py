@@ -1,0 +1,112 @@
+"""Live updates of a run for its page: what is pushed to the Channels group run-<id>
+and what a subscriber gets on connect. RunConsumer (consumers.py) forwards both.
+
+Messages (DESIGN.md §7): {"type": "status", ...}, {"type": "metrics", "points": [...]},
+{"type": "samples", "samples": [...]}. Points are keyed by (key, step); a retried batch
+may be pushed twice, so subscribers overwrite rather than append blindly.
+"""
+from __future__ import annotations
+
+import logging
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+
+from fluxrl.accounts.models import ApiToken, RunToken, Scope
+from fluxrl.accounts.services import visible_teams
+from fluxrl.errors import Forbidden, NotFound, Unauthorized
+
+from .models import Run, Sample
+
+log = logging.getLogger(__name__)
+
+RECENT_SAMPLES = 20  # sent on connect; the samples API has the rest
+
+
+def group_name(run_id: int) -> str:
+    return f"run-{run_id}"
+
+
+def publish(run_id: int, message: dict) -> None:
+    """Push a message to the run's subscribers. Best effort: live views catch up on
+    reconnect (since_step), so a channel-layer outage must not fail a worker's report."""
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    try:
+        async_to_sync(layer.group_send)(group_name(run_id), {"type": "run.event", "message": message})
+    except Exception:  # noqa: BLE001 - e.g. Redis down; the data is stored already
+        log.warning("could not push %s to run %s", message.get("type"), run_id, exc_info=True)
+
+
+def iso(when) -> str | None:
+    return when.isoformat() if when else None
+
+
+def status_message(run: Run) -> dict:
+    return {
+        "type": "status", "run": run.pk, "status": run.status, "failure_reason": run.failure_reason,
+        "cancel_requested": run.cancel_requested, "started_at": iso(run.started_at),
+        "finished_at": iso(run.finished_at), "heartbeat_at": iso(run.heartbeat_at),
+        "worker_host": run.worker_host, "worker_pid": run.worker_pid,
+    }
+
+
+def sample_dict(sample: Sample) -> dict:
+    return {"uid": sample.uid, "step": sample.step, "prompt": sample.prompt, "completion": sample.completion,
+            "reward": sample.reward, "version_runs": sample.version_runs, "length": sample.length,
+            "error": sample.error}
+
+
+def publish_status(run: Run) -> None:
+    publish(run.pk, status_message(run))
+
+
+def publish_samples(run: Run, samples: list[Sample]) -> None:
+    if samples:
+        publish(run.pk, {"type": "samples", "samples": [sample_dict(s) for s in samples]})
+
+
+def publish_points(run: Run, points: list[dict]) -> None:
+    if points:
+        publish(run.pk, {"type": "metrics", "points": points})
+
+
+# --- subscribing ---------------------------------------------------------------------
+
+
+def run_for_subscriber(user, token, run_id: int) -> Run:
+    """The run a websocket client may follow: it must be signed in (session or a user
+    API token with the read scope) and a member of the run's team."""
+    if user is None or not user.is_authenticated:
+        raise Unauthorized("Sign in, or pass an API token (Authorization header or ?token=).")
+    run = Run.objects.filter(pk=run_id).first()
+    if run is None:
+        raise NotFound(f"No run {run_id}.")
+    if isinstance(token, RunToken) or (isinstance(token, ApiToken) and Scope.READ not in token.scopes):
+        raise Forbidden("This token may not read runs.")
+    if not visible_teams(user, token).filter(pk=run.team_id).exists():
+        raise Forbidden("Only members of the run's team may follow it.")
+    return run
+
+
+def snapshot(run: Run, since_step: int | None = None, max_points: int = 1000) -> list[dict]:
+    """What a subscriber gets on connect: the status, the metric history after
+    since_step (each series downsampled to max_points), and the recent samples."""
+    from fluxrl.metrics.services import read_points  # metrics builds on runs
+
+    run.refresh_from_db()
+    samples = run.samples.all()
+    if since_step is not None:
+        samples = samples.filter(step__gt=since_step)
+    recent = list(samples.order_by("-step", "-id")[:RECENT_SAMPLES])[::-1]
+    return [
+        status_message(run),
+        {"type": "metrics", "points": read_points(run, since_step=since_step, max_points=max_points), "history": True},
+        {"type": "samples", "samples": [sample_dict(s) for s in recent], "history": True},
+    ]
+
+
+def current_status(run_id: int) -> dict | None:
+    run = Run.objects.filter(pk=run_id).first()
+    return status_message(run) if run else None
