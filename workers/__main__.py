@@ -57,13 +57,18 @@ def cmd_run(args) -> int:
         platform.status("running", "")
 
     async def main():
-        stop = asyncio.Event()
+        stop, signalled = asyncio.Event(), []
+
+        def on_signal():  # cooperative stop: engines shut down, metrics flushed
+            signalled.append(True)
+            stop.set()
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         controller = Controller(spec, out, reporter, progress=not args.no_progress, stop_event=stop)
         result = await controller.run()
-        return result, stop.is_set()
+        return result, bool(signalled)
 
     try:
         result, stopped = asyncio.run(main())

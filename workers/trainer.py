@@ -148,7 +148,7 @@ class Trainer:
                 loss = loss + algo.kl_coef * kl
                 stats["kl"] += float(kl)
             self.engine.backward(loss)
-            stats["loss"] += float(out.loss)
+            stats["loss"] += float(out.loss.detach())
             stats["clip"] += out.clip_frac * out.tokens
             stats["entropy"] += float((entropy.detach() * mask).sum())
             stats["tokens"] += out.tokens

@@ -1,0 +1,83 @@
+"""The engine CLI end to end: a real short training run, and bad input that must fail
+fast with a clear error (exit code 2) instead of hanging."""
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+QUICK = {
+    "name": "cli-quick",
+    "model": {"path": "builtin:tiny"},
+    "task": {"dataset": "gen:add?max_digits=2", "size": 300, "eval_size": 24},
+    "reward": {"function": "numeric_match"},
+    "algorithm": {"loss": "ppo", "group_size": 4, "lr": 1.0e-4},
+    "rollout": {"max_tokens": 12, "update_mode": "keep"},
+    "schedule": {"mode": "async", "max_staleness": 1, "batch_prompts": 4},
+    "stop": {"max_steps": 4, "max_minutes": 5},
+    "eval": {"every_steps": 2, "prompts": 24},
+}
+
+
+def run_cli(tmp_path, spec, timeout=420):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec) if isinstance(spec, dict) else spec)
+    return subprocess.run([sys.executable, "-m", "workers", "run", str(path), "--out", str(tmp_path / "out"),
+                           "--no-progress"], capture_output=True, text=True, timeout=timeout)
+
+
+def with_(**sections):
+    spec = json.loads(json.dumps(QUICK))
+    for key, value in sections.items():
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
+    return spec
+
+
+def test_spec_with_unknown_field_is_rejected_before_anything_starts(tmp_path):
+    proc = run_cli(tmp_path, with_(schedule={"max_stalenes": 3}), timeout=60)
+    assert proc.returncode == 2
+    assert "schedule.max_stalenes: unknown field" in proc.stderr
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path, tiny_model_path):
+    proc = run_cli(tmp_path, with_(model={"path": str(tmp_path / "no-such-model")}), timeout=120)
+    assert proc.returncode == 2
+    assert "model.path" in proc.stderr and "no-such-model" in proc.stderr
+
+
+def test_empty_dataset_is_a_clear_error(tmp_path, tiny_model_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    proc = run_cli(tmp_path, with_(task={"dataset": str(empty)}), timeout=120)
+    assert proc.returncode == 2
+    assert "is empty" in proc.stderr
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(900)
+def test_async_run_trains_within_the_staleness_bound_and_reports_metrics(tmp_path, tiny_model_path):
+    proc = run_cli(tmp_path, QUICK)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["steps"] == 4 and result["trained_samples"] == 4 * 4 * 4
+    assert result["staleness_max"] <= 1
+    assert 0.0 <= result["accuracy_before"] <= 1.0 and 0.0 <= result["accuracy_after"] <= 1.0
+    points = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    keys = {p["key"] for p in points}
+    for key in ("reward/mean", "throughput/samples_per_s", "staleness/max", "weights/sync_ms", "loss/policy",
+                "eval/accuracy", "lengths/p99", "version/current"):
+        assert key in keys, key
+    assert max(p["value"] for p in points if p["key"] == "staleness/max") <= 1
+    versions = [p["value"] for p in points if p["key"] == "version/current"]
+    assert versions == [1, 2, 3, 4]
+    assert (tmp_path / "out" / "final_model" / "tokenizer.json").exists()
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(900)
+def test_reward_that_raises_on_every_sample_fails_the_run_with_its_error(tmp_path, tiny_model_path):
+    code = "def reward(prompt, completion, **fields):\n    raise RuntimeError('reward exploded')\n"
+    proc = run_cli(tmp_path, with_(reward={"function": "user", "code": code}, eval={"every_steps": 0, "prompts": 0}))
+    assert proc.returncode == 2
+    assert "failed on all of the first" in proc.stderr and "reward exploded" in proc.stderr

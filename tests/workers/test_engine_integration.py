@@ -1,0 +1,117 @@
+"""The real engine on the tiny model: vLLM (CPU) rollouts, DeepSpeed training and
+in-flight weight updates. One engine serves the whole module (start-up is slow)."""
+import asyncio
+
+import pytest
+import torch
+
+from workers.rollout import RolloutEngine, configure_cpu_environment
+from workers.tinymodel import encode
+from workers.weight_sync import serialize_state_dict, tensors_checksum
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    pending = asyncio.all_tasks(loop)
+    for task in pending:  # the engine's output handler outlives its shutdown
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def engine(loop, tiny_model_path):
+    configure_cpu_environment(None, 1.0)
+    eng = RolloutEngine(tiny_model_path, update_mode="keep", max_model_len=256)
+    loop.run_until_complete(eng.start())
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path)
+
+
+def _perturbed_blob(model, scale=0.05, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return serialize_state_dict(model.state_dict())
+
+
+async def _logprob_gap(engine, model, prompt="12+34="):
+    """Max |engine behaviour log-prob − HF log-prob| over a sampled completion."""
+    ids = encode(prompt)
+    comp = await engine.generate(ids, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + comp.token_ids])).logits[0].float().log_softmax(-1)
+    mine = [logits[len(ids) - 1 + i, t].item() for i, t in enumerate(comp.token_ids)]
+    return max(abs(a - b) for a, b in zip(mine, comp.logprobs))
+
+
+async def _run_with_update(engine, blob, version, n=12, max_tokens=120):
+    tasks = [asyncio.create_task(engine.generate(encode(f"{i}+{i}="), max_tokens, 1.0, ignore_eos=True)) for i in range(n)]
+    start = engine.generated_tokens
+    while engine.generated_tokens < start + 20 * n:  # let every request get going under the old weights
+        await asyncio.sleep(0.02)
+    timing = await engine.update_weights(blob, version)
+    return await asyncio.gather(*tasks), timing
+
+
+def test_in_flight_update_changes_weights_while_requests_run_and_all_finish(loop, engine, hf_model):
+    assert loop.run_until_complete(_logprob_gap(engine, hf_model)) < 1e-3  # same weights to begin with
+    blob = _perturbed_blob(hf_model)
+    completions, timing = loop.run_until_complete(_run_with_update(engine, blob, version=1))
+    assert all(c.length == 120 and len(c.logprobs) == 120 for c in completions)
+    spanning = [c for c in completions if [v for v, _ in c.versions.runs] == [0, 1]]
+    assert spanning, [c.versions.runs for c in completions]
+    assert all(c.versions.tokens == 120 for c in completions)
+    assert timing.load_ms > 0 and timing.sync_ms >= timing.load_ms
+    # the engine now computes exactly what the updated model computes
+    assert loop.run_until_complete(_logprob_gap(engine, hf_model)) < 1e-3
+
+
+def test_interrupted_request_resumes_from_its_prefix(loop, engine, hf_model):
+    engine.update_mode = "interrupt"
+    try:
+        blob = _perturbed_blob(hf_model, seed=1)
+        completions, _ = loop.run_until_complete(_run_with_update(engine, blob, version=2, n=8, max_tokens=150))
+    finally:
+        engine.update_mode = "keep"
+    assert all(c.length == 150 and len(c.logprobs) == 150 for c in completions)  # the budget is kept
+    resumed = [c for c in completions if c.resubmits >= 1]
+    assert resumed
+    for c in resumed:  # prefix under the old version, the rest under the new one
+        assert [v for v, _ in c.versions.runs] == [1, 2]
+    assert loop.run_until_complete(_logprob_gap(engine, hf_model)) < 1e-3
+
+
+def test_trainer_and_engine_weights_match_after_a_training_step(loop, engine, tiny_model_path):
+    from workers.spec import validate_spec
+    from workers.trainer import TrainSample, Trainer
+
+    spec = validate_spec({"name": "t", "model": {"path": tiny_model_path}, "task": {"dataset": "gen:add"},
+                          "algorithm": {"lr": 1e-3}, "trainer": {"zero_stage": 1}})
+    trainer = Trainer(spec, tiny_model_path, threads=1)
+    before = tensors_checksum(dict(trainer.state_dict()))
+    async def four():
+        return await asyncio.gather(*(engine.generate(encode("7+8="), 8, 1.0) for _ in range(4)))
+
+    comps = loop.run_until_complete(four())
+    batch = [TrainSample(c.prompt_ids, c.token_ids, c.logprobs, adv) for c, adv in zip(comps, [1.0, -1.0, 0.5, -0.5])]
+    stats = trainer.train_step(batch)
+    assert stats["trainer/micro_batches"] >= 1 and trainer.version == 1
+    state = dict(trainer.state_dict())
+    assert tensors_checksum(state) != before  # the step changed the policy
+    loop.run_until_complete(engine.update_weights(serialize_state_dict(state), 3))
+    assert loop.run_until_complete(engine.weights_checksum()) == tensors_checksum(
+        {k: v for k, v in state.items()})
+    assert loop.run_until_complete(_logprob_gap(engine, trainer.engine.module)) < 1e-3
