@@ -66,6 +66,7 @@ INSTALLED_APPS = [
     "fluxrl.rewards",
     "fluxrl.runs",
     "fluxrl.metrics",
+    "fluxrl.dashboard",
 ]
 
 MIDDLEWARE = [

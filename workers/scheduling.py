@@ -1,0 +1,61 @@
+"""Dispatch policies for prompt groups: in which order they start and on which engine.
+
+Pure functions, deterministic, no engines involved. Inputs are the pending groups'
+predicted lengths (tokens; e.g. ``LengthRanker.predict`` × group size) and each
+engine's current predicted token load (predicted tokens of the groups it is running).
+
+- ``fifo``: arrival order.
+- ``random``: a seeded shuffle.
+- ``longest_first`` (StreamRL's skewness-aware dispatch): predicted-long groups start
+  first and go to the engine with the least predicted token load, so long ones spread
+  over engines and short ones fill in the gaps — LPT (longest processing time first)
+  list scheduling, within 4/3 of the optimal makespan.
+
+The length-blind policies (``fifo``, ``random``) must not use per-group predictions, so
+they take every group as average-sized: on engines with equal loads that is round robin.
+"""
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+POLICIES = ("fifo", "random", "longest_first")
+
+
+def dispatch_order(policy: str, predicted: Sequence[float], seed: int = 0) -> list[int]:
+    """Indices into ``predicted`` in the order the groups should start."""
+    order = list(range(len(predicted)))
+    if policy == "fifo":
+        return order
+    if policy == "random":
+        random.Random(seed).shuffle(order)
+        return order
+    if policy == "longest_first":
+        return sorted(order, key=lambda i: -predicted[i])  # stable: equal predictions keep arrival order
+    raise ValueError(f"unknown dispatch policy {policy!r}; choose one of {POLICIES}")
+
+
+def least_loaded(loads: Sequence[float]) -> int:
+    """The engine with the smallest load (the lowest index among equals)."""
+    return min(range(len(loads)), key=lambda e: (loads[e], e))
+
+
+def plan_dispatch(policy: str, predicted: Sequence[float], engine_loads: Sequence[float],
+                  seed: int = 0) -> list[tuple[int, int]]:
+    """``(group index, engine)`` pairs in dispatch order.
+
+    Each group goes to the engine least loaded at that point, counting the groups
+    already placed: by their predicted tokens (``longest_first``) or as average-sized
+    groups (length-blind policies).
+    """
+    if not engine_loads:
+        raise ValueError("no engines to dispatch to")
+    order = dispatch_order(policy, predicted, seed)
+    average = sum(predicted) / len(predicted) if predicted else 0.0
+    loads = [float(x) for x in engine_loads]
+    plan = []
+    for i in order:
+        engine = least_loaded(loads)
+        loads[engine] += predicted[i] if policy == "longest_first" else average
+        plan.append((i, engine))
+    return plan
