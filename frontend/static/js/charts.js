@@ -1,0 +1,288 @@
+// Plotly charts of the run and compare pages. Plotly (window.Plotly) is served by the
+// dashboard itself from the plotly Python package: no CDN.
+import { el } from "./common.js";
+
+export const COLORS = ["#2456c7", "#d9480f", "#2b8a3e", "#ae3ec9", "#e67700", "#0b7285", "#c2255c", "#5f3dc4", "#495057", "#74b816"];
+export const PLOT_CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d", "autoScale2d"] };
+const LIVE_MAX_POINTS = 4000; // a trace longer than this (a long live session) is thinned to half
+
+export function baseLayout(extra = {}) {
+  return {
+    margin: { l: 56, r: 24, t: 8, b: 64 },
+    font: { size: 12, family: "system-ui, sans-serif" },
+    hovermode: "x unified",
+    showlegend: true,
+    legend: { orientation: "h", x: 0, y: -0.22 },
+    xaxis: { title: { text: "step", standoff: 4 }, automargin: true, zeroline: false },
+    yaxis: { automargin: true, zeroline: false },
+    uirevision: "keep", // zoom survives data updates
+    ...extra,
+  };
+}
+
+// A chart panel: heading, plot area and a note shown while it has no data.
+export function chartBox(container, id, title) {
+  const plot = el("div", { class: "chart", id: `chart-${id}`, role: "img", "aria-label": title });
+  const note = el("div", { class: "chart-note", text: "Loading…" });
+  const box = el("section", { class: "chart-box", "aria-labelledby": `chart-${id}-title` },
+    el("h3", { id: `chart-${id}-title`, text: title }), plot, note);
+  container.append(box);
+  return { box, plot, note };
+}
+
+// Min/max thinning (keeps first, last and each bucket's extremes), for traces that grew
+// long while the page stayed open; the server downsamples the history the same way.
+export function thin(xs, ys, maxPoints) {
+  if (xs.length <= maxPoints) return [xs, ys];
+  const buckets = Math.max(1, Math.floor((maxPoints - 2) / 2));
+  const size = Math.ceil((xs.length - 2) / buckets);
+  const keep = [0];
+  for (let start = 1; start < xs.length - 1; start += size) {
+    let lo = start, hi = start;
+    for (let i = start; i < Math.min(start + size, xs.length - 1); i++) {
+      if (ys[i] < ys[lo]) lo = i;
+      if (ys[i] > ys[hi]) hi = i;
+    }
+    keep.push(...(lo === hi ? [lo] : [Math.min(lo, hi), Math.max(lo, hi)]));
+  }
+  keep.push(xs.length - 1);
+  return [keep.map((i) => xs[i]), keep.map((i) => ys[i])];
+}
+
+// Linear interpolation of a sorted series at x (ends held flat).
+function interpolate(xs, ys, x) {
+  if (!xs.length) return null;
+  if (x <= xs[0]) return ys[0];
+  if (x >= xs[xs.length - 1]) return ys[ys.length - 1];
+  let lo = 0, hi = xs.length - 1;
+  while (hi - lo > 1) {
+    const mid = (lo + hi) >> 1;
+    if (xs[mid] <= x) lo = mid; else hi = mid;
+  }
+  const t = (x - xs[lo]) / (xs[hi] - xs[lo]);
+  return ys[lo] + t * (ys[hi] - ys[lo]);
+}
+
+// Points of one message grouped by key, each group sorted by step.
+export function groupPoints(points) {
+  const byKey = {};
+  for (const p of points) (byKey[p.key] = byKey[p.key] || []).push(p);
+  for (const list of Object.values(byKey)) list.sort((a, b) => a.step - b.step);
+  return byKey;
+}
+
+// Line chart of some metric keys against step, live: history from the API (init), then
+// points from the websocket (append) through Plotly.extendTraces, without redrawing.
+// def: {id, title, traces: [{key, name, axis: "y2"?}], band: {mean, std}?, y2title?}
+export class LiveChart {
+  constructor(container, def) {
+    this.def = def;
+    Object.assign(this, chartBox(container, def.id, def.title));
+    this.traces = []; // {key, role: "line" | "upper" | "lower", last: step}
+    this.pending = { mean: new Map(), std: new Map() }; // band halves waiting for each other
+    this.hasData = false;
+  }
+
+  keys() {
+    const keys = this.def.traces.map((t) => t.key);
+    if (this.def.band) keys.push(this.def.band.mean, this.def.band.std);
+    return [...new Set(keys)];
+  }
+
+  init(series) {
+    const data = [];
+    const band = this.def.band;
+    if (band) {
+      const mean = series[band.mean] || { step: [], value: [] };
+      const std = series[band.std] || { step: [], value: [] };
+      const upper = [], lower = [], xs = [];
+      mean.step.forEach((s, i) => {
+        const sd = interpolate(std.step, std.value, s); // downsampled series rarely share steps
+        if (sd === null) return;
+        xs.push(s); upper.push(mean.value[i] + sd); lower.push(mean.value[i] - sd);
+      });
+      const last = xs.length ? xs[xs.length - 1] : -Infinity;
+      data.push({ x: xs, y: upper, name: "mean + std", mode: "lines", line: { width: 0 }, hoverinfo: "skip", showlegend: false });
+      data.push({ x: xs.slice(), y: lower, name: "± std", mode: "lines", line: { width: 0 }, fill: "tonexty",
+        fillcolor: "rgba(36, 86, 199, 0.18)", hoverinfo: "skip" });
+      this.traces.push({ key: band.mean, role: "upper", last }, { key: band.mean, role: "lower", last });
+    }
+    this.def.traces.forEach((t, i) => {
+      const s = series[t.key] || { step: [], value: [] };
+      data.push({ x: s.step.slice(), y: s.value.slice(), name: t.name || t.key, mode: "lines", type: "scatter",
+        yaxis: t.axis || "y", line: { width: 1.8, color: t.color || COLORS[i % COLORS.length] } });
+      this.traces.push({ key: t.key, role: "line", last: s.step.length ? s.step[s.step.length - 1] : -Infinity });
+    });
+    const layout = baseLayout();
+    if (this.def.traces.some((t) => t.axis === "y2")) {
+      layout.yaxis2 = { overlaying: "y", side: "right", automargin: true, title: { text: this.def.y2title || "" }, showgrid: false };
+    }
+    if (this.def.ytitle) layout.yaxis.title = { text: this.def.ytitle };
+    window.Plotly.newPlot(this.plot, data, layout, PLOT_CONFIG);
+    this.setHasData(data.some((trace) => trace.x.length > 0));
+  }
+
+  setHasData(has) {
+    this.hasData = has;
+    this.note.hidden = has;
+    if (!has) this.note.textContent = this.def.emptyText || "No data yet";
+  }
+
+  // byKey: {key: [{step, value}, ...] sorted by step}. Points at or before a trace's
+  // last step are skipped: history and live pushes overlap, and retried batches repeat.
+  append(byKey) {
+    const update = { x: [], y: [] }, indices = [];
+    const band = this.def.band;
+    if (band) {
+      for (const p of byKey[band.mean] || []) this.pending.mean.set(p.step, p.value);
+      for (const p of byKey[band.std] || []) this.pending.std.set(p.step, p.value);
+      const steps = [...this.pending.mean.keys()].filter((s) => this.pending.std.has(s)).sort((a, b) => a - b);
+      const fresh = steps.filter((s) => s > this.traces[0].last);
+      if (fresh.length) {
+        const up = fresh.map((s) => this.pending.mean.get(s) + this.pending.std.get(s));
+        const down = fresh.map((s) => this.pending.mean.get(s) - this.pending.std.get(s));
+        update.x.push(fresh, fresh.slice()); update.y.push(up, down); indices.push(0, 1);
+        this.traces[0].last = this.traces[1].last = fresh[fresh.length - 1];
+      }
+      for (const s of steps) { this.pending.mean.delete(s); this.pending.std.delete(s); }
+      for (const map of [this.pending.mean, this.pending.std]) {
+        if (map.size > 1000) map.clear(); // a half whose partner never came
+      }
+    }
+    this.traces.forEach((trace, index) => {
+      if (trace.role !== "line") return;
+      const fresh = (byKey[trace.key] || []).filter((p) => p.step > trace.last);
+      if (!fresh.length) return;
+      update.x.push(fresh.map((p) => p.step)); update.y.push(fresh.map((p) => p.value)); indices.push(index);
+      trace.last = fresh[fresh.length - 1].step;
+    });
+    if (!indices.length) return 0;
+    window.Plotly.extendTraces(this.plot, update, indices);
+    this.setHasData(true);
+    this.thinIfLong();
+    return indices.length;
+  }
+
+  thinIfLong() {
+    const data = this.plot.data;
+    if (!data.some((trace) => trace.x.length > LIVE_MAX_POINTS)) return;
+    for (const trace of data) [trace.x, trace.y] = thin(trace.x, trace.y, LIVE_MAX_POINTS / 2);
+    window.Plotly.redraw(this.plot);
+  }
+
+  lastStep() {
+    return Math.max(-Infinity, ...this.traces.map((t) => t.last));
+  }
+}
+
+// Heat map of a histogram reported as one key per bucket (staleness/hist/<k>) over steps.
+// z is column-major (transpose: true) so a new step is one appended column.
+export class HistogramChart {
+  constructor(container, def) {
+    this.def = def; // {id, title, prefix, ytitle}
+    Object.assign(this, chartBox(container, def.id, def.title));
+    this.buckets = [];
+    this.last = -Infinity;
+    this.hasData = false;
+  }
+
+  matches(key) {
+    return key.startsWith(this.def.prefix) && Number.isFinite(Number(key.slice(this.def.prefix.length)));
+  }
+
+  init(series, maxColumns = 300) {
+    const keys = Object.keys(series).filter((k) => this.matches(k));
+    this.buckets = keys.map((k) => Number(k.slice(this.def.prefix.length))).sort((a, b) => a - b);
+    const steps = [...new Set(keys.flatMap((k) => series[k].step))].sort((a, b) => a - b);
+    let xs = steps, columns;
+    if (steps.length <= maxColumns) {
+      const at = new Map(steps.map((s, i) => [s, i]));
+      columns = steps.map(() => this.buckets.map(() => null));
+      keys.forEach((k) => {
+        const b = this.buckets.indexOf(Number(k.slice(this.def.prefix.length)));
+        series[k].step.forEach((s, i) => { columns[at.get(s)][b] = series[k].value[i]; });
+      });
+    } else {
+      // Downsampled series do not share steps: average each bucket's points per bin.
+      const first = steps[0], width = (steps[steps.length - 1] - first + 1) / maxColumns;
+      const sums = Array.from({ length: maxColumns }, () => this.buckets.map(() => [0, 0]));
+      keys.forEach((k) => {
+        const b = this.buckets.indexOf(Number(k.slice(this.def.prefix.length)));
+        series[k].step.forEach((s, i) => {
+          const cell = sums[Math.min(maxColumns - 1, Math.floor((s - first) / width))][b];
+          cell[0] += series[k].value[i]; cell[1] += 1;
+        });
+      });
+      xs = sums.map((_, i) => Math.round(first + (i + 0.5) * width));
+      columns = sums.map((col) => col.map(([sum, n]) => (n ? sum / n : null)));
+    }
+    this.last = steps.length ? steps[steps.length - 1] : -Infinity;
+    this.draw(xs, columns);
+  }
+
+  draw(xs, columns) {
+    const trace = { type: "heatmap", x: xs, y: this.buckets, z: columns, transpose: true, colorscale: "Blues", reversescale: true, // more samples: darker
+      colorbar: { title: { text: this.def.ztitle || "" }, thickness: 12 }, hovertemplate: "step %{x}<br>%{y} behind: %{z}<extra></extra>" };
+    const layout = baseLayout({ showlegend: false, hovermode: "closest" });
+    layout.yaxis = { title: { text: this.def.ytitle || "" }, dtick: 1, automargin: true };
+    window.Plotly.react(this.plot, [trace], layout, PLOT_CONFIG);
+    this.hasData = xs.length > 0;
+    this.note.hidden = this.hasData;
+    if (!this.hasData) this.note.textContent = this.def.emptyText || "No data yet";
+  }
+
+  append(byKey) {
+    const byStep = new Map();
+    let newBucket = false;
+    for (const [key, points] of Object.entries(byKey)) {
+      if (!this.matches(key)) continue;
+      const b = Number(key.slice(this.def.prefix.length));
+      if (!this.buckets.includes(b)) newBucket = true;
+      for (const p of points) {
+        if (p.step <= this.last) continue;
+        if (!byStep.has(p.step)) byStep.set(p.step, new Map());
+        byStep.get(p.step).set(b, p.value);
+      }
+    }
+    if (!byStep.size) return 0;
+    const steps = [...byStep.keys()].sort((a, b) => a - b);
+    this.last = steps[steps.length - 1];
+    const trace = this.plot.data && this.plot.data[0];
+    if (newBucket || !trace) {
+      // A bucket never seen before: widen every column and redraw.
+      const old = this.buckets;
+      const buckets = [...new Set([...old, ...steps.flatMap((s) => [...byStep.get(s).keys()])])].sort((a, b) => a - b);
+      const xs = trace ? [...trace.x] : [];
+      const columns = trace ? trace.z.map((col) => buckets.map((b) => (old.includes(b) ? col[old.indexOf(b)] : null))) : [];
+      this.buckets = buckets;
+      steps.forEach((s) => { xs.push(s); columns.push(buckets.map((b) => byStep.get(s).get(b) ?? null)); });
+      this.draw(xs, columns);
+      return 1;
+    }
+    const columns = steps.map((s) => this.buckets.map((b) => byStep.get(s).get(b) ?? null));
+    window.Plotly.extendTraces(this.plot, { x: [steps], z: [columns] }, [0]);
+    this.hasData = true;
+    this.note.hidden = true;
+    return 1;
+  }
+
+  keys(available) {
+    return available.filter((k) => this.matches(k));
+  }
+}
+
+// Time-weighted exponential moving average (W&B's default smoothing; TensorBoard's
+// debiased EMA when points are evenly spaced): a point's weight decays with its
+// x-distance in units of `unit` (the typical spacing), not with its index, so runs
+// logged at different rates, or with gaps, smooth alike. weight in [0, 1).
+export function smooth(xs, ys, weight, unit) {
+  if (!(weight > 0) || ys.length < 2) return ys.slice();
+  const base = Math.min(weight, 0.999);
+  let last = 0, debias = 0;
+  return ys.map((y, i) => {
+    const decay = i > 0 ? Math.pow(base, (xs[i] - xs[i - 1]) / (unit || 1)) : base;
+    last = last * decay + (1 - decay) * y;
+    debias = debias * decay + (1 - decay);
+    return last / debias;
+  });
+}

@@ -1,0 +1,300 @@
+// Run page: charts load their history from the metrics API (downsampled on the server),
+// then grow from the websocket with Plotly.extendTraces; status, samples, cancel, log.
+import { api, el, fmt, pageData, toast } from "./common.js";
+import { groupPoints, HistogramChart, LiveChart } from "./charts.js";
+import { RunSocket } from "./live.js";
+
+const data = pageData();
+const run = data.run;
+const MAX_POINTS = 1000;
+const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
+
+// DESIGN.md §5 metric names, grouped into charts. Keys outside these get "other" charts.
+const CHARTS = [
+  { id: "reward", title: "Reward (mean ± std)", band: { mean: "reward/mean", std: "reward/std" },
+    traces: [{ key: "reward/mean", name: "reward mean" }] },
+  { id: "accuracy", title: "Held-out accuracy", traces: [{ key: "eval/accuracy", name: "eval accuracy" }] },
+  { id: "throughput", title: "Throughput", y2title: "tokens/s", ytitle: "samples/s", traces: [
+    { key: "throughput/samples_per_s", name: "samples/s" },
+    { key: "throughput/tokens_per_s", name: "tokens/s", axis: "y2" },
+    { key: "rollout/gen_tokens_per_s", name: "generation tokens/s", axis: "y2" },
+    { key: "trainer/tokens_per_s", name: "trainer tokens/s", axis: "y2" }] },
+  { id: "staleness", title: "Staleness (policy versions behind)", traces: [
+    { key: "staleness/mean", name: "mean" }, { key: "staleness/max", name: "max" }] },
+  { id: "staleness-hist", title: "Staleness distribution per step", heatmap: true, prefix: "staleness/hist/",
+    ytitle: "versions behind", ztitle: "samples" },
+  { id: "weights", title: "Weight sync and generation stall (ms)", traces: [
+    { key: "weights/sync_ms", name: "weight sync ms" }, { key: "weights/gen_stall_ms", name: "generation stall ms" }] },
+  { id: "loss", title: "Loss, KL and clipping", y2title: "fraction / entropy", traces: [
+    { key: "loss/policy", name: "policy loss" }, { key: "loss/kl", name: "KL" },
+    { key: "policy/clip_frac", name: "clip fraction", axis: "y2" }, { key: "policy/entropy", name: "entropy", axis: "y2" }] },
+  { id: "lengths", title: "Output lengths (tokens)", traces: [
+    { key: "lengths/mean", name: "mean" }, { key: "lengths/p99", name: "p99" }] },
+  { id: "queue", title: "Queue depth and policy version", y2title: "version", traces: [
+    { key: "queue/depth", name: "queue depth" }, { key: "version/current", name: "policy version", axis: "y2" }] },
+];
+
+// --- charts -------------------------------------------------------------------------------
+
+const charts = [];
+const known = new Set();
+const container = document.getElementById("charts");
+for (const def of CHARTS) {
+  const emptyText = run.terminal ? "This run reported none of these metrics." : "No data yet: waiting for the workers";
+  const chart = def.heatmap ? new HistogramChart(container, { ...def, emptyText }) : new LiveChart(container, { ...def, emptyText });
+  charts.push(chart);
+  if (!def.heatmap) chart.keys().forEach((k) => known.add(k));
+}
+const histogram = charts.find((c) => c instanceof HistogramChart);
+const otherSection = document.getElementById("other-metrics-section");
+const otherCharts = new Map();
+
+function otherChart(key) {
+  if (!otherCharts.has(key)) {
+    otherSection.hidden = false;
+    const chart = new LiveChart(document.getElementById("other-charts"), { id: `other-${otherCharts.size}`, title: key, traces: [{ key, name: key }] });
+    otherCharts.set(key, chart);
+  }
+  return otherCharts.get(key);
+}
+
+const isOther = (key) => !known.has(key) && !histogram.matches(key);
+
+async function fetchSeries(keys) {
+  if (!keys.length) return {};
+  const query = new URLSearchParams({ keys: keys.join(","), max_points: MAX_POINTS });
+  return (await api(`/api/runs/${run.id}/metrics/?${query}`)).series;
+}
+
+let loaded = false;
+const buffered = [];
+
+async function loadHistory() {
+  const available = Object.keys(data.series);
+  let first = true;
+  // One request per chart, in page order: the first chart appears without waiting for all.
+  const jobs = charts.map((chart) => [chart, chart instanceof HistogramChart ? chart.keys(available) : chart.keys().filter((k) => k in data.series)]);
+  for (const key of available.filter(isOther).sort()) jobs.push([otherChart(key), [key]]);
+  for (const [chart, keys] of jobs) {
+    try {
+      chart.init(await fetchSeries(keys));
+    } catch (err) {
+      chart.init({});
+      chart.note.hidden = false;
+      chart.note.textContent = `Could not load: ${err.message}`;
+    }
+    if (first && chart.hasData) {
+      performance.mark("fluxrl:first-chart");
+      first = false;
+    }
+  }
+  performance.mark("fluxrl:all-charts");
+  loaded = true;
+  buffered.splice(0).forEach(applyPoints);
+}
+
+function applyPoints(points) {
+  if (!loaded) { buffered.push(points); return; }
+  const byKey = groupPoints(points);
+  for (const chart of charts) chart.append(byKey);
+  for (const key of Object.keys(byKey).filter(isOther)) {
+    const chart = otherChart(key);
+    if (!chart.traces.length) chart.init({});
+    chart.append(byKey);
+  }
+}
+
+function lastStep() {
+  const steps = [...charts, ...otherCharts.values()].map((c) => (c instanceof HistogramChart ? c.last : c.lastStep()));
+  const best = Math.max(-Infinity, ...steps);
+  return Number.isFinite(best) ? best : data.since_step;
+}
+
+// --- status -------------------------------------------------------------------------------
+
+const badge = document.getElementById("status-badge");
+const cancelButton = document.getElementById("cancel-button");
+const liveBox = document.getElementById("live");
+const liveText = document.getElementById("live-text");
+const retryButton = document.getElementById("live-retry");
+let socket = null;
+
+function setStatus(message) {
+  const status = message.status;
+  badge.className = `badge status-${status}`;
+  badge.textContent = status;
+  const timeline = document.getElementById("timeline");
+  const shown = [...timeline.querySelectorAll("li")].map((li) => li.dataset.status);
+  if (!shown.includes(status) && status !== "starting") {
+    const at = message.finished_at || message.started_at || new Date().toISOString();
+    timeline.append(el("li", { "data-status": status }, el("span", { class: `badge status-${status}`, text: status }), " ",
+      el("time", { datetime: at, text: new Date(at).toLocaleString() })));
+  }
+  const failed = status === "failed";
+  document.getElementById("failure").hidden = !failed;
+  if (failed) document.getElementById("failure-reason").textContent = message.failure_reason || "No reason was reported.";
+  const terminal = TERMINAL.has(status);
+  document.getElementById("cancel-note").hidden = terminal || !message.cancel_requested;
+  cancelButton.hidden = terminal;
+  if (message.cancel_requested) { cancelButton.disabled = true; cancelButton.textContent = "Cancelling…"; }
+  if (message.worker_host) document.getElementById("worker").textContent = `${message.worker_host} (pid ${message.worker_pid ?? "?"})`;
+  if (message.heartbeat_at) document.getElementById("heartbeat").textContent = new Date(message.heartbeat_at).toLocaleString();
+  run.status = status;
+  if (terminal && !run.terminal) {
+    run.terminal = true;
+    if (socket) socket.stop();
+    setLive("finished", {});
+  }
+}
+
+function setLive(state, detail) {
+  liveBox.dataset.state = state;
+  retryButton.hidden = state !== "reconnecting";
+  liveText.textContent = {
+    connecting: "Connecting to live updates…",
+    live: "Live",
+    reconnecting: `Live updates disconnected — reconnecting in ${detail.seconds ?? "a few"} s`,
+    closed: `Live updates unavailable: ${detail.reason}`,
+    finished: "Run ended: showing its full history",
+  }[state];
+}
+
+retryButton.addEventListener("click", () => socket && socket.retryNow());
+
+cancelButton.addEventListener("click", async () => {
+  if (!window.confirm(`Cancel run "${run.name}"? The engine is stopped; this cannot be undone.`)) return;
+  cancelButton.disabled = true;
+  try {
+    const reply = await api(`/api/runs/${run.id}/cancel/`, { method: "POST" });
+    setStatus({ ...reply, failure_reason: "" });
+    toast(reply.status === "cancelled" ? "Run cancelled." : "Cancel requested: the worker is stopping the run.");
+  } catch (err) {
+    cancelButton.disabled = false;
+    toast(`Could not cancel: ${err.message}`);
+  }
+});
+
+// --- samples ------------------------------------------------------------------------------
+
+const samplesBox = document.getElementById("samples");
+const seenSamples = new Set();
+let olderOffset = Math.max(0, data.sample_count - data.samples.length); // REST lists oldest first
+const olderButton = document.getElementById("samples-older");
+
+const sampleKey = (s) => s.uid || `${s.step}|${s.prompt}|${s.completion}`;
+
+// Completion characters coloured by the policy version of their tokens. Token and
+// character counts match for the character-level tiny model; otherwise spread evenly.
+function completionNode(sample) {
+  const runs = sample.version_runs || [];
+  const chars = [...(sample.completion || "")];
+  const tokens = runs.reduce((n, [, count]) => n + count, 0);
+  const node = el("pre", { class: "completion" });
+  if (!runs.length || !tokens) { node.textContent = sample.completion; return node; }
+  let done = 0, from = 0;
+  runs.forEach(([version, count], i) => {
+    done += count;
+    const to = i === runs.length - 1 ? chars.length : Math.round((done / tokens) * chars.length);
+    node.append(el("span", { class: `v${version % 8}${i ? " vchange" : ""}`, title: `policy version ${version}: ${count} tokens`,
+      text: chars.slice(from, to).join("") }));
+    from = to;
+  });
+  return node;
+}
+
+function sampleNode(sample) {
+  const runs = sample.version_runs || [];
+  const versions = [...new Set(runs.map(([v]) => v))];
+  const multi = versions.length > 1;
+  const tokens = runs.reduce((n, [, count]) => n + count, 0);
+  return el("article", { class: `sample${multi ? " multi" : ""}`, "data-multi": multi ? "1" : "0" },
+    el("header", {},
+      el("span", {}, "step ", el("strong", { text: sample.step })),
+      el("span", {}, "reward ", el("strong", { text: fmt(sample.reward) })),
+      el("span", { text: `${sample.length} tokens` }),
+      versions.length ? el("span", { text: `policy v${versions.join(" → v")}` }) : null,
+      multi ? el("span", { class: "spans", text: `spans ${versions.length} versions` }) : null,
+      sample.error ? el("span", { class: "field-error", text: `error: ${sample.error}` }) : null),
+    el("div", { class: "row" }, el("div", { class: "label", text: "prompt" }), el("pre", { text: sample.prompt })),
+    el("div", { class: "row" }, el("div", { class: "label", text: "completion" }), completionNode(sample)),
+    runs.length ? el("div", { class: "legend", "aria-label": "tokens per policy version" },
+      runs.map(([v, count]) => el("span", { class: `v${v % 8}`, text: `v${v}: ${count}` })),
+      tokens !== [...(sample.completion || "")].length ? el("span", { class: "muted", text: "(token positions approximate)" }) : null) : null);
+}
+
+function addSamples(samples, { atTop }) {
+  const nodes = [];
+  for (const s of samples) {
+    const key = sampleKey(s);
+    if (seenSamples.has(key)) continue;
+    seenSamples.add(key);
+    nodes.push(sampleNode(s));
+  }
+  if (atTop) samplesBox.prepend(...nodes); else samplesBox.append(...nodes);
+  const trimmed = samplesBox.children.length;
+  document.getElementById("samples-empty").hidden = trimmed > 0;
+  document.getElementById("samples-count").textContent = trimmed ? `${trimmed} shown` : "";
+}
+
+document.getElementById("multi-only").addEventListener("change", (event) => {
+  samplesBox.querySelectorAll('.sample[data-multi="0"]').forEach((node) => { node.hidden = event.target.checked; });
+});
+
+olderButton.addEventListener("click", async () => {
+  const offset = Math.max(0, olderOffset - 20);
+  try {
+    const page = await api(`/api/runs/${run.id}/samples/?limit=${olderOffset - offset}&offset=${offset}`);
+    addSamples(page.results.reverse(), { atTop: false });
+    olderOffset = offset;
+    olderButton.hidden = olderOffset === 0;
+  } catch (err) {
+    toast(`Could not load samples: ${err.message}`);
+  }
+});
+
+// --- log ------------------------------------------------------------------------------------
+
+const logDetails = document.getElementById("log-details");
+const logBox = document.getElementById("log");
+let logTimer = null;
+
+async function refreshLog() {
+  try {
+    const response = await fetch(`/runs/${run.id}/log/`, { credentials: "same-origin" });
+    const text = await response.text();
+    const atBottom = logBox.scrollTop + logBox.clientHeight >= logBox.scrollHeight - 4;
+    logBox.textContent = text;
+    if (atBottom) logBox.scrollTop = logBox.scrollHeight;
+  } catch (err) {
+    logBox.textContent = `Could not load the log: ${err.message}`;
+  }
+}
+
+logDetails.addEventListener("toggle", () => {
+  clearInterval(logTimer);
+  if (!logDetails.open) return;
+  refreshLog();
+  if (!run.terminal) logTimer = setInterval(() => (run.terminal ? clearInterval(logTimer) : refreshLog()), 5000);
+});
+
+// --- start ----------------------------------------------------------------------------------
+
+addSamples(data.samples, { atTop: false });
+olderButton.hidden = olderOffset === 0;
+
+if (!run.terminal) {
+  // Connect first (updates are buffered until the history is drawn), so nothing stored
+  // while the history loads is missed; overlapping points are skipped by step.
+  socket = new RunSocket(run.id, {
+    sinceStep: () => (loaded ? lastStep() : data.since_step),
+    onState: setLive,
+    onMessage: (message) => {
+      if (message.type === "metrics") applyPoints(message.points || []);
+      else if (message.type === "status") setStatus(message);
+      else if (message.type === "samples") addSamples([...(message.samples || [])].reverse(), { atTop: true });
+    },
+  });
+  socket.start();
+}
+loadHistory();
+window.fluxrlRun = { charts, socket: () => socket }; // for the browser tests and the console

@@ -1,0 +1,236 @@
+"""Dashboard pages: server-rendered reads through the apps' services; the pages' forms
+and buttons call the REST API from the browser (static/js), so the API's validation
+and errors are the only ones."""
+import json
+from functools import wraps
+from pathlib import Path
+
+import plotly
+import yaml
+from django.contrib.auth import views as auth_views
+from django.contrib.auth.decorators import login_required
+from django.core.paginator import Paginator
+from django.db.models import Count, Max
+from django.http import HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse_lazy
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views import static
+from django.views.decorators.http import require_GET, require_POST
+
+from fluxrl.accounts.services import visible_teams
+from fluxrl.datasets.models import Dataset
+from fluxrl.datasets.services import generator_catalog, read_rows
+from fluxrl.errors import NotFound
+from fluxrl.rewards.models import RewardFunction
+from fluxrl.rewards.services import builtin_catalog
+from fluxrl.runs.api.serializers import SampleSerializer
+from fluxrl.runs.models import MAX_STEP, Run
+
+from . import services
+
+LOGIN_URL = reverse_lazy("dashboard:login")
+RUNS_PER_PAGE = 50
+RECENT_SAMPLES = 20
+PREVIEW_ROWS = 20
+MAX_COMPARED = 20
+REWARD_TEMPLATE = '''def reward(prompt, completion, answer="", **fields):
+    """1.0 when the completion is the answer, else 0.0."""
+    return float(completion.strip() == str(answer).strip())
+'''
+
+
+def team_page(view):
+    """Login required; the view gets the current team (a user in no team sees how to
+    make one instead)."""
+
+    @login_required(login_url=LOGIN_URL)
+    @wraps(view)
+    def wrapper(request, *args, **kwargs):
+        team = services.current_team(request)
+        if team is None:
+            return render(request, "dashboard/no_team.html", {"teams": []})
+        return view(request, team, *args, **kwargs)
+
+    return wrapper
+
+
+def render_page(request, team, template: str, context: dict, section: str = ""):
+    teams = visible_teams(request.user).order_by("slug")
+    return render(request, template, {"team": team, "teams": teams, "section": section,
+                                      "plotly_version": plotly.__version__, **context})
+
+
+def visible_run(request, pk: int) -> Run:
+    """A run of one of the user's teams; 404 for any other, as if it did not exist."""
+    runs = Run.objects.filter(team__in=visible_teams(request.user))
+    return get_object_or_404(runs.select_related("team", "owner", "dataset_version", "reward_version"), pk=pk)
+
+
+# --- sign in, team -----------------------------------------------------------------------
+
+
+class LoginView(auth_views.LoginView):
+    template_name = "dashboard/login.html"
+    redirect_authenticated_user = True
+    next_page = reverse_lazy("dashboard:runs")
+
+
+class LogoutView(auth_views.LogoutView):
+    next_page = LOGIN_URL
+
+
+@require_POST
+@login_required(login_url=LOGIN_URL)
+def switch_team(request):
+    try:
+        services.switch_team(request, request.POST.get("team", ""))
+    except NotFound:
+        return HttpResponse("Not one of your teams.", status=404)
+    target = request.POST.get("next", "")
+    if not url_has_allowed_host_and_scheme(target, {request.get_host()}, request.is_secure()):
+        target = reverse_lazy("dashboard:runs")
+    return redirect(target)
+
+
+# --- runs ---------------------------------------------------------------------------------
+
+
+@require_GET
+@team_page
+def runs_list(request, team):
+    filters = {name: request.GET.get(name, "").strip() for name in ("status", "tag", "owner", "q")}
+    sort = request.GET.get("sort", "-created")
+    page = Paginator(services.runs_table(team, sort=sort, **filters), RUNS_PER_PAGE).get_page(request.GET.get("page"))
+    rows = [{"run": run, **services.run_facts(run)} for run in page]
+    return render_page(request, team, "dashboard/runs.html", {
+        "page": page, "rows": rows, "filters": filters, "sort": sort, "filtered": any(filters.values()),
+        "choices": services.filter_choices(team), "has_runs": team.runs.exists(),
+    }, "runs")
+
+
+@require_GET
+@team_page
+def run_detail(request, team, pk):
+    run = visible_run(request, pk)
+    index = services.series_index(run)
+    samples = run.samples.order_by("-step", "-id")[:RECENT_SAMPLES]
+    data = {
+        "run": {"id": run.pk, "name": run.name, "status": run.status, "failure_reason": run.failure_reason,
+                "cancel_requested": run.cancel_requested, "terminal": run.is_terminal},
+        "series": index,  # key -> last step; the charts load each series' history from the API
+        "since_step": max(index.values(), default=None),
+        "samples": SampleSerializer(samples, many=True).data,
+        "sample_count": run.samples.count(),
+    }
+    return render_page(request, run.team, "dashboard/run.html", {
+        "run": run, "facts": services.run_facts(run), "timeline": services.timeline(run), "page_data": data,
+        "spec_yaml": yaml.safe_dump(services.display_spec(run), sort_keys=False, allow_unicode=True),
+    }, "runs")
+
+
+@require_GET
+@login_required(login_url=LOGIN_URL)
+def run_log(request, pk):
+    tail = services.engine_log_tail(visible_run(request, pk))
+    if tail is None:
+        return HttpResponse("No engine log yet.", status=404, content_type="text/plain; charset=utf-8")
+    return HttpResponse(tail, content_type="text/plain; charset=utf-8")
+
+
+@require_GET
+@team_page
+def new_run(request, team):
+    initial, source = {}, None
+    if request.GET.get("from", "").isdigit():  # "clone": start from another run's spec
+        source = visible_run(request, int(request.GET["from"]))
+        initial = services.flatten(services.display_spec(source))
+        initial["tags"] = ", ".join(source.tags.values_list("name", flat=True))
+    return render_page(request, team, "dashboard/new_run.html", {
+        "sections": services.spec_form(initial), "choices": services.spec_choices(team),
+        "tags": initial.get("tags", ""), "source": source,
+    }, "new")
+
+
+@require_GET
+@team_page
+def compare(request, team):
+    # ?runs=1,2 (shareable links) or run=1&run=2 (the runs list's checkboxes)
+    parts = request.GET.get("runs", "").split(",") + request.GET.getlist("run")
+    ids = list(dict.fromkeys(int(p) for p in parts if p.strip().isdigit() and int(p) <= MAX_STEP))[:MAX_COMPARED]
+    found = {run.pk: run for run in Run.objects.filter(team=team, pk__in=ids).select_related(
+        "owner", "dataset_version", "reward_version")}
+    runs = [found[pk] for pk in ids if pk in found]
+    diff = services.config_diff(runs)
+    keys = sorted({key for run in runs for key in services.series_index(run)})
+    data = {
+        "runs": [{"id": run.pk, "name": run.name, "status": run.status,
+                  "started": run.started_at.timestamp() if run.started_at else None,
+                  "samples_per_step": services.samples_per_step(run)} for run in runs],
+        "keys": keys,
+        "hyperparameters": services.hyperparameters(runs, diff),
+    }
+    return render_page(request, team, "dashboard/compare.html", {
+        "runs": runs, "missing": [pk for pk in ids if pk not in found], "diff": diff, "page_data": data,
+        "recent": Run.objects.filter(team=team).order_by("-created_at")[:100],
+    }, "compare")
+
+
+# --- datasets, reward functions -------------------------------------------------------------
+
+
+@require_GET
+@team_page
+def datasets(request, team):
+    found = Dataset.objects.filter(team=team).annotate(version_count=Count("versions"), latest=Max("versions__version"))
+    return render_page(request, team, "dashboard/datasets.html", {
+        "datasets": found.order_by("name"),
+        "generators": [{**g, "params_json": json.dumps(g["params"])} for g in generator_catalog()],
+    }, "datasets")
+
+
+@require_GET
+@team_page
+def dataset_detail(request, team, pk):
+    dataset = get_object_or_404(Dataset.objects.filter(team__in=visible_teams(request.user)), pk=pk)
+    versions = list(dataset.versions.select_related("created_by").order_by("-version"))
+    wanted = request.GET.get("version", "")
+    version = next((v for v in versions if str(v.version) == wanted), versions[0] if versions else None)
+    rows = read_rows(version, 0, PREVIEW_ROWS) if version else []
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    return render_page(request, dataset.team, "dashboard/dataset.html", {
+        "dataset": dataset, "versions": versions, "version": version, "columns": columns,
+        "rows": [[row.get(column, "") for column in columns] for row in rows],
+    }, "datasets")
+
+
+@require_GET
+@team_page
+def rewards(request, team, pk=None):
+    functions = RewardFunction.objects.filter(team=team).annotate(latest=Max("versions__version")).order_by("name")
+    function = version = None
+    if pk is not None:
+        function = get_object_or_404(RewardFunction.objects.filter(team__in=visible_teams(request.user)), pk=pk)
+        versions = function.versions.order_by("-version")
+        wanted = request.GET.get("version", "")
+        version = versions.filter(version=wanted).first() if wanted.isdigit() else versions.first()
+    datasets = services.spec_choices(team)["datasets"]
+    return render_page(request, team, "dashboard/rewards.html", {
+        "functions": functions, "builtins": builtin_catalog(), "function": function, "version": version,
+        "versions": function.versions.order_by("-version") if function else [],
+        "code": version.code if version else REWARD_TEMPLATE,
+        "datasets": [ref for ref in datasets if not ref.startswith("gen:")],
+    }, "rewards")
+
+
+# --- Plotly, served from the plotly package (no CDN, nothing copied into the repo) ---------
+
+PLOTLY_DIR = Path(plotly.__file__).parent / "package_data"
+
+
+@require_GET
+def plotly_js(request):
+    response = static.serve(request, "plotly.min.js", document_root=PLOTLY_DIR)
+    if response.status_code == 200:  # the URL carries the version (?v=), so it never changes
+        response["Cache-Control"] = "public, max-age=31536000, immutable"
+    return response
