@@ -128,7 +128,10 @@ FLUXRL_SERVE_STATIC = env_bool("FLUXRL_SERVE_STATIC", True)  # by the ASGI app i
 REDIS_URL = os.environ.get("REDIS_URL", "")
 
 if REDIS_URL:
-    CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}}
+    # socket_timeout above the layer's 5 s blocking pop: redis-py 8 defaults to 5 s, which
+    # makes every idle consumer fail with a TimeoutError (websocket closed with 1011).
+    _REDIS_HOST = {"address": REDIS_URL, "socket_timeout": 30}
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [_REDIS_HOST]}}}
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
@@ -155,9 +158,11 @@ CELERY_TASK_DEFAULT_QUEUE = "cpu"
 # dispatcher may also pick the queue per run: apply_async(queue=spec.resources.queue).
 CELERY_TASK_ROUTES = {"fluxrl.*.tasks.gpu_*": {"queue": "gpu"}, "fluxrl.*": {"queue": "cpu"}}
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
-# The reaper fails runs whose watcher stopped heart-beating; it needs a beat process
-# (`celery -A fluxrl worker -B`, or `celery -A fluxrl beat`); workers also reap at start.
-CELERY_BEAT_SCHEDULE = {"reap-stale-runs": {"task": "fluxrl.runs.tasks.reap_stale_runs", "schedule": 60.0}}
+# The reaper fails runs whose watcher stopped heart-beating. Workers reap when they start
+# and while they watch a run; this beat entry (`celery -A fluxrl worker -B`, or a
+# `celery -A fluxrl beat` process) covers idle ones. Busy workers take it late: expire it.
+CELERY_BEAT_SCHEDULE = {"reap-stale-runs": {"task": "fluxrl.runs.tasks.reap_stale_runs", "schedule": 60.0,
+                                            "options": {"expires": 50}}}
 CELERY_BEAT_SCHEDULE_FILENAME = str(FLUXRL_DATA_DIR / "celerybeat-schedule")
 
 # --- Run dispatch (fluxrl/runs/dispatch.py) ---

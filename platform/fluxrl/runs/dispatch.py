@@ -40,6 +40,7 @@ from .services import IllegalTransition, resolve_spec, transition
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0
+REAP_EVERY_S = 30.0
 LIVE_STATUSES = (RunStatus.STARTING, RunStatus.RUNNING)
 LOG_TAIL_LINES = 20
 LOG_TAIL_CHARS = 3000
@@ -185,8 +186,9 @@ def launch(run_id: int) -> tuple[subprocess.Popen, Path] | None:
 
 def watch(run_id: int, proc: subprocess.Popen) -> int | None:
     """Wait for the engine to exit, heart-beating and checking the cancel flag about
-    once a second. Returns its exit code, or None if it was stopped for a cancel."""
-    next_beat = 0.0
+    once a second (and reaping other runs now and then). Returns its exit code, or
+    None if it was stopped for a cancel."""
+    next_beat = next_reap = 0.0
     ended_at = None  # when the run turned terminal while the engine was still up
     while True:
         try:
@@ -199,6 +201,10 @@ def watch(run_id: int, proc: subprocess.Popen) -> int | None:
             if time.monotonic() >= next_beat:
                 Run.objects.filter(pk=run_id, status__in=LIVE_STATUSES).update(heartbeat_at=timezone.now())
                 next_beat = time.monotonic() + settings.FLUXRL_HEARTBEAT_S
+            if time.monotonic() >= next_reap:
+                # A worker busy with runs takes no beat task (one slot per run): it reaps here.
+                reap_stale_runs()
+                next_reap = time.monotonic() + REAP_EVERY_S
         except DatabaseError:
             log.warning("run %s: database unavailable, watching on", run_id, exc_info=True)
             continue

@@ -62,7 +62,7 @@ def resolve_references(team, spec: dict):
     function = (spec.get("reward") or {}).get("function", "numeric_match")
     try:
         if dataset_ref.startswith("gen:"):
-            if dataset_ref[4:] not in GENERATORS:
+            if dataset_ref[4:].partition("?")[0] not in GENERATORS:  # gen:<name>[?k=v&...]
                 raise field_error("spec.task.dataset", f"unknown generator; choose one of {sorted(GENERATORS)}")
             dataset_version = None
         else:
@@ -162,11 +162,13 @@ def filter_runs(runs: QuerySet, status: str = "", tag: str = "", owner: str = ""
 def transition(run: Run, status: str, *, failure_reason: str = "", worker_host: str | None = None,
                worker_pid: int | None = None) -> Run:
     """Move a run along queued -> starting -> running -> succeeded/failed/cancelled
-    (any live state may fail or be cancelled). Reporting the current status again is a
-    heartbeat. Reaching a terminal state revokes the run's tokens. Raises
-    IllegalTransition (HTTP 409) for any other move."""
+    (any live state may fail or be cancelled; a failure after a cancel request counts as
+    cancelled). Reporting the current status again is a heartbeat. Reaching a terminal
+    state revokes the run's tokens. Raises IllegalTransition (HTTP 409) for any other move."""
     run = Run.objects.select_for_update().get(pk=run.pk)
     now = timezone.now()
+    if status == RunStatus.FAILED and run.cancel_requested:
+        status = RunStatus.CANCELLED  # an engine stopped on request may report the interruption as a failure
     if status != run.status:
         if status not in ALLOWED_TRANSITIONS.get(run.status, ()):
             raise IllegalTransition(f"A run cannot go from {run.status} to {status}.",

@@ -168,3 +168,9 @@ def test_the_reaper_fails_live_runs_whose_heartbeat_is_stale(team_a, alice, spec
     assert lost.status == "failed" and "no heartbeat for more than 60 s" in lost.failure_reason and "gpu-7" in lost.failure_reason
     assert Run.objects.get(pk=alive.pk).status == "running" and Run.objects.get(pk=waiting.pk).status == "queued"
     assert dispatch.reap_stale_runs() == []
+
+
+def test_a_failure_reported_after_a_cancel_request_is_a_cancel(run_a):
+    # An engine stopped during start-up may report the interruption as a failure.
+    run = cancel_run(transition(run_a, RunStatus.STARTING))
+    assert transition(run, RunStatus.FAILED, failure_reason="KeyboardInterrupt").status == "cancelled"

@@ -40,6 +40,14 @@ def test_references_without_version_pin_the_newest_at_submission(team_a, alice, 
     assert resolve_spec(run)["reward"]["code"] == CODE  # later versions do not change the run
 
 
+def test_the_example_specs_are_accepted(api_a):
+    from pathlib import Path
+
+    for example in sorted(Path(__file__).parents[3].joinpath("examples").glob("*.yaml")):  # gen:add?max_digits=2
+        response = api_a.post("/api/runs/", {"spec": example.read_text()})
+        assert response.status_code == 201, (example.name, response.content)
+
+
 def test_yaml_text_spec_is_accepted(api_a):
     text = "name: y\nmodel: {path: ./m}\ntask: {dataset: 'gen:chain'}\nstop: {max_steps: 5}\n"
     response = api_a.post("/api/runs/", {"spec": text})
