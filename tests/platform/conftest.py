@@ -16,7 +16,7 @@ def celery_broker_in_this_process():
     inside the test process: never to Redis or var/broker, where a worker would run them."""
     from fluxrl.celery import app
 
-    app.conf.broker_url = "memory://"
+    app.conf.broker_url = "memory://localhost/"
     return app
 
 
