@@ -20,6 +20,16 @@ export function baseLayout(extra = {}) {
   };
 }
 
+const FEW_POINTS = 50; // below this a trace shows its points as markers (one point is no line)
+
+// Show the plot, or hide its empty axes behind the chart's note.
+function showData(chart, has) {
+  chart.hasData = has;
+  chart.note.hidden = has;
+  chart.plot.style.visibility = has ? "visible" : "hidden";
+  if (!has) chart.note.textContent = chart.def.emptyText || "No data yet";
+}
+
 // A chart panel: heading, plot area and a note shown while it has no data.
 export function chartBox(container, id, title) {
   const plot = el("div", { class: "chart", id: `chart-${id}`, role: "img", "aria-label": title });
@@ -109,7 +119,8 @@ export class LiveChart {
     }
     this.def.traces.forEach((t, i) => {
       const s = series[t.key] || { step: [], value: [] };
-      data.push({ x: s.step.slice(), y: s.value.slice(), name: t.name || t.key, mode: "lines", type: "scatter",
+      data.push({ x: s.step.slice(), y: s.value.slice(), name: t.name || t.key, type: "scatter",
+        mode: s.step.length < FEW_POINTS ? "lines+markers" : "lines", marker: { size: 4 },
         yaxis: t.axis || "y", line: { width: 1.8, color: t.color || COLORS[i % COLORS.length] } });
       this.traces.push({ key: t.key, role: "line", last: s.step.length ? s.step[s.step.length - 1] : -Infinity });
     });
@@ -119,13 +130,7 @@ export class LiveChart {
     }
     if (this.def.ytitle) layout.yaxis.title = { text: this.def.ytitle };
     window.Plotly.newPlot(this.plot, data, layout, PLOT_CONFIG);
-    this.setHasData(data.some((trace) => trace.x.length > 0));
-  }
-
-  setHasData(has) {
-    this.hasData = has;
-    this.note.hidden = has;
-    if (!has) this.note.textContent = this.def.emptyText || "No data yet";
+    showData(this, data.some((trace) => trace.x.length > 0));
   }
 
   // byKey: {key: [{step, value}, ...] sorted by step}. Points at or before a trace's
@@ -158,7 +163,9 @@ export class LiveChart {
     });
     if (!indices.length) return 0;
     window.Plotly.extendTraces(this.plot, update, indices);
-    this.setHasData(true);
+    showData(this, true);
+    const dense = indices.filter((i) => this.plot.data[i].mode === "lines+markers" && this.plot.data[i].x.length >= FEW_POINTS);
+    if (dense.length) window.Plotly.restyle(this.plot, { mode: "lines" }, dense);
     this.thinIfLong();
     return indices.length;
   }
@@ -226,9 +233,7 @@ export class HistogramChart {
     const layout = baseLayout({ showlegend: false, hovermode: "closest" });
     layout.yaxis = { title: { text: this.def.ytitle || "" }, dtick: 1, automargin: true };
     window.Plotly.react(this.plot, [trace], layout, PLOT_CONFIG);
-    this.hasData = xs.length > 0;
-    this.note.hidden = this.hasData;
-    if (!this.hasData) this.note.textContent = this.def.emptyText || "No data yet";
+    showData(this, xs.length > 0);
   }
 
   append(byKey) {
@@ -261,8 +266,7 @@ export class HistogramChart {
     }
     const columns = steps.map((s) => this.buckets.map((b) => byStep.get(s).get(b) ?? null));
     window.Plotly.extendTraces(this.plot, { x: [steps], z: [columns] }, [0]);
-    this.hasData = true;
-    this.note.hidden = true;
+    showData(this, true);
     return 1;
   }
 

@@ -139,6 +139,11 @@ export function fmt(value, digits = 4) {
   return String(Number(value.toPrecision(digits)));
 }
 
+// Times as the server renders them ("Nov 22, 00:30:15", UTC), so live updates match.
+const TIME_FORMAT = new Intl.DateTimeFormat("en-US", { month: "short", day: "numeric", hour: "2-digit", minute: "2-digit",
+  second: "2-digit", hourCycle: "h23", timeZone: "UTC" });
+export const formatTime = (iso) => TIME_FORMAT.format(new Date(iso));
+
 export async function copyText(text) {
   try {
     await navigator.clipboard.writeText(text);

@@ -132,7 +132,7 @@ function drawParcoords(hp) {
   const line = {};
   if (keep.length) {
     dimensions.push({ label: "final reward/mean", values: keep.map((i) => rewards[i]) });
-    Object.assign(line, { color: keep.map((i) => rewards[i]), colorscale: "Viridis", showscale: true, colorbar: { thickness: 10 } });
+    Object.assign(line, { color: keep.map((i) => rewards[i]), colorscale: "Viridis", showscale: true, colorbar: { thickness: 10, x: 1.06 } });
   }
   const missing = hp.runs.filter((_, i) => rewards[i] === null).map((r) => `${r.name} #${r.id}`);
   note.textContent = [
@@ -141,5 +141,5 @@ function drawParcoords(hp) {
   ].filter(Boolean).join(" ");
   if (!dimensions.length) { note.textContent = "Nothing to plot yet."; return; }
   window.Plotly.react("parcoords", [{ type: "parcoords", dimensions, line }],
-    { margin: { l: 60, r: 60, t: 48, b: 24 }, font: { size: 11 } }, PLOT_CONFIG);
+    { margin: { l: 60, r: 90, t: 48, b: 24 }, font: { size: 11 } }, PLOT_CONFIG);
 }

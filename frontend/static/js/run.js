@@ -1,6 +1,6 @@
 // Run page: charts load their history from the metrics API (downsampled on the server),
 // then grow from the websocket with Plotly.extendTraces; status, samples, cancel, log.
-import { api, el, fmt, pageData, toast } from "./common.js";
+import { api, el, fmt, formatTime, pageData, toast } from "./common.js";
 import { groupPoints, HistogramChart, LiveChart } from "./charts.js";
 import { RunSocket } from "./live.js";
 
@@ -80,7 +80,6 @@ async function loadHistory() {
       chart.init(await fetchSeries(keys));
     } catch (err) {
       chart.init({});
-      chart.note.hidden = false;
       chart.note.textContent = `Could not load: ${err.message}`;
     }
     if (first && chart.hasData) {
@@ -128,7 +127,7 @@ function setStatus(message) {
   if (!shown.includes(status) && status !== "starting") {
     const at = message.finished_at || message.started_at || new Date().toISOString();
     timeline.append(el("li", { "data-status": status }, el("span", { class: `badge status-${status}`, text: status }), " ",
-      el("time", { datetime: at, text: new Date(at).toLocaleString() })));
+      el("time", { datetime: at, text: formatTime(at) })));
   }
   const failed = status === "failed";
   document.getElementById("failure").hidden = !failed;
@@ -138,7 +137,7 @@ function setStatus(message) {
   cancelButton.hidden = terminal;
   if (message.cancel_requested) { cancelButton.disabled = true; cancelButton.textContent = "Cancelling…"; }
   if (message.worker_host) document.getElementById("worker").textContent = `${message.worker_host} (pid ${message.worker_pid ?? "?"})`;
-  if (message.heartbeat_at) document.getElementById("heartbeat").textContent = new Date(message.heartbeat_at).toLocaleString();
+  if (message.heartbeat_at) document.getElementById("heartbeat").textContent = formatTime(message.heartbeat_at);
   run.status = status;
   if (terminal && !run.terminal) {
     run.terminal = true;
