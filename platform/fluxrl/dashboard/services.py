@@ -7,7 +7,6 @@ import json
 from typing import Literal, Union, get_args, get_origin
 
 import annotated_types
-from django.db import connection
 from django.db.models import DurationField, ExpressionWrapper, F, OuterRef, Subquery
 from django.db.models.functions import Coalesce, Now
 from pydantic import BaseModel
@@ -96,23 +95,6 @@ def run_facts(run: Run) -> dict:
 
 
 # --- a run's metrics -------------------------------------------------------------------------
-
-
-def series_index(run: Run) -> dict[str, int]:
-    """{key: last step} of the run's metrics. A loose index scan (one seek per key on the
-    unique (run, key, step) index), so a run of millions of points answers at once."""
-    table = MetricPoint._meta.db_table
-    sql = f"""
-        WITH RECURSIVE keys(key) AS (
-            SELECT MIN(key) FROM {table} WHERE run_id = %s
-            UNION ALL
-            SELECT (SELECT MIN(key) FROM {table} WHERE run_id = %s AND key > keys.key) FROM keys WHERE keys.key IS NOT NULL
-        )
-        SELECT key, (SELECT MAX(step) FROM {table} WHERE run_id = %s AND key = keys.key) FROM keys WHERE key IS NOT NULL
-    """
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [run.pk, run.pk, run.pk])
-        return dict(cursor.fetchall())
 
 
 def final_rewards(runs) -> dict[int, float | None]:

@@ -14,7 +14,7 @@ from django.db.models import Count, Max
 from django.http import HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse_lazy
-from django.utils.http import url_has_allowed_host_and_scheme
+from django.utils.http import url_has_allowed_host_and_scheme, urlencode
 from django.views import static
 from django.views.decorators.http import require_GET, require_POST
 
@@ -22,6 +22,7 @@ from fluxrl.accounts.services import visible_teams
 from fluxrl.datasets.models import Dataset
 from fluxrl.datasets.services import generator_catalog, read_rows
 from fluxrl.errors import NotFound
+from fluxrl.metrics.services import last_steps
 from fluxrl.rewards.models import RewardFunction
 from fluxrl.rewards.services import builtin_catalog
 from fluxrl.runs.api.serializers import SampleSerializer
@@ -34,6 +35,8 @@ RUNS_PER_PAGE = 50
 RECENT_SAMPLES = 20
 PREVIEW_ROWS = 20
 MAX_COMPARED = 20
+CHART_POINTS = 1000  # per series, as static/js/run.js asks
+FIRST_CHART_KEYS = ("reward/mean", "reward/std")  # the run page's first chart
 REWARD_TEMPLATE = '''def reward(prompt, completion, answer="", **fields):
     """1.0 when the completion is the answer, else 0.0."""
     return float(completion.strip() == str(answer).strip())
@@ -113,7 +116,7 @@ def runs_list(request, team):
 @team_page
 def run_detail(request, team, pk):
     run = visible_run(request, pk)
-    index = services.series_index(run)
+    index = last_steps(run)
     samples = run.samples.order_by("-step", "-id")[:RECENT_SAMPLES]
     data = {
         "run": {"id": run.pk, "name": run.name, "status": run.status, "failure_reason": run.failure_reason,
@@ -123,8 +126,13 @@ def run_detail(request, team, pk):
         "samples": SampleSerializer(samples, many=True).data,
         "sample_count": run.samples.count(),
     }
+    # The first chart's history, fetched while Plotly (4.8 MB) loads; static/js/run.js asks
+    # for the same URL (keys sorted, MAX_POINTS) and gets the preloaded response.
+    first = sorted(key for key in FIRST_CHART_KEYS if key in index)
+    preload = f"/api/runs/{run.pk}/metrics/?{urlencode({'keys': ','.join(first), 'max_points': CHART_POINTS})}"
     return render_page(request, run.team, "dashboard/run.html", {
         "run": run, "facts": services.run_facts(run), "timeline": services.timeline(run), "page_data": data,
+        "preload": preload if first else None,
         "spec_yaml": yaml.safe_dump(services.display_spec(run), sort_keys=False, allow_unicode=True),
     }, "runs")
 
@@ -162,7 +170,7 @@ def compare(request, team):
         "owner", "dataset_version", "reward_version")}
     runs = [found[pk] for pk in ids if pk in found]
     diff = services.config_diff(runs)
-    keys = sorted({key for run in runs for key in services.series_index(run)})
+    keys = sorted({key for run in runs for key in last_steps(run)})
     data = {
         "runs": [{"id": run.pk, "name": run.name, "status": run.status,
                   "started": run.started_at.timestamp() if run.started_at else None,

@@ -4,9 +4,9 @@ from __future__ import annotations
 import math
 import re
 import time
-from itertools import groupby
 
 from django.conf import settings
+from django.db import connection
 
 from fluxrl.errors import TooLarge, field_error
 from fluxrl.runs import live
@@ -49,10 +49,26 @@ def ingest_points(run, points: list) -> list[dict]:
     for index, point in enumerate(points):
         key, step, value, when = clean_point(index, point)
         cleaned[(key, step)] = {"key": key, "step": step, "value": value, "time": when}
-    MetricPoint.objects.bulk_create([MetricPoint(run=run, **p) for p in cleaned.values()], ignore_conflicts=True)
     stored = list(cleaned.values())
+    insert_points(run, stored)
     on_points_stored(run, stored)
     return stored
+
+
+def insert_points(run, points: list[dict]) -> None:
+    """Insert cleaned points, skipping any (run, key, step) stored already. On PostgreSQL
+    one INSERT ... SELECT FROM unnest(<a column per array>): no model instances and five
+    parameters instead of 5,000, several times faster than bulk_create for a full batch."""
+    if connection.vendor != "postgresql":
+        MetricPoint.objects.bulk_create([MetricPoint(run=run, **p) for p in points], ignore_conflicts=True)
+        return
+    columns = [[p[name] for p in points] for name in ("key", "step", "value", "time")]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {MetricPoint._meta.db_table} (run_id, key, step, value, time) "
+            "SELECT %s, * FROM unnest(%s::text[], %s::bigint[], %s::float8[], %s::float8[]) ON CONFLICT DO NOTHING",
+            [run.pk, *columns],
+        )
 
 
 def on_points_stored(run, points: list[dict]) -> None:
@@ -64,44 +80,90 @@ def on_points_stored(run, points: list[dict]) -> None:
 # --- reads ------------------------------------------------------------------------------
 
 
-def downsample(points: list[tuple], max_points: int) -> list[tuple]:
+def downsample(points, max_points: int, total: int | None = None) -> list[tuple]:
     """At most max_points of (step, value, time), keeping the first and the last point
-    and, in each bucket between, its minimum and maximum, so spikes stay visible."""
-    if len(points) <= max_points:
-        return points
+    and, in each bucket between, its minimum and maximum, so spikes stay visible.
+    `points` may be an iterator over `total` points: it is read once, so a long series
+    never sits in memory whole."""
+    if total is None or max_points < 4:
+        points = list(points)
+        total = len(points)
+    if total <= max_points:
+        kept = list(points)
+        return kept if len(kept) <= max_points else downsample(kept, max_points)  # more stored since counted
     if max_points < 4:
-        stride = (len(points) - 1) / max(max_points - 1, 1)
-        picks = sorted({len(points) - 1, *(round(i * stride) for i in range(max_points - 1))})
+        stride = (total - 1) / max(max_points - 1, 1)
+        picks = sorted({total - 1, *(round(i * stride) for i in range(max_points - 1))})
         return [points[i] for i in picks]
-    middle = points[1:-1]
-    bucket = math.ceil(len(middle) / ((max_points - 2) // 2))
-    kept = [points[0]]
-    for start in range(0, len(middle), bucket):
-        chunk = middle[start:start + bucket]
-        low, high = min(chunk, key=lambda p: p[1]), max(chunk, key=lambda p: p[1])
-        kept.extend(sorted({low, high}, key=lambda p: p[0]))
-    kept.append(points[-1])
+    buckets = (max_points - 2) // 2
+    size = math.ceil((total - 2) / buckets)
+    points = iter(points)
+    kept, low, high, bucket, last = [next(points)], None, None, 0, None
+    for position, point in enumerate(points):
+        if last is not None:  # not the final point: it falls in a middle bucket
+            index = min((position - 1) // size, buckets - 1)
+            if index != bucket and low is not None:
+                kept.extend(sorted({low, high}))
+                low = None
+            bucket = index
+            if low is None:
+                low = high = last
+            elif last[1] < low[1]:
+                low = last
+            elif last[1] > high[1]:
+                high = last
+        last = point
+    if low is not None:
+        kept.extend(sorted({low, high}))
+    if last is not None:
+        kept.append(last)
     return kept
+
+
+def last_steps(run) -> dict[str, int]:
+    """{key: last step} of the run's series. A loose index scan: one seek per key on the
+    unique (run, key, step) index, so a run of millions of points answers at once."""
+    table = MetricPoint._meta.db_table
+    sql = f"""
+        WITH RECURSIVE keys(key) AS (
+            SELECT MIN(key) FROM {table} WHERE run_id = %s
+            UNION ALL
+            SELECT (SELECT MIN(key) FROM {table} WHERE run_id = %s AND key > keys.key) FROM keys WHERE keys.key IS NOT NULL
+        )
+        SELECT key, (SELECT MAX(step) FROM {table} WHERE run_id = %s AND key = keys.key) FROM keys WHERE key IS NOT NULL
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [run.pk, run.pk, run.pk])
+        return dict(cursor.fetchall())
+
+
+def stream_points(run, key: str, since_step: int | None, chunk: int = 10_000):
+    """(step, value, time) of one series in step order. A plain cursor: the ORM's row
+    building costs more than the query for a series of 100,000 points."""
+    sql = (f"SELECT step, value, time FROM {MetricPoint._meta.db_table} "
+           "WHERE run_id = %s AND key = %s AND step > %s ORDER BY step")
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [run.pk, key, -1 if since_step is None else since_step])
+        while rows := cursor.fetchmany(chunk):
+            yield from rows
 
 
 def read_series(run, keys: list[str] | None = None, since_step: int | None = None, max_points: int = 1000) -> dict:
     """{key: {"step": [...], "value": [...], "time": [...], "count": n, "downsampled": bool}}
-    for the run's points with step > since_step, each series cut to max_points."""
+    for the run's points with step > since_step, each series cut to max_points. One
+    series at a time, streamed through downsample, so memory stays at max_points a series."""
     if not 1 <= max_points <= settings.FLUXRL_METRICS_MAX_POINTS:
         raise field_error("max_points", f"between 1 and {settings.FLUXRL_METRICS_MAX_POINTS}")
-    points = MetricPoint.objects.filter(run=run)
-    if keys:
-        points = points.filter(key__in=keys)
-    if since_step is not None:
-        points = points.filter(step__gt=since_step)
     series = {}
-    rows = points.order_by("key", "step").values_list("key", "step", "value", "time").iterator(chunk_size=5000)
-    for key, group in groupby(rows, key=lambda row: row[0]):
-        full = [row[1:] for row in group]
-        kept = downsample(full, max_points)
+    for key in sorted(set(keys or last_steps(run))):
+        points = MetricPoint.objects.filter(run=run, key=key)
+        count = (points.filter(step__gt=since_step) if since_step is not None else points).count()
+        if not count:
+            continue
+        kept = downsample(stream_points(run, key, since_step), max_points, total=count)
         series[key] = {
             "step": [p[0] for p in kept], "value": [p[1] for p in kept], "time": [p[2] for p in kept],
-            "count": len(full), "downsampled": len(kept) < len(full),
+            "count": count, "downsampled": len(kept) < count,
         }
     return series
 

@@ -150,8 +150,16 @@ def test_run_page_data_lists_each_series_with_its_last_step(page_a, run_a):
 
 
 def test_run_page_without_metrics_has_no_since_step(page_a, run_a):
-    data = page_data(page_a.get(f"/runs/{run_a.pk}/"))
-    assert data["series"] == {} and data["since_step"] is None
+    response = page_a.get(f"/runs/{run_a.pk}/")
+    assert page_data(response)["series"] == {} and page_data(response)["since_step"] is None
+    assert 'rel="preload"' not in response.content.decode()
+
+
+def test_run_page_preloads_the_first_charts_history(page_a, run_a):
+    ingest_points(run_a, points("reward/std", [0]) + points("reward/mean", [0]))
+    body = page_a.get(f"/runs/{run_a.pk}/").content.decode()
+    url = f"/api/runs/{run_a.pk}/metrics/?keys=reward%2Fmean%2Creward%2Fstd&amp;max_points=1000"
+    assert f'<link rel="preload" as="fetch" crossorigin="anonymous" href="{url}">' in body
 
 
 def test_run_page_lists_recent_samples_newest_first(page_a, run_a):

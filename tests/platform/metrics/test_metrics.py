@@ -107,3 +107,17 @@ def test_other_teams_cannot_read_or_write_metrics(run_a, api_b, assert_error):
     assert_error(api_b.get(f"/api/runs/{run_a.id}/metrics/"), 404)
     assert_error(api_b.post(f"/api/runs/{run_a.id}/metrics/", {"points": points()}), 404)
     assert not MetricPoint.objects.exists()
+
+
+@pytest.mark.parametrize("n, max_points", [(2000, 50), (2000, 51), (999, 1000), (1000, 7)])
+def test_downsample_streams_a_counted_iterator_like_a_list(n, max_points):
+    series = [(s, float((s * 7919) % 101), 0.0) for s in range(n)]
+    assert downsample(iter(series), max_points, total=n) == downsample(series, max_points)
+
+
+def test_last_steps_of_each_series(run_a):
+    from fluxrl.metrics.services import last_steps
+
+    assert last_steps(run_a) == {}
+    ingest_points(run_a, points(steps=range(5)) + points("eval/accuracy", [0, 3]))
+    assert last_steps(run_a) == {"reward/mean": 4, "eval/accuracy": 3}
