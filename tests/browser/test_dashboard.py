@@ -78,6 +78,21 @@ def test_upload_a_dataset_with_errors_shown_inline_then_preview_it(page, screens
     expect(page.locator("#preview-table thead")).to_contain_text("level")
     screenshot(page, "03-dataset-preview")
 
+    page.goto("/datasets/")
+    generate = page.locator("#generate-form")
+    generate.get_by_label("Generator").select_option("countdown")
+    expect(generate.get_by_label("Parameters (JSON)")).to_have_value('{"numbers": 3, "max_value": 20}')
+    generate.get_by_label("Rows").fill("0")
+    generate.get_by_role("button", name="Generate").click()
+    expect(generate.locator('[data-error-for="n"]')).to_contain_text("between 1 and")
+    generate.get_by_label("Rows").fill("100")
+    generate.get_by_role("button", name="Generate").click()
+    page.wait_for_url(re.compile(r"/datasets/\d+/\?version=1"))
+    expect(page.locator("#preview-table thead")).to_contain_text("target")
+    page.goto("/datasets/")
+    expect(page.locator("#datasets-table")).to_contain_text("countdown")
+    expect(page.locator("#datasets-table")).to_contain_text("sums")
+
 
 def test_write_a_reward_function_and_try_it_on_dataset_rows(page, api, screenshot):
     api.post("/api/datasets/generate/", {"generator": "add", "name": "adds", "n": 50, "params": {"max_digits": 2}})
