@@ -4,7 +4,12 @@ from django.db import models
 class MetricPoint(models.Model):
     """Append-only: one value of one metric key at one step of a run (DESIGN.md §5)."""
 
-    run = models.ForeignKey("runs.Run", on_delete=models.CASCADE, related_name="metric_points")
+    # No database foreign key and no index of its own: a foreign-key check is a lookup and
+    # a lock on the run's row per inserted point, which cost more than the insert itself
+    # (bench/ingest.py). Points go with their run through Django's cascade; the unique
+    # (run, key, step) index below serves every lookup by run.
+    run = models.ForeignKey("runs.Run", on_delete=models.CASCADE, related_name="metric_points",
+                            db_constraint=False, db_index=False)
     key = models.CharField(max_length=100)
     step = models.BigIntegerField()
     value = models.FloatField()

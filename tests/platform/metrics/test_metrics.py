@@ -121,3 +121,20 @@ def test_last_steps_of_each_series(run_a):
     assert last_steps(run_a) == {}
     ingest_points(run_a, points(steps=range(5)) + points("eval/accuracy", [0, 3]))
     assert last_steps(run_a) == {"reward/mean": 4, "eval/accuracy": 3}
+
+
+@pytest.mark.parametrize("charset", ["utf-8", "utf-16"])
+def test_a_nul_character_anywhere_in_a_batch_is_400(run_a, worker_client, assert_error, charset):
+    body = json.dumps({"points": points() + [{"key": "k", "step": 9, "value": 1, "note": "a\x00b"}]})
+    response = worker_client(run_a).post(f"/api/runs/{run_a.id}/metrics/", body.encode(charset),
+                                         content_type=f"application/json; charset={charset}")
+    assert_error(response, 400)
+    assert "NUL" in response.json()["error"]["message"]
+
+
+def test_deleting_a_run_deletes_its_points(run_a, run_b):
+    # The points table has no database foreign key (ingest speed): Django's cascade does it.
+    ingest_points(run_a, points())
+    ingest_points(run_b, points())
+    run_a.delete()
+    assert list(MetricPoint.objects.values_list("run_id", flat=True).distinct()) == [run_b.pk]
