@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# The tiny model the engine tests train (built once per machine, a few minutes; cached).
+.venv/bin/python -m workers bootstrap
 exec .venv/bin/python -m pytest -p no:cacheprovider "$@"

@@ -157,6 +157,8 @@ def ensure_tiny_model(root: str | os.PathLike | None = None, recipe: dict | None
 def _train(recipe: dict, out: Path, progress: bool) -> dict:
     from tqdm import tqdm
 
+    # One thread: bit-for-bit reproducible, and it never oversubscribes a busy machine.
+    torch.set_num_threads(1)
     torch.manual_seed(recipe["seed"])
     model = build_model(recipe)
     rows = training_rows(recipe, recipe["steps"] * recipe["batch"], seed=recipe["seed"] + 1)

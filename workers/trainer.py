@@ -124,12 +124,11 @@ class Trainer:
         denominator = total_mask if algo.normalize == "tokens" else float(len(batch))
         denominator = max(denominator, 1.0)
 
-        # Proximal log-probs: the policy as it is at the start of this step (decoupled PPO).
-        prox = []
-        if algo.loss == "ppo":
-            self.engine.module.eval()
-            with torch.no_grad():
-                prox = [self._logprobs(self.engine.module, ids, att)[0] for ids, att, *_ in tensors]
+        # Decoupled PPO's proximal policy is the policy at the start of this step. All
+        # micro-batches accumulate into one optimiser step, so during the forward passes
+        # the current weights *are* the proximal ones: π_prox = π_θ.detach(), exactly, and
+        # the separate no-grad forward AReaL needs for several minibatch updates per batch
+        # would recompute the same numbers.
         self.engine.module.train()
 
         stats = {"loss": 0.0, "kl": 0.0, "clip": 0.0, "entropy": 0.0, "tokens": 0}
@@ -137,7 +136,7 @@ class Trainer:
             self.engine.set_gradient_accumulation_boundary(k == len(tensors) - 1)
             logp, entropy = self._logprobs(self.engine, ids, att, with_entropy=True)
             if algo.loss == "ppo":
-                out = algorithms.ppo_decoupled_loss(logp, prox[k], behav, adv, mask, algo.clip, algo.behav_weight_cap, denominator)
+                out = algorithms.ppo_decoupled_loss(logp, logp.detach(), behav, adv, mask, algo.clip, algo.behav_weight_cap, denominator)
             else:
                 out = algorithms.reinforce_tis_loss(logp, behav, adv, mask, algo.behav_weight_cap, denominator)
             loss = out.loss

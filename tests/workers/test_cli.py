@@ -40,7 +40,7 @@ def test_spec_with_unknown_field_is_rejected_before_anything_starts(tmp_path):
     assert "schedule.max_stalenes: unknown field" in proc.stderr
 
 
-def test_missing_model_path_is_a_clear_error(tmp_path, tiny_model_path):
+def test_missing_model_path_is_a_clear_error(tmp_path):
     proc = run_cli(tmp_path, with_(model={"path": str(tmp_path / "no-such-model")}), timeout=120)
     assert proc.returncode == 2
     assert "model.path" in proc.stderr and "no-such-model" in proc.stderr
