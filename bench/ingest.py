@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import threading
 import time
@@ -85,7 +86,8 @@ def main() -> None:
     print(f"{database}, daphne ({args.servers} process{'es' if args.servers > 1 else ''}), {layer} channel layer: {stored:,} points stored in {seconds:.2f} s "
           f"= {stored / seconds:,.0f} points/s ({len(work)} requests of {args.batch}, {args.clients} clients; "
           f"request median {statistics.median(latencies) * 1000:.0f} ms, "
-          f"p95 {statistics.quantiles(latencies, n=20)[-1] * 1000:.0f} ms)")
+          f"p95 {statistics.quantiles(latencies, n=20)[-1] * 1000:.0f} ms; load average {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} CPUs)")
     if stored != args.points:
         raise SystemExit(f"expected {args.points:,} points stored, found {stored:,}")
 
