@@ -811,6 +811,8 @@ def main_recommend(args, gpu_counts: list[int]) -> None:
                           if m in row["best"] else f"{'-':>18}" for m in MODES)
         colocated = f"{row['colocated_sync'].samples_per_s:>14.2f}" if row["colocated_sync"] else f"{'-':>14}"
         split = f"{rollout} gen / {row['gpus'] - rollout} train"
+        if row["colocated_sync"] and row["colocated_sync"].samples_per_s > res.samples_per_s:
+            mode, split, res = "sync colocated", "all GPUs, in turn", row["colocated_sync"]
         print(f"{row['gpus']:>5} {split:>20} {res.samples_per_s:>10.2f}  "
               f"{cells}  {colocated}   ({mode})")
     feasible = [r["gpus"] for r in report if r["best"]]
