@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make ``workers`` importable
     sys.path.insert(0, str(ROOT))
 
-from workers.scheduling import dispatch_order, least_loaded, plan_dispatch  # noqa: E402
+from workers.scheduling import EngineLoads, dispatch_order, plan_dispatch  # noqa: E402
 
 MODES = ("sync", "stream", "stream+skew", "async", "async+skew")
 
@@ -131,8 +131,6 @@ class _Engine:
     epoch: int = 0  # invalidates scheduled events after a change
     busy_s: float = 0.0
     draining: bool = False
-    load_tokens: float = 0.0  # predicted tokens of its groups in flight (skew-aware balance)
-    groups: int = 0  # its groups in flight (length-blind balance)
 
 
 class _Simulation:
@@ -149,6 +147,8 @@ class _Simulation:
         logs = np.log(self.pool)
         self.log_mean, self.log_std = float(logs.mean()), float(logs.std())
         self.engines = [_Engine() for _ in range(setup.engines)]
+        self.loads = EngineLoads(setup.engines)
+        self.policy = "longest_first" if setup.skew else "fifo"
         self.draws = self._draws()
         self.events: list = []
         self.now = 0.0
@@ -236,8 +236,7 @@ class _Simulation:
         e = self.engines[i]
         self._advance(e, self.now)
         g.left = self.w.group_size
-        e.load_tokens += g.predicted * self.w.group_size
-        e.groups += 1
+        self.loads.start(i, g.predicted * self.w.group_size)
         e.waiting.extend(_Request(g, n) for n in g.lengths)
         self._admit(e)
         self._reschedule(i)
@@ -254,8 +253,7 @@ class _Simulation:
             g.left -= 1
             g.tokens += r.length + self.w.prompt_tokens
             if g.left == 0:
-                e.load_tokens -= g.predicted * self.w.group_size
-                e.groups -= 1
+                self.loads.finish(i, g.predicted * self.w.group_size)
                 self._group_done(g)
         if e.draining and not e.running:
             e.draining = False
@@ -303,9 +301,8 @@ class _Simulation:
     def _start_sync_step(self) -> None:
         groups = [self._new_group() for _ in range(self.w.batch_prompts)]
         self.step_groups_left = self.stream_untrained = len(groups)
-        policy = "longest_first" if self.s.skew else "fifo"
-        loads = [e.load_tokens if self.s.skew else e.groups for e in self.engines]
-        for index, engine in plan_dispatch(policy, [g.predicted for g in groups], loads):
+        loads = self.loads.tokens if self.s.skew else self.loads.groups
+        for index, engine in plan_dispatch(self.policy, [g.predicted for g in groups], loads):
             self._dispatch(groups[index], engine)
 
     def _stream_next(self) -> None:
@@ -328,13 +325,11 @@ class _Simulation:
         while self.gate_finished + self.gate_running < self._capacity():
             if not self.block:
                 block = [self._new_group() for _ in range(self.w.batch_prompts)]
-                policy = "longest_first" if self.s.skew else "fifo"
-                self.block.extend(block[i] for i in dispatch_order(policy, [g.predicted for g in block]))
+                self.block.extend(block[i] for i in dispatch_order(self.policy, [g.predicted for g in block]))
             g = self.block.popleft()
             g.version = self.version
-            loads = [e.load_tokens if self.s.skew else e.groups for e in self.engines]
             self.gate_running += 1
-            self._dispatch(g, least_loaded(loads))
+            self._dispatch(g, self.loads.pick(self.policy))
 
     def _try_async_step(self) -> None:
         if not self.trainer_free or len(self.ready) < self.w.batch_prompts:

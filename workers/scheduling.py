@@ -59,3 +59,24 @@ def plan_dispatch(policy: str, predicted: Sequence[float], engine_loads: Sequenc
         loads[engine] += predicted[i] if policy == "longest_first" else average
         plan.append((i, engine))
     return plan
+
+
+class EngineLoads:
+    """What each engine has in flight: predicted tokens (``longest_first`` balances these)
+    and groups (the length-blind policies balance these, like picking the engine with
+    the fewest active requests)."""
+
+    def __init__(self, engines: int):
+        self.tokens = [0.0] * engines
+        self.groups = [0] * engines
+
+    def pick(self, policy: str) -> int:
+        return least_loaded(self.tokens if policy == "longest_first" else self.groups)
+
+    def start(self, engine: int, predicted_tokens: float) -> None:
+        self.tokens[engine] += predicted_tokens
+        self.groups[engine] += 1
+
+    def finish(self, engine: int, predicted_tokens: float) -> None:
+        self.tokens[engine] -= predicted_tokens
+        self.groups[engine] -= 1

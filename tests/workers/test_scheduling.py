@@ -1,7 +1,7 @@
 """Dispatch policies: exact orders and engine assignments."""
 import pytest
 
-from workers.scheduling import dispatch_order, least_loaded, plan_dispatch
+from workers.scheduling import EngineLoads, dispatch_order, least_loaded, plan_dispatch
 
 PREDICTED = [5, 40, 10, 40, 2, 20]
 
@@ -59,3 +59,13 @@ def test_with_equal_predictions_longest_first_is_fifo():
 def test_dispatching_needs_an_engine():
     with pytest.raises(ValueError, match="no engines"):
         plan_dispatch("fifo", [1.0], engine_loads=[])
+
+
+def test_engine_loads_pick_by_tokens_for_longest_first_and_by_groups_otherwise():
+    loads = EngineLoads(2)
+    loads.start(0, 100.0)
+    loads.start(1, 10.0)
+    loads.start(1, 10.0)
+    assert loads.pick("longest_first") == 1 and loads.pick("fifo") == 0
+    loads.finish(0, 100.0)
+    assert loads.tokens == [0.0, 20.0] and loads.groups == [0, 2]
