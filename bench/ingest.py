@@ -79,6 +79,9 @@ def main() -> None:
         seconds = time.perf_counter() - start
         stored = MetricPoint.objects.filter(run_id=run_id).count()
         database = "PostgreSQL" if server.database else "SQLite"
+        if errors:  # the servers' logs go with their temporary folder: show them now
+            for log in sorted(server.workdir.glob("daphne*.log")):
+                print(f"--- {log.name}\n{log.read_text(errors='replace')[-4000:]}")
 
     if errors:
         raise SystemExit(f"{len(errors)} requests failed, e.g. {errors[0]}")

@@ -51,9 +51,10 @@ def more_servers(server: LiveServer, count: int):
     try:
         for _ in range(count):
             port = free_port()
-            processes.append(subprocess.Popen(
-                [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "fluxrl.asgi:application"],
-                env=server.env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+            with open(server.workdir / f"daphne-{port}.log", "wb") as log:
+                processes.append(subprocess.Popen(
+                    [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "fluxrl.asgi:application"],
+                    env=server.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
             deadline = time.monotonic() + 60
