@@ -4,7 +4,7 @@ data folder and database: a SQLite file, or a fresh PostgreSQL database on the s
 DATABASE_URL names (dropped afterwards). pytest-django's live_server is WSGI (no
 websockets) and its SQLite test database lives in memory, out of a server process' reach.
 
-Also: launch_chromium(), Debian's Chromium driven by Playwright (never `playwright install`)."""
+Also: launch_profile(), Debian's Chromium driven by Playwright (never `playwright install`)."""
 from __future__ import annotations
 
 import os
@@ -24,8 +24,10 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-sync", "--no-first-run"]
 
 
-def launch_chromium(playwright):
-    return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+def launch_profile(playwright, profile_dir, **options):
+    """Chromium with a profile on disk (a persistent context), like a person's browser."""
+    return playwright.chromium.launch_persistent_context(
+        str(profile_dir), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS, **options)
 
 
 def free_port() -> int:

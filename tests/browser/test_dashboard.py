@@ -38,17 +38,20 @@ def wait_for_trace_length(page, chart: str, trace: str, expected: int, timeout_s
     assert trace_length(page, chart, trace) == expected
 
 
-def test_sign_in_page_and_wrong_password(browser, server, screenshot):
-    context = browser.new_context(viewport={"width": 1366, "height": 768}, base_url=server.url)
-    page = context.new_page()
+def test_sign_in_and_out(page, account, screenshot):
+    page.goto("/")
+    page.get_by_role("button", name="Sign out").click()
+    page.wait_for_url("**/login/")
     page.goto("/runs/new/")
     expect(page).to_have_url(re.compile(r"/login/\?next=/runs/new/"))
-    page.get_by_label("Username").fill("alice")
+    page.get_by_label("Username").fill(account["username"])
     page.get_by_label("Password").fill("wrong")
     page.get_by_label("Password").press("Enter")
     expect(page.get_by_role("alert")).to_contain_text("didn't match")
     screenshot(page, "01-sign-in-error")
-    context.close()
+    page.get_by_label("Password").fill(account["password"])
+    page.get_by_label("Password").press("Enter")
+    page.wait_for_url("**/runs/new/")  # back where the user was going
 
 
 def test_upload_a_dataset_with_errors_shown_inline_then_preview_it(page, screenshot, tmp_path):

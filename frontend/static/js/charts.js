@@ -83,7 +83,7 @@ export function groupPoints(points) {
 
 // Line chart of some metric keys against step, live: history from the API (init), then
 // points from the websocket (append) through Plotly.extendTraces, without redrawing.
-// def: {id, title, traces: [{key, name, axis: "y2"?}], band: {mean, std}?, y2title?}
+// def: {id, title, traces: [{key, name, axis: "y2"?}], band: {mean, std}?, ytitle?, y2title?, yrange?}
 export class LiveChart {
   constructor(container, def) {
     this.def = def;
@@ -129,6 +129,7 @@ export class LiveChart {
       layout.yaxis2 = { overlaying: "y", side: "right", automargin: true, title: { text: this.def.y2title || "" }, showgrid: false };
     }
     if (this.def.ytitle) layout.yaxis.title = { text: this.def.ytitle };
+    if (this.def.yrange) Object.assign(layout.yaxis, { range: this.def.yrange, autorange: false });
     window.Plotly.newPlot(this.plot, data, layout, PLOT_CONFIG);
     showData(this, data.some((trace) => trace.x.length > 0));
   }

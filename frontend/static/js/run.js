@@ -14,7 +14,7 @@ const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
 const CHARTS = [
   { id: "reward", title: "Reward (mean ± std)", band: { mean: "reward/mean", std: "reward/std" },
     traces: [{ key: "reward/mean", name: "reward mean" }] },
-  { id: "accuracy", title: "Held-out accuracy", traces: [{ key: "eval/accuracy", name: "eval accuracy" }] },
+  { id: "accuracy", title: "Held-out accuracy", yrange: [0, 1.02], traces: [{ key: "eval/accuracy", name: "eval accuracy" }] },
   { id: "throughput", title: "Throughput", y2title: "tokens/s", ytitle: "samples/s", traces: [
     { key: "throughput/samples_per_s", name: "samples/s" },
     { key: "throughput/tokens_per_s", name: "tokens/s", axis: "y2" },
@@ -76,19 +76,19 @@ const buffered = [];
 async function loadHistory() {
   const available = Object.keys(data.series);
   let first = true;
-  // One request per chart: the first chart appears without waiting for all.
+  // One request per chart: the first chart appears without waiting for the others.
   const jobs = charts.map((chart) => [chart, chart instanceof HistogramChart ? chart.keys(available) : chart.keys().filter((k) => k in data.series)]);
   for (const key of available.filter(isOther).sort()) jobs.push([otherChart(key), [key]]);
-  // All requested at once (the server answers them in turn while the browser draws), drawn in page order.
-  const requests = jobs.map(([chart, keys]) => [chart, fetchSeries(keys)]);
-  requests.forEach(([, request]) => request.catch(() => {})); // failures are shown per chart below
-  for (const [chart, request] of requests) {
-    try {
-      chart.init(await request);
-    } catch (err) {
-      chart.init({});
-      chart.note.textContent = `Could not load: ${err.message}`;
-    }
+  // In page order, the next request sent as soon as one answers (while that chart is
+  // drawn): requests sent all at once share the server's CPU and delay the first chart.
+  const load = ([, keys]) => fetchSeries(keys).then((series) => ({ series }), (error) => ({ error }));
+  let next = jobs.length ? load(jobs[0]) : null;
+  for (let i = 0; i < jobs.length; i++) {
+    const result = await next;
+    if (i + 1 < jobs.length) next = load(jobs[i + 1]);
+    const chart = jobs[i][0];
+    chart.init(result.series || {});
+    if (result.error) chart.note.textContent = `Could not load: ${result.error.message}`;
     if (first && chart.hasData) {
       performance.mark("fluxrl:first-chart");
       first = false;
