@@ -84,6 +84,7 @@ def cmd_run(args) -> int:
         "samples_per_s": round(result.samples_per_s, 3), "accuracy_before": result.accuracy_before,
         "accuracy_after": result.accuracy_after, "staleness_max": result.staleness_max,
         "dropped_stale": result.dropped_stale, "final_model": result.final_model,
+        "idle_generation": round(result.idle_generation, 3), "idle_training": round(result.idle_training, 3),
     }
     (out / "result.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))

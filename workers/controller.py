@@ -21,10 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from collections import deque
+
 from . import algorithms
+from .length_ranker import LengthRanker
 from .report import Reporter
 from .reward_service import RewardService
 from .rollout import Completion, RolloutEngine, configure_cpu_environment
+from .scheduling import plan_dispatch
 from .spec import RunSpec
 from .staleness import StalenessGate
 from .tasks import load_rows
@@ -64,6 +68,8 @@ class RunResult:
     gen_stall_ms: list[float] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
     final_model: Optional[str] = None
+    idle_generation: float = 0.0  # share of wall time no request was running (mean over engines)
+    idle_training: float = 0.0  # share of wall time the trainer was not computing
 
     @property
     def samples_per_s(self) -> float:
@@ -90,6 +96,9 @@ class Controller:
         self.result = RunResult()
         self._failure: Optional[BaseException] = None
         self._rng = random.Random(spec.seed)
+        self.ranker = LengthRanker()
+        self.trainer_busy_s = 0.0
+        self._load: dict[int, float] = {}  # engine index -> predicted tokens it is generating
 
     # -- set-up -------------------------------------------------------------------
     def _cpu_split(self) -> tuple[Optional[str], Optional[int]]:
@@ -100,7 +109,8 @@ class Controller:
         if torch.cuda.is_available():
             return None, None
         cores = os.cpu_count() or 1
-        if self.spec.schedule.mode == "sync" or cores < 2:
+        overlapped = self.spec.schedule.mode == "async" or self.spec.schedule.stream_train
+        if not overlapped or cores < 2:
             return f"0-{cores - 1}" if cores > 1 else "0", cores
         half = max(1, cores // 2)
         return (f"0-{half - 1}" if half > 1 else "0"), cores - half
@@ -126,6 +136,7 @@ class Controller:
         ]
         for engine in self.engines:  # one at a time: start-up is CPU-heavy
             await engine.start(warm_blob=blob)
+            self._load[engine.index] = 0.0
 
     async def close(self) -> None:
         for engine in self.engines:
@@ -134,21 +145,60 @@ class Controller:
             self.rewards.close()
 
     # -- roles ---------------------------------------------------------------------
-    def _pick_engine(self) -> RolloutEngine:
-        return min(self.engines, key=lambda e: len(e.active))
+    def _plan(self, rows: list[dict]) -> list[tuple[dict, RolloutEngine, float]]:
+        """Dispatch order and engine for prompt groups (``schedule.dispatch``): predicted-long
+        groups first and spread by predicted token load (longest_first), or as they come."""
+        policy, size = self.spec.schedule.dispatch, self.spec.algorithm.group_size
+        if policy == "longest_first":
+            predicted = [p * size for p in self.ranker.predict([r["prompt"] for r in rows])]
+        else:
+            predicted = [1.0] * len(rows)
+        loads = [self._load[e.index] for e in self.engines]
+        plan = plan_dispatch(policy, predicted, loads, seed=self._rng.randrange(2**31))
+        return [(rows[i], self.engines[e], predicted[i]) for i, e in plan]
 
-    async def _sample(self, engine: RolloutEngine, row: dict, temperature: float) -> Sample:
-        comp = await engine.generate(encode(row["prompt"]), self.spec.rollout.max_tokens, temperature)
+    async def _generate(self, engine: RolloutEngine, row: dict, temperature: float) -> Completion:
+        return await engine.generate(encode(row["prompt"]), self.spec.rollout.max_tokens, temperature)
+
+    async def _score(self, row: dict, comp: Completion) -> Sample:
         text = decode([t for t in comp.token_ids if t != EOS_ID])
         fields = {k: v for k, v in row.items() if k != "prompt"}
         score = await self.rewards.score(row["prompt"], text, fields)
         return Sample(row, comp, text, score.reward, score.error)
 
-    async def _group(self, row: dict, index: int, start_version: int) -> Group:
-        engine = self._pick_engine()
-        samples = await asyncio.gather(*(self._sample(engine, row, self.spec.rollout.temperature)
-                                         for _ in range(self.spec.algorithm.group_size)))
+    async def _sample(self, engine: RolloutEngine, row: dict, temperature: float) -> Sample:
+        return await self._score(row, await self._generate(engine, row, temperature))
+
+    async def _group(self, row: dict, index: int, start_version: int, engine: RolloutEngine,
+                     predicted: float = 0.0, score: bool = True) -> Group:
+        """One prompt's group. Scored sample by sample as each finishes (fused), or left
+        for the caller to score after a barrier (``score=False``)."""
+        self._load[engine.index] += predicted
+        try:
+            work = self._sample if score else self._generate
+            samples = await asyncio.gather(*(work(engine, row, self.spec.rollout.temperature)
+                                             for _ in range(self.spec.algorithm.group_size)))
+        finally:
+            self._load[engine.index] -= predicted
+        lengths = [(s.completion if score else s).length for s in samples]
+        self.ranker.observe_group(row["prompt"], lengths)
         return Group(list(samples), start_version, index)
+
+    async def _in_trainer(self, fn, *args):
+        """Run trainer work in a thread (generation streams on meanwhile), timing it."""
+        t0 = time.perf_counter()
+        try:
+            return await asyncio.to_thread(fn, *args)
+        finally:
+            self.trainer_busy_s += time.perf_counter() - t0
+
+    def _train_samples(self, group: Group) -> list[TrainSample]:
+        """Group-relative advantages need only the group itself, so a group can be
+        trained on the moment it is complete."""
+        adv = algorithms.group_advantages([s.reward for s in group.samples], self.spec.algorithm.group_size,
+                                          self.spec.algorithm.adv_std_norm)
+        return [TrainSample(s.completion.prompt_ids, s.completion.token_ids, s.completion.logprobs, a)
+                for s, a in zip(group.samples, adv)]
 
     def _rows(self):
         while True:
@@ -161,22 +211,26 @@ class Controller:
         """Greedy accuracy (mean reward) on the held-out rows."""
         if not self.eval_rows:
             return float("nan")
-        samples = await asyncio.gather(*(self._sample(self._pick_engine(), r, 0.0) for r in self.eval_rows))
+        engines = self.engines
+        samples = await asyncio.gather(*(self._sample(engines[i % len(engines)], r, 0.0)
+                                         for i, r in enumerate(self.eval_rows)))
         accuracy = sum(s.reward for s in samples) / len(samples)
         self.reporter.log(step, {"eval/accuracy": accuracy})
         return accuracy
 
     # -- training step ----------------------------------------------------------------
-    async def _train_on(self, groups: list[Group], step: int, t_start: float) -> None:
+    async def _train_on(self, groups: list[Group], step: int, t_start: float,
+                        stats: Optional[dict] = None) -> None:
+        """Train on a batch (unless a streamed step already did: ``stats``), push the new
+        weights to every engine, and report the step."""
         spec = self.spec
-        version = self.trainer.version
+        version = self.trainer.version - (1 if stats is not None else 0)
         rewards = [s.reward for g in groups for s in g.samples]
-        adv = algorithms.group_advantages(rewards, spec.algorithm.group_size, spec.algorithm.adv_std_norm)
         samples = [s for g in groups for s in g.samples]
-        batch = [TrainSample(s.completion.prompt_ids, s.completion.token_ids, s.completion.logprobs, a)
-                 for s, a in zip(samples, adv)]
         staleness = [version - s.completion.versions.oldest for s in samples]
-        stats = await asyncio.to_thread(self.trainer.train_step, batch)
+        if stats is None:
+            batch = [t for g in groups for t in self._train_samples(g)]
+            stats = await self._in_trainer(self.trainer.train_step, batch)
         blob = await asyncio.to_thread(serialize_state_dict, self.trainer.state_dict())
         timings = await asyncio.gather(*(e.update_weights(blob, self.trainer.version) for e in self.engines))
         self.gate.advance(self.trainer.version)
@@ -205,6 +259,9 @@ class Controller:
             **hist,
             "weights/sync_ms": max(t.sync_ms for t in timings),
             "weights/load_ms": max(t.load_ms for t in timings),
+            **self.ranker.metrics(),
+            "idle/generation": self._idle_generation(elapsed),
+            "idle/training": 1.0 - min(1.0, self.trainer_busy_s / elapsed),
             "lengths/mean": sum(lengths) / len(lengths),
             "lengths/p99": _percentile(lengths, 0.99),
             "queue/depth": self.ready.qsize() if hasattr(self, "ready") else 0,
@@ -225,6 +282,11 @@ class Controller:
             self.bar.update(1)
             self.bar.set_postfix(reward=f"{mean_r:.2f}", stale=max(staleness), sps=f"{r.trained_samples / elapsed:.1f}")
 
+    def _idle_generation(self, elapsed: float) -> float:
+        now = time.perf_counter()
+        busy = sum(e.busy_s + (now - e._busy_since if e._busy_since is not None else 0.0) for e in self.engines)
+        return 1.0 - min(1.0, (busy - self._busy_before) / (elapsed * len(self.engines)))
+
     def _collect_stalls(self) -> None:
         for e in self.engines:
             done = [u for u in e.updates if u.gen_stall_ms is not None or u.version < self.trainer.version - 1]
@@ -239,13 +301,39 @@ class Controller:
 
     # -- the two schedules ------------------------------------------------------------
     async def _run_sync(self, t_start: float) -> None:
-        rows = self._rows()
-        for step in range(1, self.spec.stop.max_steps + 1):
+        spec, rows = self.spec, self._rows()
+        for step in range(1, spec.stop.max_steps + 1):
             if self._out_of_time(t_start):
                 break
-            groups = await asyncio.gather(*(self._group(next(rows), i, self.trainer.version)
-                                            for i in range(self.spec.schedule.batch_prompts)))
+            plan = self._plan([next(rows) for _ in range(spec.schedule.batch_prompts)])
+            version = self.trainer.version
+            if spec.schedule.stream_train:
+                await self._sync_streamed_step(plan, step, t_start)
+                continue
+            fused = spec.rollout.fused_scoring
+            groups = await asyncio.gather(*(self._group(row, i, version, engine, pred, score=fused)
+                                            for i, (row, engine, pred) in enumerate(plan)))
+            if not fused:  # the barrier: score everything once generation is over
+                for g in groups:
+                    row = plan[g.index][0]
+                    g.samples = list(await asyncio.gather(*(self._score(row, c) for c in g.samples)))
             await self._train_on(list(groups), step, t_start)
+
+    async def _sync_streamed_step(self, plan, step: int, t_start: float) -> None:
+        """StreamRL's stream generation in a synchronous step: each group goes into the
+        trainer's micro-batches as soon as it is scored, overlapping the generation tail."""
+        version = self.trainer.version
+        await self._in_trainer(self.trainer.begin_step)
+        tasks = [asyncio.create_task(self._group(row, i, version, engine, pred))
+                 for i, (row, engine, pred) in enumerate(plan)]
+        groups = []
+        for next_done in asyncio.as_completed(tasks):
+            group = await next_done
+            groups.append(group)
+            await self._in_trainer(self.trainer.accumulate, self._train_samples(group))
+        n = sum(len(g.samples) for g in groups)
+        stats = await self._in_trainer(self.trainer.finish_step, n, True)
+        await self._train_on(sorted(groups, key=lambda g: g.index), step, t_start, stats=stats)
 
     async def _run_async(self, t_start: float) -> None:
         spec, rows = self.spec, self._rows()
@@ -264,15 +352,23 @@ class Controller:
                 self.ready.put_nowait(task.result())
             wake.set()
 
+        waiting: deque[dict] = deque()  # rows not yet started (a look-ahead window for dispatch)
+
         async def produce() -> None:
             nonlocal counter
             while not self.stop.is_set():
-                while self.gate.can_start() and not self.stop.is_set():
-                    version = self.gate.start()
-                    task = asyncio.create_task(self._group(next(rows), counter, version))
-                    counter += 1
-                    pending.add(task)
-                    task.add_done_callback(finished)
+                free = self.gate.capacity - self.gate.finished - self.gate.running
+                if free > 0:
+                    while len(waiting) < free + spec.schedule.batch_prompts:
+                        waiting.append(next(rows))
+                    plan = self._plan(list(waiting))[:free]
+                    for row, engine, predicted in plan:
+                        waiting.remove(row)
+                        version = self.gate.start()
+                        task = asyncio.create_task(self._group(row, counter, version, engine, predicted))
+                        counter += 1
+                        pending.add(task)
+                        task.add_done_callback(finished)
                 wake.clear()
                 await wake.wait()
 
@@ -328,11 +424,15 @@ class Controller:
             self.bar = tqdm(total=spec.stop.max_steps, desc=f"{spec.name} [{spec.schedule.mode}]", unit="step",
                             disable=not self.progress)
             t_start = time.time()
+            self._busy_before = sum(e.busy_s for e in self.engines)  # the evaluation above is not training time
+            self.trainer_busy_s = 0.0
             if spec.schedule.mode == "sync":
                 await self._run_sync(t_start)
             else:
                 await self._run_async(t_start)
             self.result.seconds = time.time() - t_start
+            self.result.idle_generation = self._idle_generation(self.result.seconds)
+            self.result.idle_training = 1.0 - min(1.0, self.trainer_busy_s / max(self.result.seconds, 1e-9))
             self.bar.close()
             if self._failure is not None:
                 raise self._failure

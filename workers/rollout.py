@@ -89,6 +89,8 @@ class RolloutEngine:
         self.active: dict[str, float] = {}  # request id -> time of its last output
         self.updates: list[UpdateTiming] = []
         self.generated_tokens = 0
+        self.busy_s = 0.0  # time with at least one request running (for idle fractions)
+        self._busy_since: Optional[float] = None
         self._resume = asyncio.Event()
         self._resume.set()
         self._interrupted: set[str] = set()
@@ -143,6 +145,8 @@ class RolloutEngine:
                 max_tokens=max_tokens - len(tokens), temperature=temperature, logprobs=0, seed=seed,
                 output_kind=RequestOutputKind.DELTA, skip_special_tokens=True, detokenize=False, ignore_eos=ignore_eos,
             )
+            if not self.active:
+                self._busy_since = time.perf_counter()
             self.active[rid] = time.perf_counter()
             spans = None
             try:
@@ -156,6 +160,9 @@ class RolloutEngine:
                         finish, spans = c.finish_reason, c.weight_versions
             finally:
                 self.active.pop(rid, None)
+                if not self.active and self._busy_since is not None:
+                    self.busy_s += time.perf_counter() - self._busy_since
+                    self._busy_since = None
             extend_track(track, spans, len(tokens), self.version)
             if rid in self._interrupted and len(tokens) < max_tokens:
                 self._interrupted.discard(rid)

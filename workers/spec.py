@@ -72,6 +72,9 @@ class RolloutSpec(_Strict):
     # drain: let running requests finish before loading (update between requests)
     update_mode: Literal["keep", "interrupt", "drain"] = "keep"
     max_num_seqs: int = Field(256, ge=1)
+    # score each sample the moment it finishes, overlapped with generation (RLHFuse's
+    # inter-stage fusion); off = score the whole batch after generation, at a barrier
+    fused_scoring: bool = True
     kv_cache_gb: float = Field(1.0, gt=0)
 
 
@@ -79,7 +82,12 @@ class ScheduleSpec(_Strict):
     mode: Literal["sync", "async"] = "async"
     max_staleness: int = Field(2, ge=0)
     batch_prompts: int = Field(8, ge=1, description="prompts per training step (x group_size samples)")
-    length_aware: bool = False
+    # fifo | random | longest_first (StreamRL's skewness-aware dispatch, predicted by an
+    # output-length ranker learned online from the run's own samples)
+    dispatch: Literal["fifo", "random", "longest_first"] = "fifo"
+    # sync mode only: train on each prompt group as soon as it is scored, overlapping the
+    # first micro-batches with the tail of generation (StreamRL's stream generation)
+    stream_train: bool = False
 
 
 class TrainerSpec(_Strict):
@@ -116,6 +124,16 @@ class RunSpec(_Strict):
     eval: EvalSpec = EvalSpec()
     resources: ResourcesSpec = ResourcesSpec()
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _stream_needs_exact_scaling(self):
+        if self.schedule.stream_train and self.schedule.mode != "sync":
+            raise ValueError("schedule.stream_train applies to schedule.mode 'sync' (async mode streams already)")
+        if self.schedule.stream_train and self.trainer.zero_stage > 0:
+            # the step's token count is known only at the end; gradients are rescaled then,
+            # which needs them unpartitioned
+            raise ValueError("schedule.stream_train needs trainer.zero_stage 0")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

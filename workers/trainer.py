@@ -115,28 +115,38 @@ class Trainer:
         return logp, entropy
 
     def train_step(self, batch: list[TrainSample]) -> dict[str, float]:
-        algo, t0 = self.spec.algorithm, time.perf_counter()
-        device = self.engine.device
-        lengths = [len(s.prompt_ids) + len(s.token_ids) for s in batch]
-        micro = algorithms.pack_first_fit_decreasing(lengths, self.spec.trainer.micro_batch_tokens)
-        tensors = [self._tensors([batch[i] for i in mb], device) for mb in micro]
-        total_mask = sum(float(t[2].sum()) for t in tensors)
-        denominator = total_mask if algo.normalize == "tokens" else float(len(batch))
-        denominator = max(denominator, 1.0)
+        """One optimiser step on a whole batch (the denominator is known up front)."""
+        mask_tokens = sum(len(s.token_ids) for s in batch)
+        denominator = mask_tokens if self.spec.algorithm.normalize == "tokens" else len(batch)
+        self.begin_step()
+        self.accumulate(batch, denominator=max(1.0, float(denominator)), last=True)
+        return self.finish_step(len(batch))
 
-        # Decoupled PPO's proximal policy is the policy at the start of this step. All
-        # micro-batches accumulate into one optimiser step, so during the forward passes
-        # the current weights *are* the proximal ones: π_prox = π_θ.detach(), exactly, and
-        # the separate no-grad forward AReaL needs for several minibatch updates per batch
-        # would recompute the same numbers.
+    # A step in pieces, so micro-batches can start while the batch is still arriving
+    # (stream training): accumulate() with denominator 1 sums the losses, and
+    # finish_step(rescale=True) divides the gradients by the step's denominator once it
+    # is known — the same step as train_step on the whole batch.
+    def begin_step(self) -> None:
+        self._acc = {"loss": 0.0, "kl": 0.0, "clip": 0.0, "entropy": 0.0, "tokens": 0, "seqs": 0,
+                     "padded": 0, "micro": 0, "seconds": 0.0}
         self.engine.module.train()
 
-        stats = {"loss": 0.0, "kl": 0.0, "clip": 0.0, "entropy": 0.0, "tokens": 0}
-        for k, (ids, att, mask, behav, adv) in enumerate(tensors):
-            self.engine.set_gradient_accumulation_boundary(k == len(tensors) - 1)
+    def accumulate(self, batch: list[TrainSample], denominator: float = 1.0, last: bool = False) -> None:
+        algo, t0, acc = self.spec.algorithm, time.perf_counter(), self._acc
+        lengths = [len(s.prompt_ids) + len(s.token_ids) for s in batch]
+        micro = algorithms.pack_first_fit_decreasing(lengths, self.spec.trainer.micro_batch_tokens)
+        for k, mb in enumerate(micro):
+            ids, att, mask, behav, adv = self._tensors([batch[i] for i in mb], self.engine.device)
+            self.engine.set_gradient_accumulation_boundary(last and k == len(micro) - 1)
             logp, entropy = self._logprobs(self.engine, ids, att, with_entropy=True)
+            # Decoupled PPO's proximal policy is the policy at the start of this step. All
+            # micro-batches accumulate into one optimiser step, so during these forwards the
+            # current weights *are* the proximal ones: π_prox = π_θ.detach(), exactly; the
+            # extra no-grad forward AReaL needs for several minibatch updates per batch
+            # would recompute the same numbers.
             if algo.loss == "ppo":
-                out = algorithms.ppo_decoupled_loss(logp, logp.detach(), behav, adv, mask, algo.clip, algo.behav_weight_cap, denominator)
+                out = algorithms.ppo_decoupled_loss(logp, logp.detach(), behav, adv, mask, algo.clip,
+                                                    algo.behav_weight_cap, denominator)
             else:
                 out = algorithms.reinforce_tis_loss(logp, behav, adv, mask, algo.behav_weight_cap, denominator)
             loss = out.loss
@@ -145,22 +155,41 @@ class Trainer:
                     ref, _ = self._logprobs(self.reference, ids, att)
                 kl = algorithms.kl_penalty(logp, ref, mask, denominator)
                 loss = loss + algo.kl_coef * kl
-                stats["kl"] += float(kl)
+                acc["kl"] += float(kl.detach())
             self.engine.backward(loss)
-            stats["loss"] += float(out.loss.detach())
-            stats["clip"] += out.clip_frac * out.tokens
-            stats["entropy"] += float((entropy.detach() * mask).sum())
-            stats["tokens"] += out.tokens
+            acc["loss"] += float(out.loss.detach())
+            acc["clip"] += out.clip_frac * out.tokens
+            acc["entropy"] += float((entropy.detach() * mask).sum())
+            acc["tokens"] += out.tokens
+            acc["padded"] += ids.numel()
+            acc["micro"] += 1
+        acc["seqs"] += len(batch)
+        acc["seconds"] += time.perf_counter() - t0
+
+    def finish_step(self, sequences: int, rescale: bool = False) -> dict[str, float]:
+        acc, t0 = self._acc, time.perf_counter()
+        how = self.spec.algorithm.normalize
+        if rescale:  # streamed step: losses were sums, divide by the now-known denominator
+            denominator = max(1.0, float(acc["tokens"]) if how == "tokens" else float(sequences))
+            with torch.no_grad():
+                for p in self.engine.module.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(denominator)
+            self.engine.set_gradient_accumulation_boundary(True)
+            if torch.distributed.get_world_size() > 1:
+                self.engine.allreduce_gradients()
+            acc["loss"] /= denominator
+            acc["kl"] /= denominator
         self.engine.step()
         self.version += 1
-        seconds = time.perf_counter() - t0
-        tokens = max(stats["tokens"], 1)
+        acc["seconds"] += time.perf_counter() - t0
+        tokens = max(acc["tokens"], 1)
         return {
-            "loss/policy": stats["loss"],
-            "loss/kl": stats["kl"],
-            "policy/clip_frac": stats["clip"] / tokens,
-            "policy/entropy": stats["entropy"] / tokens,
-            "trainer/tokens_per_s": sum(lengths) / seconds,
-            "trainer/micro_batches": len(micro),
-            "trainer/step_s": seconds,
+            "loss/policy": acc["loss"],
+            "loss/kl": acc["kl"],
+            "policy/clip_frac": acc["clip"] / tokens,
+            "policy/entropy": acc["entropy"] / tokens,
+            "trainer/tokens_per_s": acc["padded"] / acc["seconds"],
+            "trainer/micro_batches": acc["micro"],
+            "trainer/step_s": acc["seconds"],
         }

@@ -73,3 +73,25 @@ def test_reward_service_marks_failing_samples_and_stops_on_a_broken_function():
 def test_reward_service_rejects_unknown_builtin():
     with pytest.raises(ValueError, match="not a built-in"):
         RewardService(RewardSpec(function="nope"))
+
+
+def test_fused_scoring_gives_exactly_the_rewards_of_scoring_after_a_barrier():
+    """Per-sample scoring while generation runs (concurrent, in completion order) must
+    equal scoring the whole batch afterwards in batch order."""
+    import asyncio
+
+    code = "def reward(prompt, completion, answer='', **f):\n    return len(completion) * 0.5 + (completion == answer)"
+    rows = [(f"{i}+1=", str((i * 7) % 13), {"answer": str(i + 1)}) for i in range(24)]
+    service = RewardService(RewardSpec(function="user", code=code))
+    try:
+        barrier = [service.score_sync(p, c, f).reward for p, c, f in rows]
+
+        async def fused():
+            async def one(k):
+                await asyncio.sleep((24 - k) * 0.001)  # finish in reverse order
+                return (await service.score(*rows[k])).reward
+            return await asyncio.gather(*(one(k) for k in range(24)))
+
+        assert asyncio.run(fused()) == barrier
+    finally:
+        service.close()
