@@ -398,6 +398,8 @@ class Controller:
                         continue
                     if self.trainer.version - group.start_version > spec.schedule.max_staleness:
                         self.result.dropped_stale += 1  # would break the bound: never train on it
+                        self.gate.release()
+                        wake.set()
                         continue
                     batch.append(group)
                 if len(batch) < spec.schedule.batch_prompts:

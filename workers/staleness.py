@@ -43,6 +43,11 @@ class StalenessGate:
         if accepted:
             self.finished += 1
 
+    def release(self, n: int = 1) -> None:
+        """Give back the slots of finished units that will never be trained on (dropped
+        as too stale), so the generation lead is not lost."""
+        self.finished -= n
+
     def advance(self, version: int | None = None) -> None:
         self.version = self.version + 1 if version is None else version
 

@@ -70,3 +70,14 @@ def test_interrupted_sequence_keeps_its_prefix_versions_and_continues_under_new_
     extend_track(track, [_span(6, 0, 3)], produced=10, fallback_version=6)  # resubmitted with the prefix
     assert track.runs == [[5, 7], [6, 3]]
     assert track.per_token()[6:8] == [5, 6]
+
+
+def test_a_dropped_stale_unit_gives_its_slot_back():
+    gate = StalenessGate(batch_size=1, max_staleness=1)
+    gate.start()
+    gate.start()
+    gate.finish()
+    gate.finish()
+    assert not gate.can_start()
+    gate.release()  # one of them was too stale to train on
+    assert gate.can_start()
