@@ -116,8 +116,8 @@ def stack(django_db_setup, tmp_path_factory):
 
 def reachable(url: str) -> bool:
     try:
-        return requests.get(f"{url}/api/me/", timeout=2).status_code == 401
-    except requests.ConnectionError:
+        return requests.get(f"{url}/api/me/", timeout=10).status_code == 401
+    except requests.RequestException:  # not listening yet, or still importing
         return False
 
 
