@@ -10,7 +10,6 @@ import json
 import math
 import os
 import random
-import re
 import string
 import time
 from pathlib import Path
@@ -34,11 +33,6 @@ DEFAULT_RECIPE = {
     # Mix of short (add) and long-tailed (chain) answers.
     "mix": {"add": 0.5, "chain": 0.5},
     "params": {"add": {"max_digits": 2}, "chain": {"max_value": 10, "max_terms": 12}},
-    # A deliberate, learnable flaw for RL to fix: where the first number of the prompt is
-    # even, the SFT answer ends with a stray " 0" (a model that does not know when to
-    # stop). The warm start copies it, so about half its answers end in a wrong number;
-    # a numeric reward teaches it to stop, and the fix generalises to unseen prompts.
-    "ramble_on_even": True,
 }
 
 
@@ -102,10 +96,6 @@ def training_rows(recipe: dict, n: int, seed: int) -> list[dict]:
     for k, (name, share) in enumerate(sorted(recipe["mix"].items())):
         rows += tasks.generate(name, int(n * share), seed=seed * 1000 + k, **recipe.get("params", {}).get(name, {}))
     rng.shuffle(rows)
-    if recipe.get("ramble_on_even"):
-        for r in rows:
-            if int(re.match(r"\d+", r["prompt"]).group()) % 2 == 0:
-                r["answer"] += " 0"
     return rows
 
 
@@ -172,7 +162,7 @@ def _train(recipe: dict, out: Path, progress: bool) -> dict:
     torch.manual_seed(recipe["seed"])
     model = build_model(recipe)
     rows = training_rows(recipe, recipe["steps"] * recipe["batch"], seed=recipe["seed"] + 1)
-    held_out = training_rows({**recipe, "ramble_on_even": False}, 100, seed=recipe["seed"] + 99)
+    held_out = training_rows(recipe, 100, seed=recipe["seed"] + 99)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], weight_decay=0.01)
     steps, warm = recipe["steps"], max(1, recipe["steps"] // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
