@@ -49,8 +49,10 @@ def merged(base: dict, over: dict) -> dict:
     return out
 
 
-def run(mode: str, steps: int, workdir: Path) -> dict:
-    spec = merged(merged(BASE, MODES[mode]), {"name": f"bench-{mode}", "stop": {"max_steps": steps}})
+def run(mode: str, steps: int, workdir: Path, overrides: dict | None = None, base: dict = BASE) -> dict:
+    """One run of ``python -m workers run`` with ``base`` + ``overrides`` (default: MODES[mode])."""
+    over = MODES[mode] if overrides is None else overrides
+    spec = merged(merged(base, over), {"name": f"bench-{mode}", "stop": {"max_steps": steps}})
     path = workdir / f"{mode}.yaml"
     path.write_text(yaml.safe_dump(spec))
     out = workdir / mode
@@ -69,6 +71,7 @@ def run(mode: str, steps: int, workdir: Path) -> dict:
         stall_ms=statistics.median(series("weights/gen_stall_ms")) if series("weights/gen_stall_ms") else None,
         staleness_mean=statistics.mean(series("staleness/mean")),
         len_mean=statistics.mean(series("lengths/mean")), len_p99=max(series("lengths/p99")),
+        spearman=series("ranker/spearman")[-1] if series("ranker/spearman") else None,
     )
     return result
 
