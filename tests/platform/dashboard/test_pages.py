@@ -235,3 +235,15 @@ def test_plotly_is_served_by_the_dashboard_not_a_cdn(page_a, run_a):
     response = page_a.get(src)
     assert response.status_code == 200 and "immutable" in response["Cache-Control"]
     assert b"plotly" in b"".join(response.streaming_content)[:2000].lower()
+
+
+@pytest.mark.parametrize("path", ["/runs/99999999999999999999/", "/runs/99999999999999999999/log/",
+                                  "/datasets/99999999999999999999/", "/rewards/99999999999999999999/",
+                                  "/runs/new/?from=99999999999999999999"])
+def test_out_of_range_ids_are_404(page_a, path):
+    assert page_a.get(path).status_code == 404
+
+
+@pytest.mark.parametrize("query", ["version=99999999999999999999", "version=x"])
+def test_unknown_versions_fall_back_to_the_newest(page_a, dataset_a, query):
+    assert page_a.get(f"/datasets/{dataset_a.dataset_id}/?{query}").status_code == 200
