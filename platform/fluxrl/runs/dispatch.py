@@ -146,8 +146,11 @@ def execute_run(run_id: int) -> str:
         # Typically: the spec no longer validates, the data folder is not writable.
         log.exception("run %s: could not start the engine", run_id)
         message = exc.message if isinstance(exc, DomainError) else f"{type(exc).__name__}: {exc}"
-        transition(Run(pk=run_id), RunStatus.FAILED, failure_reason=f"Could not start the engine: {message}")
-        return RunStatus.FAILED
+        reason = f"Could not start the engine: {message}"
+        try:
+            return transition(Run(pk=run_id), RunStatus.FAILED, failure_reason=reason).status
+        except IllegalTransition:  # cancelled meanwhile
+            return Run.objects.get(pk=run_id).status
     if launched is None:
         return "skipped"
     proc, log_path = launched
