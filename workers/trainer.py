@@ -39,6 +39,13 @@ def _init_distributed() -> None:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not torch.cuda.is_available() and os.environ["WORLD_SIZE"] == "1":
+        # One CPU process needs no shared-memory all-reduce. DeepSpeed would otherwise JIT-build
+        # that op under a lock file in ~/.cache/torch_extensions, and a process killed during
+        # the build leaves the lock behind: every later run then waits on it forever.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=backend)
 
 
