@@ -54,14 +54,17 @@ def post_all(url: str, key: str, work: list[bytes], latencies: list[float], erro
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--points", type=int, default=200_000)
-    parser.add_argument("--batch", type=int, default=1000, help="points per request (the server's limit is 1000)")
+    parser.add_argument("--batch", type=int, default=1000,
+                        help="points per request (above 1000, the default limit, the server's limit is raised)")
     parser.add_argument("--clients", type=int, default=4, help="concurrent posting threads")
     parser.add_argument("--servers", type=int, default=1, help="daphne processes, clients spread over them")
     parser.add_argument("--redis", help="a Redis URL for the channel layer (default: in-memory; several servers want Redis)")
     args = parser.parse_args()
 
     work = bodies(args.points, args.batch)
-    with run_server(args.redis) as (server, run_id, run_key, _), more_servers(server, args.servers - 1) as others:
+    limits = {"FLUXRL_INGEST_MAX_POINTS": str(args.batch), "FLUXRL_INGEST_MAX_BYTES": str(len(max(work, key=len)))}
+    with run_server(args.redis, **(limits if args.batch > 1000 else {})) as (server, run_id, run_key, _), \
+            more_servers(server, args.servers - 1) as others:
         from fluxrl.metrics.models import MetricPoint
 
         urls = [f"{base}/api/runs/{run_id}/metrics/" for base in [server.url, *others]]

@@ -18,13 +18,12 @@ from liveserver import REPO, LiveServer, free_port
 
 
 @contextlib.contextmanager
-def run_server(redis_url: str | None = None):
+def run_server(redis_url: str | None = None, **env: str):
     """Yields (server, run_id, run_key, user_key). redis_url: the server's channel layer
-    (default: in-memory, the embedded setup)."""
+    (default: in-memory, the embedded setup); env: more settings for the server."""
     with tempfile.TemporaryDirectory() as workdir:
         server = LiveServer(Path(workdir))
-        if redis_url:
-            server.env["REDIS_URL"] = redis_url
+        server.env.update(env, **({"REDIS_URL": redis_url} if redis_url else {}))
         with server:
             django_against(server)
             from django.contrib.auth import get_user_model

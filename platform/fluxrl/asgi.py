@@ -5,6 +5,10 @@ import os
 from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fluxrl.settings")
+# Under ASGI each request's sync code runs in a thread of its own, so a persistent
+# connection would be left behind by every request until PostgreSQL refuses more
+# clients ("too many clients", seen under bench/ingest.py): connect per request here.
+os.environ.setdefault("DATABASE_CONN_MAX_AGE", "0")
 django_asgi_app = get_asgi_application()  # sets Django up before the imports below
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
