@@ -271,7 +271,8 @@ class Controller:
         shown = sorted(samples, key=lambda s: (-len(s.completion.versions.runs), -s.completion.length))[:4]
         for s in shown:
             self.reporter.sample({"step": step, "prompt": s.row["prompt"], "completion": s.text, "reward": s.reward,
-                                  "versions": s.completion.versions.runs, "length": s.completion.length, "error": s.error})
+                                  "versions": s.completion.versions.per_token(), "length": s.completion.length,
+                                  "error": s.error or ""})
         self._collect_stalls()
         if spec.trainer.checkpoint_every and step % spec.trainer.checkpoint_every == 0:
             path = self.out / "checkpoints" / f"step-{step}"

@@ -7,6 +7,7 @@ platform stores them idempotently, so a retried batch never duplicates a point.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ class PlatformClient:
         return r.json() if r.content else {}
 
     def status(self, status: str, reason: str = "", **extra) -> dict:
-        return self.post("status", {"status": status, "reason": reason, **extra})
+        return self.post("status", {"status": status, "failure_reason": reason, **extra})
 
 
 class Reporter:
@@ -91,9 +92,9 @@ class Reporter:
                 return
             try:
                 if points:
-                    self.platform.post("metrics", {"points": points})
+                    self._post_or_drop("metrics", {"points": points})
                 if samples:
-                    self.platform.post("samples", {"samples": samples})
+                    self._post_or_drop("samples", {"samples": samples})
             except requests.RequestException:
                 # Platform unreachable: keep everything buffered and try again later.
                 self.failures += 1
@@ -104,6 +105,17 @@ class Reporter:
             with self._lock:
                 del self._points[: len(points)]
                 del self._samples[: len(samples)]
+
+    def _post_or_drop(self, what: str, payload: dict) -> None:
+        """A 4xx answer will not change on retry: log it and drop the batch rather than
+        resend it forever (5xx and network errors are retried)."""
+        try:
+            self.platform.post(what, payload)
+        except requests.HTTPError as exc:
+            status = exc.response.status_code if exc.response is not None else 500
+            if status >= 500 or status == 429:
+                raise
+            print(f"platform refused a {what} batch: {exc}", file=sys.stderr)
 
     def close(self) -> None:
         self._stop.set()
