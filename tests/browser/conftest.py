@@ -62,10 +62,12 @@ def api(server, account) -> Api:
     return Api(server.url, account["key"])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def context(server, tmp_path_factory):
-    """One browser profile for the session, kept on disk as a person's would be: Chromium
-    then reuses Plotly's compiled code between pages instead of compiling 4.8 MB each time."""
+    """One browser profile for the module, kept on disk as a person's would be: Chromium
+    then reuses Plotly's compiled code between pages instead of compiling 4.8 MB each time.
+    Module scope, not session: Playwright's sync API keeps an event loop running in the
+    main thread while it is open, which would break every later test that runs asyncio."""
     from playwright.sync_api import expect, sync_playwright
 
     expect.set_options(timeout=20_000)  # a shared 2-core machine can be slow
