@@ -6,10 +6,13 @@ platform stores them idempotently, so a retried batch never duplicates a point.
 """
 from __future__ import annotations
 
+import itertools
 import json
+import random
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,25 +40,38 @@ class PlatformClient:
 
 
 class Reporter:
-    """Collects metric points and samples; a background thread ships them in batches."""
+    """Collects metric points and samples; a background thread ships them in batches.
+
+    When the platform is unreachable (or answers 5xx/429) everything stays buffered and
+    is retried with exponential backoff; the platform skips points it already stored, so
+    a batch whose answer was lost is simply sent again. The buffer is bounded: past
+    max_points / max_samples the oldest entries are dropped, with a warning on stderr
+    (the points stay in metrics.jsonl)."""
 
     MAX_BATCH = 1000  # the ingest endpoint's limit
+    SAMPLE_BATCH = 50
 
     def __init__(self, jsonl_path: Optional[str | Path] = None, platform: Optional[PlatformClient] = None,
-                 flush_every_s: float = 0.5, echo=None):
+                 flush_every_s: float = 0.5, echo=None, max_points: int = 200_000, max_samples: int = 5_000,
+                 max_backoff_s: float = 10.0, close_timeout_s: float = 30.0):
         self.path = Path(jsonl_path) if jsonl_path else None
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")
         self.platform = platform
         self.flush_every_s = flush_every_s
+        self.max_points, self.max_samples = max_points, max_samples
+        self.max_backoff_s, self.close_timeout_s = max_backoff_s, close_timeout_s
         self.latest: dict[str, float] = {}
         self.echo = echo
-        self._points: list[dict] = []
-        self._samples: list[dict] = []
+        self._points: deque[dict] = deque()
+        self._samples: deque[dict] = deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.failures = 0
+        self.failures = 0  # failed posts, all told
+        self.dropped_points = self.dropped_samples = 0  # lost to a full buffer
+        self._failing_since: Optional[float] = None
+        self._streak = 0  # consecutive failed posts
         self._thread = threading.Thread(target=self._loop, name="fluxrl-reporter", daemon=True)
         if platform is not None:
             self._thread.start()
@@ -72,43 +88,98 @@ class Reporter:
                 self._file.flush()
             if self.platform is not None:
                 self._points.extend(points)
+                overflow = len(self._points) - self.max_points
+                if overflow > 0:
+                    self._drop(self._points, overflow, "points")
 
     def sample(self, record: dict) -> None:
         if self.platform is not None:
             with self._lock:
                 self._samples.append(record)
+                if len(self._samples) > self.max_samples:
+                    self._drop(self._samples, len(self._samples) - self.max_samples, "samples")
+
+    def _drop(self, buffer: deque, count: int, what: str) -> None:
+        """Drop the oldest `count` entries of a full buffer (lock held): losing old
+        points beats growing without bound while the platform is away."""
+        for _ in range(count):
+            buffer.popleft()
+        before = self.dropped_points + self.dropped_samples
+        if what == "points":
+            self.dropped_points += count
+        else:
+            self.dropped_samples += count
+        if before == 0 or (before + count) // 10_000 > before // 10_000:  # first drop, then every 10,000
+            print(f"warning: the platform has been unreachable and the report buffer is full "
+                  f"({self.max_points} points, {self.max_samples} samples): dropped the oldest "
+                  f"({self.dropped_points} points, {self.dropped_samples} samples so far); "
+                  f"metrics.jsonl keeps every point", file=sys.stderr)
+
+    @property
+    def pending(self) -> tuple[int, int]:
+        """(points, samples) not yet accepted by the platform."""
+        with self._lock:
+            return len(self._points), len(self._samples)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.flush_every_s):
-            self._ship()
-        self._ship(final=True)
+        delay = self.flush_every_s
+        while not self._stop.wait(delay):
+            delay = self.flush_every_s if self._ship() else self._backoff()
+        deadline = time.monotonic() + self.close_timeout_s
+        while not self._ship() and time.monotonic() < deadline:
+            time.sleep(min(self._backoff(), max(0.0, deadline - time.monotonic())))
+        points, samples = self.pending
+        if points or samples:
+            print(f"warning: the platform stayed unreachable for {self.close_timeout_s:.0f} s at the end: "
+                  f"{points} points and {samples} samples were not sent (metrics.jsonl has the points)",
+                  file=sys.stderr)
 
-    def _ship(self, final: bool = False) -> None:
-        deadline = time.time() + (30 if final else 0)
+    def _backoff(self) -> float:
+        """Seconds to wait after a failure: doubling from flush_every_s up to max_backoff_s,
+        with jitter so that many engines do not come back in step."""
+        streak = min(self._streak, 16)
+        return min(self.max_backoff_s, self.flush_every_s * 2 ** streak) * random.uniform(0.5, 1.0)
+
+    def _ship(self) -> bool:
+        """Send everything buffered, batch after batch. False if the platform could not
+        be reached (what is left stays buffered)."""
         while True:
             with self._lock:
-                points, samples = self._points[: self.MAX_BATCH], self._samples[:50]
+                points = list(itertools.islice(self._points, self.MAX_BATCH))
+                samples = list(itertools.islice(self._samples, self.SAMPLE_BATCH))
             if not points and not samples:
-                return
+                return True
             try:
                 if points:
                     self._post_or_drop("metrics", {"points": points})
+                    self._sent(self._points, points)
                 if samples:
                     self._post_or_drop("samples", {"samples": samples})
-            except requests.RequestException:
-                # Platform unreachable: keep everything buffered and try again later.
+                    self._sent(self._samples, samples)
+            except requests.RequestException as exc:
                 self.failures += 1
-                if not final or time.time() > deadline:
-                    return
-                time.sleep(1.0)
-                continue
-            with self._lock:
-                del self._points[: len(points)]
-                del self._samples[: len(samples)]
+                self._streak += 1
+                if self._failing_since is None:
+                    self._failing_since = time.monotonic()
+                    print(f"warning: cannot reach the platform ({exc}); buffering and retrying", file=sys.stderr)
+                return False
+            if self._failing_since is not None:
+                print(f"the platform is reachable again after {time.monotonic() - self._failing_since:.1f} s; "
+                      f"sending what was buffered", file=sys.stderr)
+                self._failing_since = None
+            self._streak = 0
+
+    def _sent(self, buffer: deque, batch: list) -> None:
+        """Forget a batch the platform accepted. The buffer may have lost its oldest
+        entries to an overflow meanwhile: remove only what is still the same objects."""
+        with self._lock:
+            for item in batch:
+                if buffer and buffer[0] is item:
+                    buffer.popleft()
 
     def _post_or_drop(self, what: str, payload: dict) -> None:
         """A 4xx answer will not change on retry: log it and drop the batch rather than
-        resend it forever (5xx and network errors are retried)."""
+        resend it forever (5xx, 429 and network errors are retried)."""
         try:
             self.platform.post(what, payload)
         except requests.HTTPError as exc:
@@ -120,6 +191,6 @@ class Reporter:
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=60)
+            self._thread.join(timeout=self.close_timeout_s + 30)
         if self.path:
             self._file.close()
