@@ -7,8 +7,11 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fluxrl.settings")
 # Under ASGI each request's sync code runs in a thread of its own, so a persistent
 # connection would be left behind by every request until PostgreSQL refuses more
-# clients ("too many clients", seen under bench/ingest.py): connect per request here.
+# clients ("too many clients", seen under bench/ingest.py). On PostgreSQL a pool
+# (settings.py) hands each request a connection and takes it back at the end; without
+# one (FLUXRL_DB_POOL=0), connect per request.
 os.environ.setdefault("DATABASE_CONN_MAX_AGE", "0")
+os.environ.setdefault("FLUXRL_DB_POOL", "1")
 django_asgi_app = get_asgi_application()  # sets Django up before the imports below
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402

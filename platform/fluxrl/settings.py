@@ -104,6 +104,17 @@ DATABASES = {
         conn_max_age=int(os.environ.get("DATABASE_CONN_MAX_AGE", "60")),
     )
 }
+if DATABASES["default"]["ENGINE"].endswith("postgresql") and env_bool("FLUXRL_DB_POOL", False):
+    # A pool of connections per process (psycopg_pool), on in the ASGI web server (asgi.py):
+    # there each request runs in a thread of its own, so without a pool every request pays
+    # for a new PostgreSQL backend (and persistent connections leaked one per thread).
+    # Django hands the connection back to the pool when the request ends.
+    DATABASES["default"]["CONN_MAX_AGE"] = 0  # required by the pool
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": int(os.environ.get("FLUXRL_DB_POOL_MIN", "2")),
+        "max_size": int(os.environ.get("FLUXRL_DB_POOL_MAX", "10")),
+        "timeout": float(os.environ.get("FLUXRL_DB_POOL_TIMEOUT_S", "10")),  # wait for a free connection
+    }
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # Wait for the writer lock instead of failing at once (web + celery share the file).
     DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
@@ -173,7 +184,9 @@ FLUXRL_ENGINE_COMMAND = shlex.split(os.environ.get("FLUXRL_ENGINE_COMMAND", ""))
 FLUXRL_CANCEL_GRACE_S = float(os.environ.get("FLUXRL_CANCEL_GRACE_S", "10"))  # SIGTERM -> SIGKILL
 FLUXRL_HEARTBEAT_S = float(os.environ.get("FLUXRL_HEARTBEAT_S", "5"))
 FLUXRL_RUN_STALE_S = float(os.environ.get("FLUXRL_RUN_STALE_S", "60"))  # no heartbeat this long: failed
-FLUXRL_WS_STATUS_POLL_S = float(os.environ.get("FLUXRL_WS_STATUS_POLL_S", "3"))  # see runs/consumers.py
+# Off with Redis, where every process' status changes reach the sockets: a query per
+# socket every few seconds only loads the database (see runs/consumers.py).
+FLUXRL_WS_STATUS_POLL_S = float(os.environ.get("FLUXRL_WS_STATUS_POLL_S", "0" if REDIS_URL else "3"))
 
 # --- REST API ---
 REST_FRAMEWORK = {
@@ -221,6 +234,12 @@ FLUXRL_MAX_UPLOAD_BYTES = int(float(os.environ.get("FLUXRL_MAX_UPLOAD_MB", "64")
 FLUXRL_INGEST_MAX_POINTS = int(os.environ.get("FLUXRL_INGEST_MAX_POINTS", "1000"))
 FLUXRL_INGEST_MAX_SAMPLES = int(os.environ.get("FLUXRL_INGEST_MAX_SAMPLES", "500"))
 FLUXRL_INGEST_MAX_BYTES = int(os.environ.get("FLUXRL_INGEST_MAX_BYTES", str(1024 * 1024)))
+# How ingested points reach PostgreSQL: copy (binary COPY; a batch holding stored points
+# falls back to unnest), unnest (one INSERT ... ON CONFLICT DO NOTHING of arrays, the
+# path before COPY) or orm (bulk_create); bench/ingest.py --insert compares them.
+FLUXRL_INGEST_INSERT = os.environ.get("FLUXRL_INGEST_INSERT", "copy")
+# Points per live push of an ingested batch (more are downsampled per key for the browsers).
+FLUXRL_LIVE_MAX_POINTS = int(os.environ.get("FLUXRL_LIVE_MAX_POINTS", "1000"))
 FLUXRL_METRICS_MAX_POINTS = int(os.environ.get("FLUXRL_METRICS_MAX_POINTS", "10000"))  # per series, per read
 FLUXRL_REWARD_CODE_MAX_BYTES = 64 * 1024
 FLUXRL_REWARD_TRY_MAX_ROWS = 20

@@ -4,9 +4,10 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections import defaultdict
 
 from django.conf import settings
-from django.db import connection
+from django.db import IntegrityError, connection, transaction
 
 from fluxrl.errors import TooLarge, field_error
 from fluxrl.runs import live
@@ -18,7 +19,10 @@ KEY_PATTERN = re.compile(r"[A-Za-z0-9_./:-]{1,100}")
 
 
 def is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    try:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def clean_point(index: int, point) -> tuple[str, int, float, float]:
@@ -37,44 +41,136 @@ def clean_point(index: int, point) -> tuple[str, int, float, float]:
     return key, step, float(value), float(when if when is not None else time.time())
 
 
-def ingest_points(run, points: list) -> list[dict]:
-    """Store a batch of points [{key, step, value, time}] for a run and return them
-    cleaned. Idempotent: a point whose (run, key, step) is stored already is skipped,
-    so a retried batch stores nothing twice. More than FLUXRL_INGEST_MAX_POINTS -> 413."""
+class _Invalid(Exception):
+    """Some point of the batch is bad: check point by point to name it."""
+
+
+def _finite_numbers(values: list, nullable: bool = False) -> list[float]:
+    types = set(map(type, values))
+    if not types <= ({int, float, type(None)} if nullable else {int, float}):
+        raise _Invalid
+    if types == {float}:
+        floats = values
+    elif nullable and type(None) in types:
+        now = time.time()
+        floats = [now if v is None else float(v) for v in values]
+    else:
+        try:
+            floats = list(map(float, values))
+        except OverflowError:
+            raise _Invalid from None
+    if not all(map(math.isfinite, floats)):
+        raise _Invalid
+    return floats
+
+
+def _clean_columns(points: list) -> tuple[list[str], list[int], list[float], list[float]]:
+    """The batch as columns (keys, steps, values, times), checked column by column with
+    C-level builtins (map, set, min, max): a 1000-point batch costs a few passes, not
+    4000 isinstance calls, and each distinct key is matched once."""
+    try:
+        keys = [p["key"] for p in points]
+        steps = [p["step"] for p in points]
+        values = [p["value"] for p in points]
+        times = [p.get("time") for p in points]
+        distinct = set(keys)
+    except (TypeError, KeyError, AttributeError):  # not an object, a field missing, a key unhashable
+        raise _Invalid from None
+    if not all(type(k) is str and KEY_PATTERN.fullmatch(k) for k in distinct):
+        raise _Invalid
+    if set(map(type, steps)) != {int} or min(steps) < 0 or max(steps) > MAX_STEP:  # bool is not int here
+        raise _Invalid
+    return keys, steps, _finite_numbers(values), _finite_numbers(times, nullable=True)
+
+
+def clean_points(points) -> tuple[list[str], list[int], list[float], list[float]]:
+    """Columns (keys, steps, values, times) of a valid batch, one entry per (key, step):
+    the last value given for a (key, step) in the batch. A bad point rejects the batch
+    with a 400 naming it (points.<index>.<field>)."""
     if not isinstance(points, list):
         raise field_error("points", "expected a list")
     if len(points) > settings.FLUXRL_INGEST_MAX_POINTS:
         raise TooLarge(f"{len(points)} points in one batch; the limit is {settings.FLUXRL_INGEST_MAX_POINTS}.")
-    cleaned = {}
-    for index, point in enumerate(points):
-        key, step, value, when = clean_point(index, point)
-        cleaned[(key, step)] = {"key": key, "step": step, "value": value, "time": when}
-    stored = list(cleaned.values())
-    insert_points(run, stored)
-    on_points_stored(run, stored)
-    return stored
+    if not points:
+        return [], [], [], []
+    try:
+        keys, steps, values, times = _clean_columns(points)
+    except _Invalid:
+        for index, point in enumerate(points):
+            clean_point(index, point)  # raises for the first bad point
+        raise AssertionError("a batch failed the bulk checks but no point did") from None
+    pairs = list(zip(keys, steps))
+    if len(set(pairs)) != len(pairs):
+        # A (key, step) repeated in the batch: one row, in its first place, with its last value.
+        last = {pair: i for i, pair in enumerate(pairs)}  # dicts keep first-insertion order
+        keys, steps = [k for k, _ in last], [s for _, s in last]
+        values, times = [values[i] for i in last.values()], [times[i] for i in last.values()]
+    return keys, steps, values, times
 
 
-def insert_points(run, points: list[dict]) -> None:
-    """Insert cleaned points, skipping any (run, key, step) stored already. On PostgreSQL
-    one INSERT ... SELECT FROM unnest(<a column per array>): no model instances and five
-    parameters instead of 5,000, several times faster than bulk_create for a full batch."""
-    if connection.vendor != "postgresql":
-        MetricPoint.objects.bulk_create([MetricPoint(run=run, **p) for p in points], ignore_conflicts=True)
+def ingest_points(run, points: list) -> int:
+    """Store a batch of points [{key, step, value, time}] for a run; returns how many
+    distinct (key, step) it held. Idempotent: a point whose (run, key, step) is stored
+    already is skipped, so a retried batch stores nothing twice; the first value stored
+    wins. More than FLUXRL_INGEST_MAX_POINTS -> 413."""
+    columns = clean_points(points)
+    if columns[0]:
+        insert_points(run, *columns)
+        on_points_stored(run, columns)
+    return len(columns[0])
+
+
+def insert_points(run, keys: list[str], steps: list[int], values: list[float], times: list[float]) -> None:
+    """Insert cleaned columns, skipping any (run, key, step) stored already.
+
+    PostgreSQL: a batch is nearly always new points, so it goes in by binary COPY, the
+    cheapest way in for both sides (no SQL text, numbers as binary), inside a savepoint.
+    A batch holding a point stored before (a retry) fails that COPY whole on the unique
+    (run, key, step) index; then one INSERT ... ON CONFLICT DO NOTHING stores the rest.
+    Rows go in (key, step) order, so concurrent batches touching the same points take
+    their index locks in one order and cannot deadlock."""
+    method = settings.FLUXRL_INGEST_INSERT if connection.vendor == "postgresql" else "orm"
+    if method == "orm":  # SQLite
+        MetricPoint.objects.bulk_create(
+            [MetricPoint(run=run, key=k, step=s, value=v, time=t) for k, s, v, t in zip(keys, steps, values, times)],
+            ignore_conflicts=True)
         return
-    columns = [[p[name] for p in points] for name in ("key", "step", "value", "time")]
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"INSERT INTO {MetricPoint._meta.db_table} (run_id, key, step, value, time) "
-            "SELECT %s, * FROM unnest(%s::text[], %s::bigint[], %s::float8[], %s::float8[]) ON CONFLICT DO NOTHING",
-            [run.pk, *columns],
-        )
+    rows = sorted(zip(keys, steps, values, times))  # (key, step) is unique here
+    table = MetricPoint._meta.db_table
+    with transaction.atomic(), connection.cursor() as cursor:
+        if method == "copy":
+            try:
+                with transaction.atomic(), connection.wrap_database_errors:
+                    with cursor.cursor.copy(f"COPY {table} (run_id, key, step, value, time) FROM STDIN (FORMAT BINARY)") as copy:
+                        copy.set_types(["int8", "text", "int8", "float8", "float8"])
+                        for row in rows:
+                            copy.write_row((run.pk, *row))
+                return
+            except IntegrityError:
+                pass  # some point is stored already
+        cursor.execute(f"INSERT INTO {table} (run_id, key, step, value, time) "
+                       "SELECT %s, * FROM unnest(%s::text[], %s::bigint[], %s::float8[], %s::float8[]) "
+                       "ON CONFLICT DO NOTHING", [run.pk, *map(list, zip(*rows))])
 
 
-def on_points_stored(run, points: list[dict]) -> None:
+def on_points_stored(run, columns: tuple[list, list, list, list]) -> None:
     """Called after every ingested batch (retries included, so consumers key points by
-    (key, step)): pushes {"type": "metrics", "points": points} to the run's live views."""
-    live.publish_points(run, points)
+    (key, step)): one push to the run's live views, downsampled per key to about
+    FLUXRL_LIVE_MAX_POINTS points (the API has them all)."""
+    live.publish_points(run, *live_columns(*columns, limit=settings.FLUXRL_LIVE_MAX_POINTS))
+
+
+def live_columns(keys, steps, values, times, limit: int) -> tuple[list, list, list, list]:
+    """The batch's columns as they are, or past `limit` points each key's series cut
+    by downsample (first, last and extremes kept)."""
+    if len(keys) <= limit:
+        return keys, steps, values, times
+    series = defaultdict(list)
+    for key, step, value, when in zip(keys, steps, values, times):
+        series[key].append((step, value, when))
+    share = max(limit // len(series), 2)
+    kept = [(key, *point) for key, rows in series.items() for point in downsample(sorted(rows), share)]
+    return tuple(map(list, zip(*kept)))
 
 
 # --- reads ------------------------------------------------------------------------------

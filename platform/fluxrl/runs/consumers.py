@@ -65,10 +65,14 @@ class RunConsumer(AsyncJsonWebsocketConsumer):
             await self.channel_layer.group_discard(self.group, self.channel_name)
 
     async def run_event(self, event):
-        message = event["message"]
-        if message["type"] == "status":
-            self.last_status = status_key(message)
-        await self.send_json(message)
+        if event["message"]["type"] == "status":
+            self.last_status = status_key(event["message"])
+        # channels-redis hands one event object to all of a process' subscribers: encode
+        # it once for them all (with 200 sockets on a run, encoding per socket was the
+        # server's main cost and live pushes fell minutes behind).
+        if "text" not in event:
+            event["text"] = await self.encode_json(live.client_message(event["message"]))
+        await self.send(text_data=event["text"])
 
     async def poll_status(self, run_id: int):
         # Status changes made where this server's channel layer does not reach (the

@@ -67,9 +67,19 @@ def publish_samples(run: Run, samples: list[Sample]) -> None:
         publish(run.pk, {"type": "samples", "samples": [sample_dict(s) for s in samples]})
 
 
-def publish_points(run: Run, points: list[dict]) -> None:
-    if points:
-        publish(run.pk, {"type": "metrics", "points": points})
+def publish_points(run: Run, keys: list, steps: list, values: list, times: list) -> None:
+    """One group message per ingested batch, as columns: far cheaper to copy (in-memory
+    layer) or encode (Redis) than a dict per point. Consumers expand it (client_message)."""
+    if keys:
+        publish(run.pk, {"type": "metrics", "columns": [list(keys), list(steps), list(values), list(times)]})
+
+
+def client_message(message: dict) -> dict:
+    """A group message as a subscriber receives it: metrics as points [{key, step, value, time}]."""
+    if message["type"] == "metrics" and "columns" in message:
+        points = [{"key": k, "step": s, "value": v, "time": t} for k, s, v, t in zip(*message["columns"])]
+        return {"type": "metrics", "points": points}
+    return message
 
 
 # --- subscribing ---------------------------------------------------------------------

@@ -1,10 +1,12 @@
 import json
 import math
+import time
 
 import pytest
 
+from fluxrl.errors import InvalidInput
 from fluxrl.metrics.models import MetricPoint
-from fluxrl.metrics.services import downsample, ingest_points, read_series
+from fluxrl.metrics.services import downsample, ingest_points, live_columns, read_series
 
 
 def points(key="reward/mean", steps=range(3), value=lambda s: s / 10):
@@ -32,6 +34,56 @@ def test_first_value_of_a_key_and_step_wins(run_a):
     ingest_points(run_a, points(steps=[5], value=lambda s: 1.0))
     ingest_points(run_a, points(steps=[5], value=lambda s: 2.0) + points(steps=[5], value=lambda s: 3.0))
     assert MetricPoint.objects.get(run=run_a).value == 1.0
+
+
+def test_a_batch_overlapping_stored_points_stores_only_the_new_ones(run_a, worker_client):
+    # On PostgreSQL the COPY of such a batch fails on the unique index and the
+    # ON CONFLICT DO NOTHING insert takes over: stored values stay, new ones arrive.
+    worker = worker_client(run_a)
+    worker.post(f"/api/runs/{run_a.id}/metrics/", {"points": points(steps=range(3))})
+    retry = points(steps=range(1, 5), value=lambda s: 100 + s)
+    assert worker.post(f"/api/runs/{run_a.id}/metrics/", {"points": retry}).json() == {"received": 4}
+    stored = dict(MetricPoint.objects.filter(run=run_a).values_list("step", "value"))
+    assert stored == {0: 0.0, 1: 0.1, 2: 0.2, 3: 103.0, 4: 104.0}
+
+
+def test_a_key_and_step_repeated_in_a_batch_is_stored_once_with_its_last_value(run_a):
+    batch = points(steps=[1, 2]) + points(steps=[1], value=lambda s: 9.0)
+    assert ingest_points(run_a, batch) == 2
+    assert dict(MetricPoint.objects.filter(run=run_a).values_list("step", "value")) == {1: 9.0, 2: 0.2}
+
+
+def test_integer_values_and_missing_times_are_stored_as_floats_and_now(run_a):
+    before = time.time()
+    ingest_points(run_a, [{"key": "queue/depth", "step": 0, "value": 3}, {"key": "queue/depth", "step": 1, "value": 2.5, "time": None}])
+    rows = list(MetricPoint.objects.filter(run=run_a).order_by("step").values_list("value", "time"))
+    assert [v for v, _ in rows] == [3.0, 2.5] and all(before <= t <= time.time() for _, t in rows)
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"key": ["a"], "step": 1, "value": 1}, "points.1.key"),
+    ({"key": "k", "step": True, "value": 1}, "points.1.step"),
+    ({"key": "k", "step": 1, "value": 10**400}, "points.1.value"),
+    ({"key": "k", "step": 1, "value": math.nan}, "points.1.value"),
+    ({"key": "k", "step": 1, "value": 1, "time": math.inf}, "points.1.time"),
+    ({"step": 1, "value": 1}, "points.1.key"),
+])
+def test_bulk_checks_reject_what_the_point_by_point_checks_name(run_a, bad, field):
+    with pytest.raises(InvalidInput) as error:
+        ingest_points(run_a, points(steps=[0]) + [bad] + points(steps=[2]))
+    assert list(error.value.fields) == [field]
+    assert not MetricPoint.objects.exists()
+
+
+def test_a_huge_batch_is_pushed_live_downsampled_per_key(run_a, settings):
+    settings.FLUXRL_LIVE_MAX_POINTS = 20
+    keys, steps, values, times = live_columns(*zip(*[(k, s, float(s % 7), 0.0) for s in range(500) for k in ("a", "b")]),
+                                              limit=settings.FLUXRL_LIVE_MAX_POINTS)
+    assert len(keys) <= 20 and set(keys) == {"a", "b"}
+    for key in ("a", "b"):
+        kept = [s for k, s in zip(keys, steps) if k == key]
+        assert kept[0] == 0 and kept[-1] == 499 and kept == sorted(kept)
+    assert live_columns(["a"], [1], [2.0], [3.0], limit=1) == (["a"], [1], [2.0], [3.0])
 
 
 def test_more_than_1000_points_is_413(run_a, worker_client, assert_error):

@@ -25,5 +25,5 @@ class RunMetricsView(RunReportMixin, generics.GenericAPIView):
     def post(self, request, pk):
         run = self.get_run()
         body = request.data if isinstance(request.data, dict) else {}
-        stored = services.ingest_points(run, body.get("points"))
-        return Response({"received": len(stored)}, status=status.HTTP_201_CREATED)
+        received = services.ingest_points(run, body.get("points"))
+        return Response({"received": received}, status=status.HTTP_201_CREATED)
