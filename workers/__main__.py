@@ -3,6 +3,7 @@
   python -m workers bootstrap                 build (or find) the tiny model, print its folder
   python -m workers validate spec.yaml        check a run spec, naming any bad field
   python -m workers run spec.yaml [--out DIR] [--platform URL --token T --run-id N]
+                                              (or the token in FLUXRL_RUN_TOKEN)
 
 ``model.path: builtin:tiny`` in a spec means the tiny model (built on first use).
 Exit codes: 0 done, 2 bad input (spec, dataset, model, reward), 1 failure, 130 stopped.
@@ -12,10 +13,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
 from pathlib import Path
+
+RUN_TOKEN_ENV = "FLUXRL_RUN_TOKEN"
+HEARTBEAT_S = 15.0  # the platform fails a run unheard of for 60 s (FLUXRL_RUN_STALE_S)
 
 
 def _resolve_model(spec) -> None:
@@ -27,13 +32,22 @@ def _resolve_model(spec) -> None:
 
 def cmd_run(args) -> int:
     from .controller import Controller
+    from .heartbeat import Heartbeat
     from .report import PlatformClient, Reporter
     from .reward_service import RewardFunctionBroken
     from .sandbox import RewardCodeError
     from .spec import SpecError, load_spec_file
     from .tasks import DatasetError
 
-    platform = PlatformClient(args.platform, args.token, args.run_id) if args.platform else None
+    # --token, else the environment (how the platform's dispatcher passes it: argv is
+    # visible in ps). Removed from the environment either way, so that the vLLM, trainer
+    # and reward processes started from here never see it.
+    token = args.token or os.environ.pop(RUN_TOKEN_ENV, None)
+    os.environ.pop(RUN_TOKEN_ENV, None)
+    if args.platform and not token:
+        print(f"error: --platform needs a run token: --token or {RUN_TOKEN_ENV}", file=sys.stderr)
+        return 2
+    platform = PlatformClient(args.platform, token, args.run_id) if args.platform else None
     out = Path(args.out or f"var/runs/{time.strftime('%Y%m%d-%H%M%S')}")
 
     def fail(reason: str, code: int) -> int:
@@ -53,8 +67,11 @@ def cmd_run(args) -> int:
         return fail(f"cannot read the spec: {exc}", 2)
     _resolve_model(spec)
     reporter = Reporter(out / "metrics.jsonl", platform)
+    heartbeat = None
     if platform:
         platform.status("running", "")
+        # A client of its own: the Reporter's session is used from its own thread.
+        heartbeat = Heartbeat(PlatformClient(args.platform, token, args.run_id), every_s=HEARTBEAT_S).start()
 
     async def main():
         stop, signalled = asyncio.Event(), []
@@ -66,6 +83,8 @@ def cmd_run(args) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
+        if heartbeat:  # a cancel asked for on the platform stops the run like SIGTERM
+            heartbeat.on_cancel = lambda: loop.call_soon_threadsafe(on_signal)
         controller = Controller(spec, out, reporter, progress=not args.no_progress, stop_event=stop)
         result = await controller.run()
         return result, bool(signalled)
@@ -78,6 +97,9 @@ def cmd_run(args) -> int:
     except Exception as exc:
         reporter.close()
         return fail(f"{type(exc).__name__}: {exc}", 1)
+    finally:
+        if heartbeat:
+            heartbeat.stop()
     reporter.close()
     summary = {
         "steps": result.steps, "trained_samples": result.trained_samples, "seconds": round(result.seconds, 1),
@@ -88,7 +110,9 @@ def cmd_run(args) -> int:
     }
     (out / "result.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
-    if platform and not stopped:
+    if platform and heartbeat.cancelled:
+        platform.status("cancelled", "")
+    elif platform and not stopped:
         platform.status("succeeded", "")
     return 130 if stopped else 0
 
@@ -104,7 +128,7 @@ def main(argv=None) -> int:
     r.add_argument("spec")
     r.add_argument("--out", default=None, help="output folder (metrics.jsonl, result.json, final_model/)")
     r.add_argument("--platform", default=None, help="platform base URL to report to")
-    r.add_argument("--token", default=None, help="run-scoped API token")
+    r.add_argument("--token", default=None, help=f"run-scoped API token (default: ${RUN_TOKEN_ENV}, which keeps it out of ps)")
     r.add_argument("--run-id", default=None)
     r.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)

@@ -47,6 +47,7 @@ LOG_TAIL_CHARS = 3000
 # Never handed to the engine: workers do not touch the database (DESIGN.md §2), and
 # the engine runs user reward code.
 PRIVATE_ENV = ("DATABASE_URL", "DJANGO_SECRET_KEY", "POSTGRES_PASSWORD")
+RUN_TOKEN_ENV = "FLUXRL_RUN_TOKEN"  # read by `python -m workers run` when --token is not given
 
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -56,9 +57,11 @@ def run_dir(run_id: int) -> Path:
     return Path(settings.FLUXRL_DATA_DIR) / "runs" / str(run_id)
 
 
-def engine_command(run_id: int, spec_path: Path, out_dir: Path, token: str) -> list[str]:
+def engine_command(run_id: int, spec_path: Path, out_dir: Path) -> list[str]:
+    # No --token here: a command line is visible to every user of the host (ps, /proc);
+    # the run token goes in the environment (start_engine).
     return [*settings.FLUXRL_ENGINE_COMMAND, "run", str(spec_path), "--out", str(out_dir),
-            "--platform", settings.FLUXRL_PUBLIC_URL, "--token", token, "--run-id", str(run_id), "--no-progress"]
+            "--platform", settings.FLUXRL_PUBLIC_URL, "--run-id", str(run_id), "--no-progress"]
 
 
 def _term_with_parent() -> None:  # runs in the child, between fork and exec
@@ -67,9 +70,10 @@ def _term_with_parent() -> None:  # runs in the child, between fork and exec
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def start_engine(command: list[str], log_path: Path) -> subprocess.Popen:
-    """The engine in a new session (its own process group, pgid = pid), output to log_path."""
-    env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
+def start_engine(command: list[str], log_path: Path, token: str) -> subprocess.Popen:
+    """The engine in a new session (its own process group, pgid = pid), output to log_path,
+    its run token in FLUXRL_RUN_TOKEN."""
+    env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV} | {RUN_TOKEN_ENV: token}
     with open(log_path, "ab") as log_file:
         return subprocess.Popen(
             command, cwd=settings.REPO_DIR, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
@@ -177,7 +181,7 @@ def launch(run_id: int) -> tuple[subprocess.Popen, Path] | None:
             spec_path = folder / "spec.json"
             spec_path.write_text(json.dumps(resolve_spec(run), indent=2))
             _, key = create_run_token(run)
-            proc = start_engine(engine_command(run.pk, spec_path, folder / "out", key), folder / "engine.log")
+            proc = start_engine(engine_command(run.pk, spec_path, folder / "out"), folder / "engine.log", key)
             transition(run, RunStatus.STARTING, worker_host=socket.gethostname(), worker_pid=proc.pid)
     except BaseException:
         if proc is not None:

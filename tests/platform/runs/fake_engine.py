@@ -21,7 +21,8 @@ def main() -> int:
     out = Path(args[args.index("--out") + 1])
     out.mkdir(parents=True, exist_ok=True)
     (out / "call.json").write_text(json.dumps({"argv": args, "env": sorted(os.environ), "pid": os.getpid(),
-                                               "pgid": os.getpgid(0), "cwd": os.getcwd(), "started": time.time()}))
+                                               "pgid": os.getpgid(0), "cwd": os.getcwd(), "started": time.time(),
+                                               "run_token": os.environ.get("FLUXRL_RUN_TOKEN")}))
     mode = os.environ.get("FAKE_ENGINE_MODE", "ok")
     print("engine: starting", flush=True)
     if mode in ("ok", "slow"):

@@ -14,6 +14,7 @@ import pytest
 from django.utils import timezone
 
 from fluxrl.accounts.models import RunToken
+from fluxrl.accounts.services import hash_key
 from fluxrl.celery import app as celery_app
 from fluxrl.runs import dispatch
 from fluxrl.runs.models import Run, RunStatus
@@ -85,7 +86,10 @@ def test_an_engine_that_exits_0_succeeds_the_run(run_a, engine):
     argv = call["argv"]
     assert argv[:2] == ["run", str(folder / "spec.json")] and "--no-progress" in argv
     assert argv[argv.index("--platform") + 1] == "http://platform.example:8000"
-    assert argv[argv.index("--run-id") + 1] == str(run.pk) and argv[argv.index("--token") + 1].startswith("flxr_")
+    assert argv[argv.index("--run-id") + 1] == str(run.pk)
+    # The run token is in the environment, not on the command line that ps shows.
+    assert "--token" not in argv and not any(a.startswith("flxr_") for a in argv)
+    assert RunToken.objects.filter(run=run, key_hash=hash_key(call["run_token"])).exists()
     assert call["pgid"] == call["pid"] == run.worker_pid  # its own process group
     assert "DATABASE_URL" not in call["env"] and "DJANGO_SECRET_KEY" not in call["env"]
     assert "engine: starting" in (folder / "engine.log").read_text()
