@@ -2,7 +2,7 @@ from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
 from rest_framework.exceptions import AuthenticationFailed
 
-from .services import authenticate_key
+from .services import KeyRefused, check_key
 
 
 class BearerTokenAuthentication(BaseAuthentication):
@@ -14,10 +14,10 @@ class BearerTokenAuthentication(BaseAuthentication):
             return None
         if len(parts) != 2:
             raise AuthenticationFailed("Malformed Authorization header; expected 'Bearer <key>'.")
-        result = authenticate_key(parts[1].decode("latin-1"))
-        if result is None:
-            raise AuthenticationFailed("Invalid, expired or revoked token.")
-        return result
+        try:
+            return check_key(parts[1].decode("latin-1"))
+        except KeyRefused as exc:
+            raise AuthenticationFailed(str(exc)) from None
 
     def authenticate_header(self, request):
         return 'Bearer realm="api"'  # makes DRF answer 401 (not 403) when no credentials

@@ -168,18 +168,34 @@ class RunPrincipal:
         return f"run-{self.run_id}"
 
 
+class KeyRefused(Exception):
+    """A key that is not (or no longer) accepted; the message says why."""
+
+
 def authenticate_key(key: str):
     """(principal, token) for a valid key, None for an unknown, expired or revoked one."""
+    try:
+        return check_key(key)
+    except KeyRefused:
+        return None
+
+
+def check_key(key: str):
+    """(principal, token) for a valid key; raises KeyRefused saying why it is not. A run
+    token works only while its run is live: from the moment the run ends it is refused,
+    whether or not its revocation (runs.services.transition) has been written yet."""
     model = RunToken if key.startswith(RUN_KEY_PREFIX) else ApiToken
     token = model.objects.select_related(*(["run"] if model is RunToken else ["user"])).filter(key_hash=hash_key(key)).first()
-    if token is None or not token.is_active:
-        return None
+    if token is None:
+        raise KeyRefused("Invalid, expired or revoked token.")
+    if isinstance(token, RunToken) and token.run.is_terminal:
+        raise KeyRefused(f"Run {token.run_id} has {token.run.status}: its run token takes no more reports.")
+    if not token.is_active:
+        raise KeyRefused("This token has been revoked." if token.revoked_at else "This token has expired.")
     if isinstance(token, RunToken):
-        if token.run.is_terminal:
-            return None
         return RunPrincipal(token.run_id), token
     if not token.user.is_active:
-        return None
+        raise KeyRefused("This token's user is inactive.")
     now = timezone.now()
     if token.last_used_at is None or now - token.last_used_at > LAST_USED_RESOLUTION:
         ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)

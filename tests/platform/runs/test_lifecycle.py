@@ -1,7 +1,7 @@
 import pytest
 
 from fluxrl.accounts.models import RunToken
-from fluxrl.runs.models import RunStatus
+from fluxrl.runs.models import Run, RunStatus
 from fluxrl.runs.services import IllegalTransition, cancel_run, transition
 
 
@@ -83,6 +83,30 @@ def test_run_token_stops_working_when_the_run_ends(run_a, worker_client, assert_
     assert_error(worker.post(f"/api/runs/{run_a.id}/metrics/", {"points": []}), 401)
 
 
+@pytest.mark.parametrize("end", ["succeeded", "failed", "cancelled"])
+def test_a_run_token_is_refused_everywhere_once_its_run_ends_saying_so(run_a, worker_client, assert_error, end):
+    worker = worker_client(run_a)
+    worker.post(f"/api/runs/{run_a.id}/status/", {"status": "starting"})
+    worker.post(f"/api/runs/{run_a.id}/status/", {"status": "running"})
+    if end == "cancelled":
+        cancel_run(run_a)
+    worker.post(f"/api/runs/{run_a.id}/status/", {"status": end})
+    reports = [("metrics", {"points": [{"key": "reward/mean", "step": 1, "value": 0.5}]}),
+               ("samples", {"samples": [{"step": 1, "prompt": "p", "completion": "c"}]}),
+               ("checkpoints", {"step": 1, "version": 1, "path": "/ck/1"}), ("status", {"status": "running"})]
+    for what, body in reports:
+        response = worker.post(f"/api/runs/{run_a.id}/{what}/", body)
+        assert_error(response, 401, "authentication_failed")
+        assert response.json()["error"]["message"] == f"Run {run_a.id} has {end}: its run token takes no more reports."
+
+
+def test_a_run_token_is_refused_as_soon_as_its_run_ends_even_before_revocation(run_a, worker_client, assert_error):
+    worker = worker_client(run_a)
+    Run.objects.filter(pk=run_a.pk).update(status="failed")  # ended, tokens not yet revoked
+    assert RunToken.objects.filter(run=run_a, revoked_at__isnull=True).exists()
+    assert_error(worker.post(f"/api/runs/{run_a.id}/metrics/", {"points": []}), 401, "authentication_failed")
+
+
 def test_run_token_cannot_touch_another_run_or_user_endpoints(run_a, team_a, alice, spec, worker_client, assert_error):
     from fluxrl.runs.services import submit_run
 
@@ -91,6 +115,10 @@ def test_run_token_cannot_touch_another_run_or_user_endpoints(run_a, team_a, ali
     point = {"points": [{"key": "reward/mean", "step": 1, "value": 0.5}]}
     assert_error(worker.post(f"/api/runs/{other.id}/metrics/", point), 403, "permission_denied")
     assert_error(worker.post(f"/api/runs/{other.id}/status/", {"status": "starting"}), 403)
+    assert_error(worker.post(f"/api/runs/{other.id}/samples/", {"samples": []}), 403)
+    assert_error(worker.post(f"/api/runs/{other.id}/checkpoints/", {"step": 1, "version": 1, "path": "/x"}), 403)
+    assert_error(worker.get(f"/api/runs/{other.id}/metrics/"), 403)
+    assert not other.metric_points.exists() and Run.objects.get(pk=other.pk).status == "queued"
     assert_error(worker.get("/api/runs/"), 403)
     assert_error(worker.get(f"/api/runs/{run_a.id}/"), 403)
     assert_error(worker.post(f"/api/runs/{run_a.id}/cancel/"), 403)
