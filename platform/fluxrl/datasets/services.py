@@ -8,6 +8,7 @@ import inspect
 import io
 import itertools
 import json
+import math
 import os
 import re
 import tempfile
@@ -37,7 +38,7 @@ class RowProblem(ValueError):
 
 def safe_file_name(name: str) -> str:
     """The uploaded name reduced to a harmless label; it is never used as a path."""
-    base = str(name or "").replace("\\", "/").rsplit("/", 1)[-1]
+    base = re.sub(r"[\x00-\x1f\x7f]", "", str(name or "")).replace("\\", "/").rsplit("/", 1)[-1]  # control characters go
     return re.sub(r"[^A-Za-z0-9._ -]", "_", base).strip(" .")[:200] or "upload"
 
 
@@ -48,7 +49,24 @@ def detect_format(file_name: str, explicit: str | None) -> str:
     return fmt
 
 
+# What browsers and clients send for .jsonl/.csv files; anything else (images, archives,
+# PDFs, ...) is refused before it is read.
+TEXT_CONTENT_TYPES = {"application/json", "application/x-ndjson", "application/ndjson", "application/jsonl",
+                      "application/x-jsonlines", "application/jsonlines", "application/csv", "application/x-csv",
+                      "application/vnd.ms-excel", "application/octet-stream", ""}
+
+
+def check_content_type(content_type: str | None) -> None:
+    kind = str(content_type or "").split(";")[0].strip().lower()
+    if not (kind.startswith("text/") or kind in TEXT_CONTENT_TYPES):
+        raise field_error("file", f"content type '{kind}' is not a text file: upload JSONL or CSV as UTF-8 text")
+
+
 def decode_utf8(data: bytes) -> str:
+    nul = data.find(b"\x00")
+    if nul >= 0:  # UTF-8 text never has one; binaries and UTF-16 text do
+        line = data.count(b"\n", 0, nul) + 1
+        raise field_error("file", f"line {line}: a NUL byte: this is a binary file (or UTF-16), not UTF-8 text")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -56,24 +74,48 @@ def decode_utf8(data: bytes) -> str:
         raise field_error("file", f"line {line}: not UTF-8 text (byte {exc.start})") from None
 
 
+def strict_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:20]} is out of range")
+    return value
+
+
+def parse_json_line(line: str):
+    """One JSONL row; NaN, Infinity and numbers that overflow are errors (the API
+    could not send them back as JSON), and so is nesting too deep to parse."""
+    try:
+        return json.loads(line, parse_constant=strict_constant, parse_float=finite_float)
+    except json.JSONDecodeError as exc:
+        return RowProblem(f"not valid JSON ({exc.msg}, column {exc.colno})")
+    except ValueError as exc:
+        return RowProblem(f"not valid JSON ({exc})")
+    except RecursionError:
+        return RowProblem("not valid JSON (nested too deeply)")
+
+
 def raw_rows(text: str, fmt: str):
     """Yield (line number, parsed object or RowProblem)."""
     if fmt == "jsonl":
         for number, line in enumerate(text.splitlines(), 1):
             if line.strip():
-                try:
-                    yield number, json.loads(line)
-                except json.JSONDecodeError as exc:
-                    yield number, RowProblem(f"not valid JSON ({exc.msg}, column {exc.colno})")
+                yield number, parse_json_line(line)
         return
     reader = csv.DictReader(io.StringIO(text, newline=""))
-    if not reader.fieldnames or len(set(reader.fieldnames)) != len(reader.fieldnames):
-        raise field_error("file", "line 1: the CSV header must name each column once")
-    for row in reader:
-        if None in row or None in row.values():
-            yield reader.line_num, RowProblem(f"the number of cells differs from the header's {len(reader.fieldnames)}")
-        else:
-            yield reader.line_num, row
+    try:
+        if not reader.fieldnames or len(set(reader.fieldnames)) != len(reader.fieldnames):
+            raise field_error("file", "line 1: the CSV header must name each column once")
+        for row in reader:
+            if None in row or None in row.values():
+                yield reader.line_num, RowProblem(f"the number of cells differs from the header's {len(reader.fieldnames)}")
+            else:
+                yield reader.line_num, row
+    except csv.Error as exc:  # e.g. a cell over the csv module's field size limit: the reader cannot go on
+        raise field_error("file", f"line {reader.line_num + 1}: not readable as CSV ({exc})") from None
 
 
 def normalize_row(obj, prompt_field: str, answer_field: str) -> dict:
@@ -153,6 +195,7 @@ def upload_version(team, user, name: str, upload, *, prompt_field="prompt", answ
     limit = settings.FLUXRL_MAX_UPLOAD_BYTES
     if upload.size > limit:
         raise TooLarge(f"The file is {upload.size} bytes; the limit is {limit} bytes.", fields={"file": "too large"})
+    check_content_type(getattr(upload, "content_type", ""))
     fmt = detect_format(upload.name, fmt)
     rows = parse_upload(upload.read(), fmt, prompt_field, answer_field)
     return add_version(team, user, name, rows, description, source=fmt, source_name=safe_file_name(upload.name),

@@ -5,6 +5,7 @@ import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
 from fluxrl.datasets.models import DatasetVersion
+from fluxrl.datasets.services import safe_file_name
 
 GOOD_JSONL = b'{"prompt": "1+1=", "answer": "2", "level": 1}\n\n{"prompt": "2+3=", "answer": 5}\n'
 
@@ -116,3 +117,68 @@ def test_member_of_two_teams_must_name_the_team(api_a, alice, make_member, team_
 
 def test_uploading_into_a_team_you_are_not_in_is_404(api_a, team_b, assert_error):
     assert_error(upload(api_a, GOOD_JSONL, team="team-b"), 404)
+
+
+@pytest.mark.parametrize(
+    "content, file_name, message_part",
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "data.jsonl", "a NUL byte: this is a binary file"),
+        ('{"prompt": "a", "answer": "1"}\n'.encode("utf-16"), "data.jsonl", "(or UTF-16), not UTF-8 text"),
+        (b'{"prompt": "a", "answer": "1"}\n{"prompt": "\xe9t\xe9", "answer": "2"}\n', "data.jsonl", "line 2: not UTF-8 text"),
+        (b"prompt,answer\n1+1=,2\n2+2=,4\x00\n", "data.csv", "line 3: a NUL byte"),
+        (b"prompt,answer\n" + b"x" * 200_000 + b",2\n", "data.csv", "line 2: not readable as CSV"),
+        (b'{"prompt": "a", "answer": "1"}\n' + b"[" * 100_000 + b"\n", "data.jsonl", "line 2: not valid JSON (nested too deeply)"),
+        (b'{"prompt": "a", "answer": 1e999}\n', "data.jsonl", "line 1: not valid JSON (the number 1e999 is out of range)"),
+        (b'{"prompt": "a", "answer": "1", "weight": NaN}\n', "data.jsonl", "line 1: not valid JSON (NaN is not a number"),
+    ],
+)
+def test_binary_non_utf8_and_unparseable_files_are_400_naming_the_line(api_a, assert_error, content, file_name, message_part):
+    error = assert_error(upload(api_a, content, file_name), 400, "invalid", field="file")
+    assert message_part in error["fields"]["file"]
+    assert not DatasetVersion.objects.exists()
+
+
+@pytest.mark.parametrize("content_type", ["image/png", "application/zip", "application/pdf", "video/mp4"])
+def test_files_declared_as_non_text_are_refused_by_content_type(api_a, assert_error, content_type):
+    response = api_a.post("/api/datasets/", {"name": "arith", "file": SimpleUploadedFile("d.jsonl", GOOD_JSONL, content_type)},
+                          format="multipart")
+    assert f"content type '{content_type}' is not a text file" in assert_error(response, 400, field="file")["fields"]["file"]
+
+
+@pytest.mark.parametrize("content_type", ["application/x-ndjson", "application/json", "text/csv", "application/octet-stream",
+                                          "text/plain; charset=utf-8"])
+def test_text_content_types_that_clients_send_are_accepted(api_a, content_type):
+    response = api_a.post("/api/datasets/", {"name": "arith", "file": SimpleUploadedFile("d.jsonl", GOOD_JSONL, content_type)},
+                          format="multipart")
+    assert response.status_code == 201, response.content
+
+
+@pytest.mark.parametrize("file_name, stored_as", [
+    ("/etc/passwd.jsonl", "passwd.jsonl"),
+    ("..\\..\\windows\\evil.jsonl", "evil.jsonl"),
+    ("a\x00b.jsonl", "ab.jsonl"),  # Django drops the NUL; ours would become '_'
+    ("x" * 5000 + ".jsonl", "x" * 200),
+])
+def test_stored_file_name_is_derived_safely_from_any_uploaded_name(api_a, data_dir, file_name, stored_as):
+    response = upload(api_a, GOOD_JSONL, file_name, format="jsonl")
+    assert response.status_code == 201, response.content
+    version = DatasetVersion.objects.get()
+    assert version.source_name == stored_as[:200]
+    assert version.path.resolve().is_relative_to((data_dir / "datasets").resolve())
+    assert version.path.name.startswith("v1-") and version.path.suffix == ".jsonl"  # never the uploaded name
+
+
+def test_names_with_nothing_usable_left_become_upload():
+    assert [safe_file_name(n) for n in ("..", "/", "", "\x00", " . ")] == ["upload"] * 5
+
+
+def test_a_malformed_new_version_names_the_line_and_loses_nothing_stored(api_a, data_dir, assert_error):
+    first = upload(api_a, GOOD_JSONL).json()
+    files_before = {p: p.read_bytes() for p in data_dir.rglob("*") if p.is_file()}
+    bad = GOOD_JSONL + b'{"prompt": "3+3=", "answer": 6}\n{"prompt": "4+4=" "answer": 8}\n'
+    error = assert_error(upload(api_a, bad), 400, field="file")
+    assert "line 5: not valid JSON" in error["fields"]["file"]
+    assert {p: p.read_bytes() for p in data_dir.rglob("*") if p.is_file()} == files_before
+    assert list(DatasetVersion.objects.values_list("version", "row_count")) == [(1, 2)]
+    rows = api_a.get(f"/api/datasets/{first['dataset']}/versions/1/preview/").json()["rows"]
+    assert [r["answer"] for r in rows] == ["2", "5"]

@@ -117,3 +117,12 @@ def test_another_teams_reward_function_is_404(api_b, reward_a, assert_error):
                         ("post", f"/api/rewards/{reward_a.id}/versions/"), ("post", f"/api/rewards/{reward_a.id}/try/")]:
         assert_error(getattr(api_b, method)(url, {"code": EXACT, "rows": []}), 404)
     assert_error(api_b.post("/api/rewards/try/", {"function": "exact@1", "rows": [{"prompt": "p", "completion": "c"}]}), 404)
+
+
+def test_reward_code_over_the_size_limit_is_400_naming_the_limit_and_huge_bodies_413(api_a, settings, assert_error):
+    settings.FLUXRL_REWARD_CODE_MAX_BYTES = 100
+    code = "def reward(prompt, completion, **fields):\n    return 1.0\n" + "#" * 100
+    error = assert_error(api_a.post("/api/rewards/", {"name": "big", "code": code}, format="json"), 400, field="code")
+    assert "longer than 100 bytes" in error["fields"]["code"]
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
+    assert_error(api_a.post("/api/rewards/", {"name": "big", "code": "#" * 2000}, format="json"), 413, "too_large")
