@@ -21,6 +21,9 @@ from .models import Run, Sample
 log = logging.getLogger(__name__)
 
 RECENT_SAMPLES = 20  # sent on connect; the samples API has the rest
+# daphne closes a socket (1011) rather than send a message over 1 MiB: the history on
+# connect (up to max_points per series, ~90 bytes a point) goes in messages of this many.
+HISTORY_POINTS_PER_MESSAGE = 5000
 
 
 def group_name(run_id: int) -> str:
@@ -102,7 +105,8 @@ def run_for_subscriber(user, token, run_id: int) -> Run:
 
 def snapshot(run: Run, since_step: int | None = None, max_points: int = 1000) -> list[dict]:
     """What a subscriber gets on connect: the status, the metric history after
-    since_step (each series downsampled to max_points), and the recent samples."""
+    since_step (each series downsampled to max_points; in one or more messages), and
+    the recent samples."""
     from fluxrl.metrics.services import read_points  # metrics builds on runs
 
     run.refresh_from_db()
@@ -110,9 +114,11 @@ def snapshot(run: Run, since_step: int | None = None, max_points: int = 1000) ->
     if since_step is not None:
         samples = samples.filter(step__gt=since_step)
     recent = list(samples.order_by("-step", "-id")[:RECENT_SAMPLES])[::-1]
+    points = read_points(run, since_step=since_step, max_points=max_points)
+    size = HISTORY_POINTS_PER_MESSAGE
     return [
         status_message(run),
-        {"type": "metrics", "points": read_points(run, since_step=since_step, max_points=max_points), "history": True},
+        *({"type": "metrics", "points": points[i:i + size], "history": True} for i in range(0, max(len(points), 1), size)),
         {"type": "samples", "samples": [sample_dict(s) for s in recent], "history": True},
     ]
 
