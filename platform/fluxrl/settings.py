@@ -142,7 +142,13 @@ if REDIS_URL:
     # socket_timeout above the layer's 5 s blocking pop: redis-py 8 defaults to 5 s, which
     # makes every idle consumer fail with a TimeoutError (websocket closed with 1011).
     _REDIS_HOST = {"address": REDIS_URL, "socket_timeout": 30}
-    CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [_REDIS_HOST]}}}
+    # capacity: messages waiting per web process (all its sockets share one Redis list);
+    # past it channels-redis drops pushes. 100 (its default) is a few seconds of lag with
+    # a few busy runs watched; 1000 rides out bursts (an engine sending its backlog after
+    # an outage). Bounded memory all the same: live pushes are at most
+    # FLUXRL_LIVE_MAX_POINTS points, and messages expire after 60 s.
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {
+        "hosts": [_REDIS_HOST], "capacity": int(os.environ.get("FLUXRL_CHANNEL_CAPACITY", "1000"))}}}
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
