@@ -41,9 +41,27 @@ BLOCK = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os
          "os.kill", "os.killpg", "os.putenv", "os.unsetenv", "ctypes.", "os.chdir", "os.remove", "os.rename",
          "os.rmdir", "os.symlink", "os.link", "shutil.rmtree", "pty.spawn", "resource.setrlimit",
          "os.setuid", "os.chmod", "os.chown", "fcntl.")
+# _posixsubprocess.fork_exec starts a process without any audit event; ctypes calls anything.
+BLOCK_IMPORT = {"_posixsubprocess", "_ctypes", "ctypes", "_xxsubinterpreters", "_posixshmem"}
+# Events whose first argument is a path that the call changes / reads (an fd was opened through "open").
+PATH_WRITE = {"os.mkdir", "os.truncate", "os.utime", "os.setxattr", "os.removexattr", "os.chflags", "os.lockf"}
+PATH_READ = {"os.listdir", "os.scandir", "os.getxattr", "os.listxattr"}
+def real_path(path):
+    return None if path is None or isinstance(path, int) else os.path.realpath(os.fsdecode(path))
 def hook(event, args):
     if event.startswith(BLOCK):
         raise PermissionError(f"sandbox: {event} is not allowed in reward code")
+    if event == "import" and args[0] in BLOCK_IMPORT:
+        raise ImportError(f"sandbox: importing {args[0]} is not allowed in reward code")  # ImportError: optional imports degrade
+    if event in PATH_WRITE:
+        real = real_path(args[0])
+        # dir_fd (args[-1] of mkdir and utime) would make a relative path land elsewhere
+        if (real is not None and not real.startswith(workdir + os.sep)) or (event in ("os.mkdir", "os.utime") and args[-1] not in (None, -1)):
+            raise PermissionError(f"sandbox: {event} outside the working folder is not allowed")
+    if event in PATH_READ:
+        real = real_path(args[0] if args else ".")
+        if real is not None and not real.startswith(allowed_read):
+            raise PermissionError(f"sandbox: listing {real} is not allowed")
     if event == "open":
         path, mode, flags = args
         if isinstance(path, int):
@@ -54,7 +72,14 @@ def hook(event, args):
             raise PermissionError(f"sandbox: writing {real} is not allowed")
         if not writing and not real.startswith(allowed_read):
             raise PermissionError(f"sandbox: reading {real} is not allowed")
+        # A directory fd outside the folder would let os.open(..., dir_fd=fd) write there
+        # (the "open" event does not carry dir_fd).
+        if os.path.isdir(real) and real != workdir and not real.startswith(workdir + os.sep):
+            raise PermissionError(f"sandbox: opening the folder {real} is not allowed")
 code = json.loads(sys.stdin.readline())["code"]
+for name in ("mkfifo", "mknod"):  # no audit event for these: take them away
+    for module in (os, sys.modules["posix"]):
+        module.__dict__.pop(name, None)
 sys.addaudithook(hook)
 ns = {"__name__": "reward_module"}
 try:

@@ -26,7 +26,7 @@ def test_correct_code_scores():
     ("    x = []\n    while True: x.append(' ' * 10**7)", "MemoryError"),
     ("    import socket\n    socket.create_connection(('127.0.0.1', 5432))", "socket"),
     ("    import os\n    os.fork()", "os.fork is not allowed"),
-    ("    import subprocess\n    subprocess.run(['ls'])", "subprocess.Popen is not allowed"),
+    ("    import subprocess\n    subprocess.run(['ls'])", "importing _posixsubprocess is not allowed"),
     ("    open('/tmp/fluxrl-escape', 'w').write('x')", "writing /tmp/fluxrl-escape is not allowed"),
     ("    return float(len(open('/etc/passwd').read()))", "reading /etc/passwd is not allowed"),
     ("    return float('nan')", "finite number"),
@@ -38,10 +38,65 @@ def test_hostile_or_broken_code_gets_a_clear_error(body, error):
     assert not os.path.exists("/tmp/fluxrl-escape")
 
 
+SECRETS = {"DJANGO_SECRET_KEY": "top-secret", "SECRET_KEY": "top-secret", "DATABASE_URL": "postgres://u:pw@db/x",
+           "REDIS_URL": "redis://:pw@r/0", "FLUXRL_RUN_TOKEN": "flxr_secret", "FLUXRL_API_TOKEN": "flxu_secret"}
+
+
 def test_platform_secrets_are_not_in_the_environment(monkeypatch):
-    monkeypatch.setenv("DJANGO_SECRET_KEY", "top-secret")
-    out = _try("    import os\n    return float(len(os.environ.get('DJANGO_SECRET_KEY', '')))")
-    assert out["results"][0]["reward"] == 0.0
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    code = ("def reward(prompt, completion, **fields):\n    import os\n"
+            "    assert not set(os.environ) - {'PATH', 'HOME', 'LANG', 'PYTHONDONTWRITEBYTECODE'}, sorted(os.environ)\n"
+            "    assert not any(v in str(os.environ) for v in fields['secrets'])\n    return 1.0")
+    out = try_reward(code, [{"prompt": "p", "completion": "c", "fields": {"secrets": list(SECRETS.values())}}])
+    assert out["ok"], out
+
+
+@pytest.mark.parametrize("body, error", [
+    # the parent's environment, through /proc
+    ("    import os\n    open(f'/proc/{os.getppid()}/environ', 'rb').read()", "reading /proc/"),
+    ("    open('/proc/1/environ', 'rb').read()", "reading /proc/1/environ is not allowed"),
+    # the network, any family
+    ("    import socket\n    socket.socket(socket.AF_INET, socket.SOCK_DGRAM)", "socket.__new__ is not allowed"),
+    ("    import socket\n    socket.socket(socket.AF_UNIX).connect('/var/run/postgresql/.s.PGSQL.5432')", "socket.__new__"),
+    ("    import _socket\n    _socket.socket()", "socket.__new__ is not allowed"),
+    # other processes
+    ("    import _posixsubprocess", "importing _posixsubprocess is not allowed"),
+    ("    import ctypes", "importing ctypes is not allowed"),
+    ("    import os\n    os.posix_spawn('/bin/true', ['true'], {})", "os.posix_spawn is not allowed"),
+    ("    import os, signal\n    os.kill(os.getppid(), signal.SIGTERM)", "os.kill is not allowed"),
+    # the file system outside its folder
+    ("    import os\n    os.mkdir('/tmp/fluxrl-escape-dir')", "os.mkdir outside the working folder"),
+    ("    import os\n    os.truncate(os.environ['HOME'] + '/../victim', 0)", "os.truncate outside the working folder"),
+    ("    import os\n    os.utime('/tmp', (0, 0))", "os.utime outside the working folder"),
+    ("    import os\n    os.mkfifo('/tmp/fluxrl-escape-fifo')", "has no attribute 'mkfifo'"),
+    ("    import os\n    os.listdir('/')", "listing / is not allowed"),
+    ("    import os, sys\n    fd = os.open(sys.prefix, os.O_RDONLY)\n    os.open('x', os.O_WRONLY | os.O_CREAT, dir_fd=fd)",
+     "opening the folder"),
+    ("    import os\n    os.mkdir('x', dir_fd=0)", "os.mkdir outside the working folder"),
+    # resources
+    ("    return float(len(bytearray(10**10)))", "MemoryError"),
+    ("    open('big', 'wb').write(b'x' * (5 << 20))", "File too large"),
+])
+def test_escape_attempts_are_refused_by_name(body, error, tmp_path):
+    out = _try(body)
+    assert not out["ok"] and error in out["results"][0]["error"], out
+    assert not os.path.exists("/tmp/fluxrl-escape-dir") and not os.path.exists("/tmp/fluxrl-escape-fifo")
+
+
+def test_code_may_write_read_and_list_inside_its_own_folder_which_goes_away():
+    code = ("def reward(prompt, completion, **fields):\n    import os\n    os.makedirs('sub', exist_ok=True)\n"
+            "    open('sub/a.txt', 'w').write('hi')\n    return float(len(open('sub/a.txt').read()) + len(os.listdir('.')))\n")
+    with RewardSandbox(code) as box:
+        folder = box._dir
+        result = box.score("p", "c")
+    assert (result.reward, result.error) == (3.0, None)
+    assert not os.path.exists(folder)
+
+
+def test_an_endless_loop_while_loading_is_stopped_by_the_cpu_limit():
+    out = try_reward("while True:\n    pass\n", ROW, timeout_s=1.0)
+    assert not out["ok"] and "did not start" in out["error"]
 
 
 def test_code_that_does_not_define_reward_is_refused_up_front():
