@@ -1,12 +1,14 @@
 """Weight-update cost on a warm vLLM engine with requests in flight: the naive path
-(``pause_generation`` → load → set version → ``resume_generation``, each awaited) against
-FluxRL's ``keep`` path (the same four engine calls sent back to back), side by side on
+(``pause_generation`` → vLLM's layerwise ``reload_weights`` → set version →
+``resume_generation``, each awaited) against FluxRL's ``keep`` path (the same four engine
+calls sent back to back, and a direct copy into the live parameters), side by side on
 one engine, alternating, so machine noise hits both alike.
 
     .venv/bin/python bench/weight_update.py [--updates 20] [--requests 32]
 
-"Stall" is what the requests see: the gap in a request's token stream across the
-update minus its usual gap between tokens (median over requests, then over updates).
+"Stall" is what the requests see: the longest wait for a next token that overlaps the
+update, minus the request's usual gap between tokens (median over requests, then over
+updates). "Load" is the time inside the engine's worker spent loading the weights.
 """
 from __future__ import annotations
 
@@ -22,13 +24,14 @@ from workers.tinymodel import encode, ensure_tiny_model
 from workers.weight_sync import serialize_state_dict
 
 
-async def naive_update(engine: RolloutEngine, blob: bytes, version: int) -> None:
+async def naive_update(engine: RolloutEngine, blob: bytes, version: int) -> float:
     llm = engine.engine
     await llm.pause_generation(mode="keep", clear_cache=False)
-    await llm.collective_rpc("fluxrl_load_weights", args=(blob,))
+    loaded = await llm.collective_rpc("fluxrl_load_weights", args=(blob, True))  # vLLM's layerwise reload
     await llm.engine_core.set_weight_version_async(str(version))
     await llm.resume_generation()
     engine.version = version
+    return loaded[0]["load_ms"]
 
 
 async def stream(engine: RolloutEngine, i: int, times: list[float], stop: asyncio.Event) -> None:
@@ -46,13 +49,15 @@ async def stream(engine: RolloutEngine, i: int, times: list[float], stop: asynci
 
 
 def stall_ms(streams: list[list[float]], t0: float, t1: float) -> float:
+    """Per stream: the longest wait between two tokens that overlaps the update window
+    [t0, t1], minus the stream's usual gap. Tokens that arrive inside the window (the
+    step that was running when the update was requested) are progress, not stall."""
     samples = []
     for times in streams:
-        before = [t for t in times if t <= t0]
-        after = [t for t in times if t >= t1]
         gaps = [b - a for a, b in zip(times, times[1:]) if b <= t0]
-        if before and after and len(gaps) > 3:
-            samples.append((after[0] - before[-1] - statistics.median(gaps[-20:])) * 1000)
+        spanning = [b - a for a, b in zip(times, times[1:]) if b >= t0 and a <= t1]
+        if spanning and len(gaps) > 3 and times[-1] >= t1:
+            samples.append((max(spanning) - statistics.median(gaps[-20:])) * 1000)
     return statistics.median(samples) if samples else float("nan")
 
 
@@ -62,7 +67,9 @@ async def main(updates: int, requests: int) -> None:
     engine = RolloutEngine(path, update_mode="keep")
     await engine.start()
     blob = serialize_state_dict(AutoModelForCausalLM.from_pretrained(path).state_dict())
-    await engine.update_weights(blob, 0)  # warm-up: the first load of a process is slow
+    # warm-up: the first load of a process is slow, and it is the one that goes through
+    # vLLM's layerwise reload; later loads copy into the live parameters (weight_sync.py)
+    await engine.update_weights(blob, 0)
     results = {"naive": [], "keep": []}
     version = 0
     for _ in range(updates):
@@ -74,20 +81,21 @@ async def main(updates: int, requests: int) -> None:
             version += 1
             t0 = time.perf_counter()
             if name == "naive":
-                await naive_update(engine, blob, version)
+                load_ms = await naive_update(engine, blob, version)
             else:
-                await engine.update_weights(blob, version)
+                load_ms = (await engine.update_weights(blob, version)).load_ms
             t1 = time.perf_counter()
             await asyncio.sleep(0.3)
             stop.set()
             await asyncio.gather(*tasks)
-            results[name].append(((t1 - t0) * 1000, stall_ms(streams, t0, t1)))
+            results[name].append(((t1 - t0) * 1000, stall_ms(streams, t0, t1), load_ms))
     engine.shutdown()
-    print(f"{'path':<8} {'call ms (median)':>17} {'stall ms (median)':>18}")
+    print(f"{'path':<8} {'call ms (median)':>17} {'load ms (median)':>17} {'stall ms (median)':>18}")
     for name, rows in results.items():
         call = statistics.median(r[0] for r in rows)
+        load = statistics.median(r[2] for r in rows)
         stall = statistics.median(r[1] for r in rows if r[1] == r[1])
-        print(f"{name:<8} {call:>17.1f} {stall:>18.1f}")
+        print(f"{name:<8} {call:>17.1f} {load:>17.1f} {stall:>18.1f}")
     keep = statistics.median(r[1] for r in results["keep"] if r[1] == r[1])
     naive = statistics.median(r[1] for r in results["naive"] if r[1] == r[1])
     print(f"stall ratio naive/keep: {naive / keep:.2f}×  ({updates} updates each, {requests} requests in flight)")

@@ -79,6 +79,17 @@ def test_in_flight_update_changes_weights_while_requests_run_and_all_finish(loop
     assert loop.run_until_complete(_logprob_gap(engine, hf_model)) < 1e-3
 
 
+def test_direct_weight_load_after_the_first_update_matches_the_model_exactly(loop, engine, hf_model):
+    # The first load goes through vLLM's layerwise reload; later ones copy into the live
+    # parameters and repack the CPU GEMM weights. Both must give the model's log-probs.
+    paths = []
+    for seed in (1, 2):
+        blob = _perturbed_blob(hf_model, scale=0.02, seed=seed)
+        paths.append(loop.run_until_complete(engine.engine.collective_rpc("fluxrl_load_weights", args=(blob,)))[0]["path"])
+        assert loop.run_until_complete(_logprob_gap(engine, hf_model)) < 1e-3
+    assert paths[-1] == "direct", paths
+
+
 def test_interrupted_request_resumes_from_its_prefix(loop, engine, hf_model):
     engine.update_mode = "interrupt"
     try:
