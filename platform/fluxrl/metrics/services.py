@@ -1,6 +1,7 @@
 """Metric points: idempotent batch ingest from workers and downsampled range reads."""
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
@@ -137,10 +138,14 @@ def insert_points(run, keys: list[str], steps: list[int], values: list[float], t
         return
     rows = sorted(zip(keys, steps, values, times))  # (key, step) is unique here
     table = MetricPoint._meta.db_table
-    with transaction.atomic(), connection.cursor() as cursor:
+    with connection.cursor() as cursor:
         if method == "copy":
+            # In autocommit the COPY is a transaction of its own, so a failed one leaves
+            # nothing behind (no BEGIN, SAVEPOINT, COMMIT round trips); inside a caller's
+            # transaction a savepoint does that.
+            isolated = transaction.atomic() if connection.in_atomic_block else contextlib.nullcontext()
             try:
-                with transaction.atomic(), connection.wrap_database_errors:
+                with isolated, connection.wrap_database_errors:
                     with cursor.cursor.copy(f"COPY {table} (run_id, key, step, value, time) FROM STDIN (FORMAT BINARY)") as copy:
                         copy.set_types(["int8", "text", "int8", "float8", "float8"])
                         for row in rows:

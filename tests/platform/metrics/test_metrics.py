@@ -47,6 +47,15 @@ def test_a_batch_overlapping_stored_points_stores_only_the_new_ones(run_a, worke
     assert stored == {0: 0.0, 1: 0.1, 2: 0.2, 3: 103.0, 4: 104.0}
 
 
+@pytest.mark.django_db(transaction=True)
+def test_an_overlapping_batch_outside_a_transaction_stores_only_the_new_points(run_a):
+    # As in the web server (autocommit): the failed COPY is a transaction of its own.
+    ingest_points(run_a, points(steps=range(3)))
+    assert ingest_points(run_a, points(steps=range(1, 5), value=lambda s: 100 + s)) == 4
+    stored = dict(MetricPoint.objects.filter(run=run_a).values_list("step", "value"))
+    assert stored == {0: 0.0, 1: 0.1, 2: 0.2, 3: 103.0, 4: 104.0}
+
+
 def test_a_key_and_step_repeated_in_a_batch_is_stored_once_with_its_last_value(run_a):
     batch = points(steps=[1, 2]) + points(steps=[1], value=lambda s: 9.0)
     assert ingest_points(run_a, batch) == 2
