@@ -24,6 +24,8 @@ def run_server(redis_url: str | None = None, **env: str):
     with tempfile.TemporaryDirectory() as workdir:
         server = LiveServer(Path(workdir))
         server.env.update(env, **({"REDIS_URL": redis_url} if redis_url else {}))
+        if redis_url:  # the production default with Redis, not the browser tests' 1 s status poll
+            server.env.pop("FLUXRL_WS_STATUS_POLL_S", None)
         with server:
             django_against(server)
             from django.contrib.auth import get_user_model
