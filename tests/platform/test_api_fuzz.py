@@ -16,6 +16,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from django.core.signals import request_finished, request_started
+from django.db import close_old_connections
+
 from fluxrl.accounts import services as accounts
 from fluxrl.accounts.models import Membership, RunToken
 from fluxrl.datasets import services as datasets
@@ -38,7 +41,18 @@ CHECKS = {
 
 
 @pytest.fixture
-def fuzz_world(team_a, alice, bob, settings, monkeypatch):
+def keep_test_connection():
+    """The WSGI app closes "old" database connections around each request; in a test that
+    is the connection holding the test's transaction (Django's own test client does this too)."""
+    request_started.disconnect(close_old_connections)
+    request_finished.disconnect(close_old_connections)
+    yield
+    request_started.connect(close_old_connections)
+    request_finished.connect(close_old_connections)
+
+
+@pytest.fixture
+def fuzz_world(team_a, alice, bob, settings, monkeypatch, keep_test_connection):
     """A team with a dataset, a reward function, a running run with samples, metrics and
     a checkpoint; the keys of alice (who fuzzes) and of the run, and path values."""
     settings.FLUXRL_REWARD_TRY_MAX_TIMEOUT_S = 0.3  # user code in the sandbox: keep each example short

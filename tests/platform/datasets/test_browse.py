@@ -54,3 +54,9 @@ def test_another_teams_dataset_and_versions_are_404(api_b, dataset_a, assert_err
 
 def test_missing_version_is_404(api_a, dataset_a, assert_error):
     assert_error(api_a.get(f"/api/datasets/{dataset_a.dataset_id}/versions/9/"), 404)
+
+
+def test_preview_offset_past_any_row_count_is_400_not_a_server_error(api_a, dataset_a, assert_error):
+    url = f"/api/datasets/{dataset_a.dataset_id}/versions/1/preview/"
+    assert_error(api_a.get(url, {"offset": 2**63}), 400, field="offset")  # found by tests/platform/test_api_fuzz.py
+    assert api_a.get(url, {"offset": 2**31 - 1}).json()["rows"] == []

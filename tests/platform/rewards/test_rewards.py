@@ -126,3 +126,8 @@ def test_reward_code_over_the_size_limit_is_400_naming_the_limit_and_huge_bodies
     assert "longer than 100 bytes" in error["fields"]["code"]
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
     assert_error(api_a.post("/api/rewards/", {"name": "big", "code": "#" * 2000}, format="json"), 413, "too_large")
+
+
+def test_try_on_more_dataset_rows_than_can_exist_is_400_not_a_server_error(api_a, dataset_a, assert_error):
+    body = {"function": "numeric_match", "dataset": "add@1", "n": 2**63}
+    assert_error(api_a.post("/api/rewards/try/", body, format="json"), 400, field="n")

@@ -2,6 +2,7 @@ from rest_framework import serializers
 
 from ..models import Dataset, DatasetVersion
 
+MAX_ROWS = 2**31 - 1  # DatasetVersion.row_count is a 32-bit integer
 BUILTIN_GENERATOR_HELP = "built-in generator: see GET /api/datasets/generators/"
 
 
@@ -66,5 +67,5 @@ class PreviewSerializer(serializers.Serializer):
 
 
 class PreviewQuerySerializer(serializers.Serializer):
-    offset = serializers.IntegerField(default=0, min_value=0)
+    offset = serializers.IntegerField(default=0, min_value=0, max_value=MAX_ROWS)  # islice takes at most sys.maxsize
     limit = serializers.IntegerField(default=20, min_value=1, max_value=200)

@@ -57,7 +57,7 @@ class RewardTrySerializer(serializers.Serializer):
 
     rows = TryRowSerializer(many=True, required=False)
     dataset = serializers.CharField(required=False, help_text="name@version of a team dataset")
-    n = serializers.IntegerField(default=5, min_value=1)
+    n = serializers.IntegerField(default=5, min_value=1, max_value=2**31 - 1)  # read with islice: at most sys.maxsize
     completions = serializers.ListField(child=serializers.CharField(allow_blank=True, trim_whitespace=False), required=False)
     team = serializers.SlugField(required=False, help_text="team of the dataset (and function)")
     timeout_s = serializers.FloatField(default=2.0, min_value=0.1, help_text="per row")
