@@ -2,8 +2,11 @@
 
   python -m workers bootstrap                 build (or find) the tiny model, print its folder
   python -m workers validate spec.yaml        check a run spec, naming any bad field
-  python -m workers run spec.yaml [--out DIR] [--platform URL --token T --run-id N]
+  python -m workers run spec.yaml [--out DIR] [--platform URL --token T --run-id N] [--resume]
                                               (or the token in FLUXRL_RUN_TOKEN)
+
+--resume continues from the newest complete checkpoint in DIR/checkpoints (saved every
+trainer.checkpoint_every steps): step N+1 onwards, metrics.jsonl cut back to step N.
 
 ``model.path: builtin:tiny`` in a spec means the tiny model (built on first use).
 Exit codes: 0 done, 2 bad input (spec, dataset, model, reward), 1 failure, 130 stopped.
@@ -66,7 +69,28 @@ def cmd_run(args) -> int:
     except OSError as exc:
         return fail(f"cannot read the spec: {exc}", 2)
     _resolve_model(spec)
+    resume = None
+    if args.resume and not args.out:
+        return fail("--resume needs --out: the folder of the run to continue", 2)
+    if args.resume:
+        from .checkpoint import checkpoints_dir, latest_checkpoint, truncate_metrics
+
+        resume = latest_checkpoint(out)
+        # Points after the checkpoint are computed again (before the Reporter appends).
+        dropped = truncate_metrics(out / "metrics.jsonl", resume.step if resume else -1)
+        if resume is None:
+            print(f"--resume: no complete checkpoint in {checkpoints_dir(out)}; starting from scratch"
+                  + (f" (dropped {dropped} metric points of the earlier attempt)" if dropped else ""), file=sys.stderr)
+        else:
+            print(f"--resume: continuing from {resume.path} (step {resume.step}, policy version {resume.version}); "
+                  f"dropped {dropped} metric points after step {resume.step}", file=sys.stderr)
     reporter = Reporter(out / "metrics.jsonl", platform)
+    on_checkpoint = None
+    if platform:
+        checkpoints = PlatformClient(args.platform, token, args.run_id)  # used from a thread of its own
+
+        def on_checkpoint(step: int, version: int, path: str) -> None:
+            checkpoints.post("checkpoints", {"step": step, "version": version, "path": path})
     heartbeat = None
     if platform:
         platform.status("running", "")
@@ -85,7 +109,8 @@ def cmd_run(args) -> int:
             loop.add_signal_handler(sig, on_signal)
         if heartbeat:  # a cancel asked for on the platform stops the run like SIGTERM
             heartbeat.on_cancel = lambda: loop.call_soon_threadsafe(on_signal)
-        controller = Controller(spec, out, reporter, progress=not args.no_progress, stop_event=stop)
+        controller = Controller(spec, out, reporter, progress=not args.no_progress, stop_event=stop,
+                                resume=resume, on_checkpoint=on_checkpoint)
         result = await controller.run()
         return result, bool(signalled)
 
@@ -131,6 +156,8 @@ def main(argv=None) -> int:
     r.add_argument("--token", default=None, help=f"run-scoped API token (default: ${RUN_TOKEN_ENV}, which keeps it out of ps)")
     r.add_argument("--run-id", default=None)
     r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --out (from scratch if there is none)")
     args = p.parse_args(argv)
     if args.cmd == "bootstrap":
         from .tinymodel import ensure_tiny_model

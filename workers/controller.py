@@ -12,10 +12,12 @@ and the trainer's step runs in a thread so generation streams on meanwhile.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,7 @@ from typing import Optional
 from collections import deque
 
 from . import algorithms
+from .checkpoint import CheckpointInfo, save_checkpoint
 from .length_ranker import LengthRanker
 from .report import Reporter
 from .reward_service import RewardService
@@ -34,7 +37,7 @@ from .staleness import StalenessGate
 from .tasks import load_rows
 from .tinymodel import EOS_ID, decode, encode
 from .trainer import TrainSample, Trainer
-from .weight_sync import serialize_state_dict
+from .weight_sync import serialize_state_dict, tensors_checksum
 
 
 @dataclass
@@ -85,7 +88,8 @@ def _percentile(values: list[float], q: float) -> float:
 
 class Controller:
     def __init__(self, spec: RunSpec, out_dir: str | Path, reporter: Optional[Reporter] = None,
-                 progress: bool = True, stop_event: Optional[asyncio.Event] = None):
+                 progress: bool = True, stop_event: Optional[asyncio.Event] = None,
+                 resume: Optional[CheckpointInfo] = None, on_checkpoint=None):
         self.spec = spec
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -99,6 +103,16 @@ class Controller:
         self.ranker = LengthRanker()
         self.trainer_busy_s = 0.0
         self._load: dict[int, float] = {}  # engine index -> predicted tokens it is generating
+        # Data position (saved in checkpoints): the current epoch's shuffled order, the next
+        # index in it, and rows drawn before a checkpoint but not trained on (redone first).
+        self._row_order: list[int] = []
+        self._row_pos = 0
+        self._redo: deque[dict] = deque()
+        self.resume = resume  # a checkpoint to continue from (workers/checkpoint.py)
+        self.on_checkpoint = on_checkpoint  # called (step, version, path) after each save
+        self._first_step = 1
+        self._seconds_before = 0.0  # training time before the resumed checkpoint
+        self._gen_busy_before = 0.0
 
     # -- set-up -------------------------------------------------------------------
     def _cpu_split(self) -> tuple[Optional[str], Optional[int]]:
@@ -126,6 +140,8 @@ class Controller:
         bind, threads = self._cpu_split()
         configure_cpu_environment(bind, spec.rollout.kv_cache_gb)
         self.trainer = await asyncio.to_thread(Trainer, spec, spec.model.path, threads)
+        if self.resume is not None:
+            await asyncio.to_thread(self._restore, self.resume)
         blob = serialize_state_dict(self.trainer.state_dict())
         longest = max(len(r["prompt"]) for r in self.train_rows + self.eval_rows)
         self.engines = [
@@ -135,8 +151,11 @@ class Controller:
             for i in range(spec.rollout.engines)
         ]
         for engine in self.engines:  # one at a time: start-up is CPU-heavy
-            await engine.start(warm_blob=blob)
+            # warm_blob is the first update: on resume, the checkpoint's weights and version
+            await engine.start(warm_blob=blob, version=self.trainer.version)
             self._load[engine.index] = 0.0
+        if self.resume is not None:
+            await self._note_resume(blob)
 
     async def close(self) -> None:
         for engine in self.engines:
@@ -201,11 +220,98 @@ class Controller:
                 for s, a in zip(group.samples, adv)]
 
     def _rows(self):
+        """Training rows, epoch after epoch in a shuffled order; rows a checkpoint saved
+        as drawn but not trained on come first."""
         while True:
-            order = list(range(len(self.train_rows)))
-            self._rng.shuffle(order)
-            for i in order:
-                yield self.train_rows[i]
+            if self._redo:
+                yield self._redo.popleft()
+                continue
+            if self._row_pos >= len(self._row_order):
+                self._row_order = list(range(len(self.train_rows)))
+                self._rng.shuffle(self._row_order)
+                self._row_pos = 0
+            self._row_pos += 1
+            yield self.train_rows[self._row_order[self._row_pos - 1]]
+
+    # -- checkpoints ------------------------------------------------------------------
+    async def _checkpoint(self, step: int, t_start: float, unfinished: list[dict]) -> None:
+        """Save a checkpoint after ``step`` if the spec asks for one now (workers/checkpoint.py).
+        ``unfinished``: rows drawn but not trained on (in flight, scored but not batched);
+        a resumed run generates them first, so no prompt is skipped."""
+        every = self.spec.trainer.checkpoint_every
+        if not every or step % every:
+            return
+        import numpy as np
+        import torch
+
+        r = self.result
+        # Everything captured now, in the loop's thread: generation goes on while the
+        # files are written.
+        state = {
+            "step": step, "version": self.trainer.version,
+            "rows": {"order": list(self._row_order), "pos": self._row_pos,
+                     "redo": list(unfinished) + list(self._redo)},
+            "rng": {"controller": self._rng.getstate(), "python": random.getstate(),
+                    "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+            "result": {"steps": r.steps, "trained_samples": r.trained_samples, "trained_tokens": r.trained_tokens,
+                       "staleness_max": r.staleness_max, "dropped_stale": r.dropped_stale,
+                       "accuracy_before": r.accuracy_before},
+            "seconds": time.time() - t_start, "trainer_busy_s": self.trainer_busy_s,
+            "gen_busy_s": self._gen_busy() - self._busy_before,
+            "ranker": self.ranker,
+        }
+
+        def write(folder: Path) -> None:
+            self.trainer.save_state(str(folder / "trainer"))
+            torch.save(state, folder / "state.pt")
+            self.trainer.save(str(folder / "model"))
+
+        meta = {"version": self.trainer.version, "weights_sha256": tensors_checksum(self.trainer.state_dict())}
+        info = await asyncio.to_thread(save_checkpoint, self.out, step, write, meta)
+        if self.on_checkpoint is not None:
+            try:
+                await asyncio.to_thread(self.on_checkpoint, step, info.version, str(info.path))
+            except Exception as exc:  # the checkpoint is on disk; the platform just does not know
+                print(f"warning: could not report checkpoint step-{step}: {exc}", file=sys.stderr)
+
+    def _restore(self, info: CheckpointInfo) -> None:
+        """Trainer (weights, optimiser, version) and controller state from a checkpoint."""
+        import numpy as np
+        import torch
+
+        self.trainer.load_state(str(info.path / "trainer"))
+        state = torch.load(info.path / "state.pt", weights_only=False)
+        self._row_order, self._row_pos = state["rows"]["order"], state["rows"]["pos"]
+        self._redo = deque(state["rows"]["redo"])
+        self._rng.setstate(state["rng"]["controller"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        torch.set_rng_state(state["rng"]["torch"])
+        for key, value in state["result"].items():
+            setattr(self.result, key, value)
+        self.ranker = state["ranker"]
+        self._first_step = state["step"] + 1
+        self._seconds_before = state["seconds"]
+        self.trainer_busy_s = state["trainer_busy_s"]
+        self._gen_busy_before = state["gen_busy_s"]
+
+    async def _note_resume(self, blob: bytes) -> None:
+        """Say where the run resumes, and record that the engines hold the checkpoint's
+        weights (checksums of what each engine loaded) in resume.json."""
+        from safetensors.torch import load as st_load
+
+        info = self.resume
+        loaded = tensors_checksum(st_load(blob))
+        engines = [await e.weights_checksum() for e in self.engines]
+        record = {"from_step": info.step, "version": self.trainer.version, "checkpoint": str(info.path),
+                  "checkpoint_sha256": info.meta.get("weights_sha256"), "trainer_sha256": loaded,
+                  "engine_sha256": engines, "resumed_at": time.time()}
+        (self.out / "resume.json").write_text(json.dumps(record, indent=2))
+        same = loaded == info.meta.get("weights_sha256") and all(e == loaded for e in engines)
+        print(f"resuming from {info.path} (step {info.step}, policy version {self.trainer.version}); "
+              f"weights {'match the checkpoint' if same else 'DIFFER from the checkpoint'}", file=sys.stderr)
+        if not same:
+            raise RuntimeError(f"the weights loaded from {info.path} do not match its checksum")
 
     async def evaluate(self, step: int) -> float:
         """Greedy accuracy (mean reward) on the held-out rows."""
@@ -274,18 +380,18 @@ class Controller:
                                   "versions": s.completion.versions.per_token(), "length": s.completion.length,
                                   "error": s.error or ""})
         self._collect_stalls()
-        if spec.trainer.checkpoint_every and step % spec.trainer.checkpoint_every == 0:
-            path = self.out / "checkpoints" / f"step-{step}"
-            await asyncio.to_thread(self.trainer.save, str(path))
         if spec.eval.every_steps and step % spec.eval.every_steps == 0 and step < spec.stop.max_steps:
             await self.evaluate(step)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(reward=f"{mean_r:.2f}", stale=max(staleness), sps=f"{r.trained_samples / elapsed:.1f}")
 
-    def _idle_generation(self, elapsed: float) -> float:
+    def _gen_busy(self) -> float:
         now = time.perf_counter()
-        busy = sum(e.busy_s + (now - e._busy_since if e._busy_since is not None else 0.0) for e in self.engines)
+        return sum(e.busy_s + (now - e._busy_since if e._busy_since is not None else 0.0) for e in self.engines)
+
+    def _idle_generation(self, elapsed: float) -> float:
+        busy = self._gen_busy()
         return 1.0 - min(1.0, (busy - self._busy_before) / (elapsed * len(self.engines)))
 
     def _collect_stalls(self) -> None:
@@ -303,13 +409,14 @@ class Controller:
     # -- the two schedules ------------------------------------------------------------
     async def _run_sync(self, t_start: float) -> None:
         spec, rows = self.spec, self._rows()
-        for step in range(1, spec.stop.max_steps + 1):
+        for step in range(self._first_step, spec.stop.max_steps + 1):
             if self._out_of_time(t_start):
                 break
             plan = self._plan([next(rows) for _ in range(spec.schedule.batch_prompts)])
             version = self.trainer.version
             if spec.schedule.stream_train:
                 await self._sync_streamed_step(plan, step, t_start)
+                await self._checkpoint(step, t_start, [])
                 continue
             fused = spec.rollout.fused_scoring
             groups = await asyncio.gather(*(self._group(row, i, version, engine, pred, score=fused)
@@ -319,6 +426,7 @@ class Controller:
                     row = plan[g.index][0]
                     g.samples = list(await asyncio.gather(*(self._score(row, c) for c in g.samples)))
             await self._train_on(list(groups), step, t_start)
+            await self._checkpoint(step, t_start, [])
 
     async def _sync_streamed_step(self, plan, step: int, t_start: float) -> None:
         """StreamRL's stream generation in a synchronous step: each group goes into the
@@ -343,8 +451,11 @@ class Controller:
         pending: set[asyncio.Task] = set()
         counter = 0
 
+        task_rows: dict[asyncio.Task, dict] = {}
+
         def finished(task: asyncio.Task) -> None:
             pending.discard(task)
+            task_rows.pop(task, None)
             self.gate.finish(accepted=not task.cancelled() and task.exception() is None)
             if not task.cancelled() and task.exception() is not None:
                 self._failure = self._failure or task.exception()
@@ -369,6 +480,7 @@ class Controller:
                         task = asyncio.create_task(self._group(row, counter, version, engine, predicted))
                         counter += 1
                         pending.add(task)
+                        task_rows[task] = row
                         task.add_done_callback(finished)
                 wake.clear()
                 await wake.wait()
@@ -376,7 +488,7 @@ class Controller:
         producer = asyncio.create_task(produce())
         stash: list[Group] = []
         try:
-            for step in range(1, spec.stop.max_steps + 1):
+            for step in range(self._first_step, spec.stop.max_steps + 1):
                 if self._out_of_time(t_start):
                     break
                 batch: list[Group] = []
@@ -407,6 +519,10 @@ class Controller:
                     break
                 await self._train_on(batch, step, t_start)
                 wake.set()
+                ready = [self.ready.get_nowait() for _ in range(self.ready.qsize())]
+                stash.extend(ready)
+                unfinished = (list(task_rows.values()) + [g.samples[0].row for g in stash] + list(waiting))
+                await self._checkpoint(step, t_start, unfinished)
         finally:
             self.stop.set()
             wake.set()
@@ -421,14 +537,22 @@ class Controller:
         spec = self.spec
         try:
             await self.setup()
-            self.result.accuracy_before = await self.evaluate(0)
+            if self.resume is None:  # a resumed run has it (and the step-0 point) already
+                self.result.accuracy_before = await self.evaluate(0)
             self.gate = StalenessGate(spec.schedule.batch_prompts,
                                       0 if spec.schedule.mode == "sync" else spec.schedule.max_staleness)
-            self.bar = tqdm(total=spec.stop.max_steps, desc=f"{spec.name} [{spec.schedule.mode}]", unit="step",
-                            disable=not self.progress)
-            t_start = time.time()
-            self._busy_before = sum(e.busy_s for e in self.engines)  # the evaluation above is not training time
-            self.trainer_busy_s = 0.0
+            # Resumed: the checkpoint's batches count as trained, so admission starts where it was.
+            self.gate.advance(self.trainer.version)
+            self.gate.finished = (self._first_step - 1) * spec.schedule.batch_prompts
+            self.bar = tqdm(total=spec.stop.max_steps, initial=self._first_step - 1,
+                            desc=f"{spec.name} [{spec.schedule.mode}]", unit="step", disable=not self.progress)
+            # Resumed: times and totals continue from the checkpoint (throughput, idle
+            # shares and stop.max_minutes count the training before it).
+            t_start = time.time() - self._seconds_before
+            # the evaluation above is not training time
+            self._busy_before = sum(e.busy_s for e in self.engines) - self._gen_busy_before
+            if self.resume is None:
+                self.trainer_busy_s = 0.0
             if spec.schedule.mode == "sync":
                 await self._run_sync(t_start)
             else:

@@ -98,7 +98,9 @@ class RolloutEngine:
         self._pending_stall: Optional[tuple[UpdateTiming, float, dict[str, float]]] = None
 
     # -- lifecycle ---------------------------------------------------------------
-    async def start(self, warm_blob: Optional[bytes] = None) -> None:
+    async def start(self, warm_blob: Optional[bytes] = None, version: int = 0) -> None:
+        """Start the engine; ``warm_blob`` is loaded as its first weight update, labelled
+        ``version`` (a resumed run's checkpoint)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -120,6 +122,9 @@ class RolloutEngine:
         await self.generate([1, 5], max_tokens=4, temperature=1.0)
         if warm_blob is not None:
             await self.engine.collective_rpc("fluxrl_load_weights", args=(warm_blob,))
+        if version:
+            await self.engine.engine_core.set_weight_version_async(str(version))
+            self.version = version
 
     def shutdown(self) -> None:
         if self.engine is not None:

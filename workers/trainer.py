@@ -95,6 +95,22 @@ class Trainer:
             if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
                 shutil.copy(os.path.join(self.model_path, name), path)
 
+    # -- checkpoints (workers/checkpoint.py) ------------------------------------------
+    # DeepSpeed's own checkpoint: module, optimiser (whatever wraps it at this ZeRO stage
+    # and dtype) and scheduler states, restored exactly by load_state.
+    def save_state(self, folder: str) -> None:
+        self.engine.save_checkpoint(folder, tag="ds", client_state={"fluxrl_version": self.version},
+                                    save_latest=False)
+
+    def load_state(self, folder: str) -> int:
+        """Restore a save_state folder; returns (and takes) the policy version saved."""
+        path, client = self.engine.load_checkpoint(folder, tag="ds", load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {folder}")
+        self.version = int(client["fluxrl_version"])
+        return self.version
+
     # -- training ----------------------------------------------------------------
     def _tensors(self, batch: list[TrainSample], device):
         width = max(len(s.prompt_ids) + len(s.token_ids) for s in batch)

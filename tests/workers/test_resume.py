@@ -1,0 +1,87 @@
+"""Checkpoint and resume with the real engine: a run is SIGKILLed (its whole process
+group, as a lost host would lose it) once a checkpoint exists, then resumed with
+--resume. The curves must hold every step exactly once, the resumed run must train from
+the checkpoint's step + 1, and the engine must generate with the checkpoint's weights."""
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from workers.checkpoint import latest_checkpoint
+from workers.weight_sync import serialize_state_dict, tensors_checksum
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+STEPS = 4
+SPEC = {
+    "name": "resume",
+    "model": {"path": "builtin:tiny"},
+    "task": {"dataset": "gen:add?max_digits=2", "size": 200, "eval_size": 4},
+    "algorithm": {"loss": "ppo", "group_size": 4, "lr": 1.0e-3},
+    "rollout": {"max_tokens": 12, "update_mode": "keep"},
+    "schedule": {"mode": "async", "max_staleness": 1, "batch_prompts": 4},
+    "trainer": {"checkpoint_every": 2},
+    "stop": {"max_steps": STEPS, "max_minutes": 5},
+    "eval": {"every_steps": 2, "prompts": 4},
+}
+
+
+def engine(tmp_path, *extra) -> subprocess.Popen:
+    log = open(tmp_path / f"engine{len(list(tmp_path.glob('engine*.log')))}.log", "wb")
+    return subprocess.Popen([sys.executable, "-m", "workers", "run", str(tmp_path / "spec.yaml"), "--out",
+                             str(tmp_path / "out"), "--no-progress", *extra],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_a_killed_run_resumes_from_its_checkpoint_without_gaps_or_duplicate_steps(tmp_path, tiny_model_path):
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(SPEC))
+    out = tmp_path / "out"
+    first = engine(tmp_path)
+    deadline = time.monotonic() + 300
+    while latest_checkpoint(out) is None:
+        assert first.poll() is None, (tmp_path / "engine0.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint after 300 s"
+        time.sleep(0.2)
+    os.killpg(first.pid, signal.SIGKILL)  # the engine, vLLM and the trainer at once
+    first.wait()
+    killed_at = time.time()
+    checkpoint = latest_checkpoint(out)
+    assert checkpoint.step in (2, 4) and not (out / "result.json").exists()
+
+    second = engine(tmp_path, "--resume")
+    assert second.wait(timeout=400) == 0, (tmp_path / "engine1.log").read_text()[-3000:]
+    log = (tmp_path / "engine1.log").read_text()
+    assert f"--resume: continuing from {checkpoint.path} (step {checkpoint.step}" in log
+
+    result = json.loads((out / "result.json").read_text())
+    assert result["steps"] == STEPS and result["trained_samples"] == STEPS * 4 * 4
+
+    points = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    counts = collections.Counter((p["key"], p["step"]) for p in points)
+    assert [k for k, n in counts.items() if n > 1] == []  # no duplicate steps
+    trained = sorted((p["step"], p["time"]) for p in points if p["key"] == "version/current")
+    assert [s for s, _ in trained] == list(range(1, STEPS + 1))  # no gaps
+    assert [p["value"] for p in sorted((p for p in points if p["key"] == "version/current"), key=lambda p: p["step"])] \
+        == list(range(1, STEPS + 1))
+    # Steps up to the checkpoint come from the first process, the rest from the resumed one,
+    # whose first trained step is the checkpoint's + 1.
+    assert all(t < killed_at for s, t in trained if s <= checkpoint.step)
+    assert all(t > killed_at for s, t in trained if s > checkpoint.step)
+    assert sorted(p["step"] for p in points if p["key"] == "eval/accuracy").count(0) == 1
+
+    # The weights the resumed engine generated with are the checkpoint's.
+    resumed = json.loads((out / "resume.json").read_text())
+    assert resumed["from_step"] == checkpoint.step and resumed["version"] == checkpoint.version == checkpoint.step
+    states = torch.load(checkpoint.path / "trainer" / "ds" / "mp_rank_00_model_states.pt", weights_only=False)
+    from safetensors.torch import load as st_load
+
+    saved = tensors_checksum(st_load(serialize_state_dict(states["module"])))
+    assert resumed["checkpoint_sha256"] == resumed["trainer_sha256"] == saved
+    assert resumed["engine_sha256"] == [saved]

@@ -1,0 +1,148 @@
+"""Checkpoints a run can resume from: ``<out>/checkpoints/step-<N>/``.
+
+A checkpoint is written into a temporary folder next to the others
+(``.tmp-step-<N>-<pid>``) and renamed into place once every file is on disk, so a
+``step-<N>`` folder is always complete: a process killed while saving leaves a
+``.tmp-*`` folder that the next save (or resume) removes. The newest ``keep`` (2)
+checkpoints are kept.
+
+What one holds (written by the controller, see ``Controller._checkpoint``):
+
+    meta.json     step, policy version, time, checksum of the weights (written last)
+    trainer/      DeepSpeed's own checkpoint: module, optimiser and scheduler states
+    state.pt      controller state: data position (row order, position, rows to redo),
+                  RNG states (python, numpy, torch, the controller's), run totals, the
+                  output-length ranker
+    model/        the policy as a Hugging Face folder (vLLM or transformers can load it)
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+FOLDER = "checkpoints"
+META = "meta.json"
+KEEP = 2
+_STEP = re.compile(r"step-(\d+)")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+    version: int
+    meta: dict
+
+
+def checkpoints_dir(out: str | Path) -> Path:
+    return Path(out) / FOLDER
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush the files and the folders under ``folder`` to disk before the rename that
+    publishes them (a crash right after the rename must not leave empty files)."""
+    for root, dirs, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as fh:
+                os.fsync(fh.fileno())
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(out: str | Path) -> list[CheckpointInfo]:
+    """Complete checkpoints under ``out``, oldest first (a folder without a readable
+    meta.json is not one)."""
+    root = checkpoints_dir(out)
+    found = []
+    if not root.is_dir():
+        return found
+    for entry in root.iterdir():
+        match = _STEP.fullmatch(entry.name)
+        if not match or not entry.is_dir():
+            continue
+        try:
+            meta = json.loads((entry / META).read_text())
+        except (OSError, ValueError):
+            continue
+        found.append(CheckpointInfo(entry, int(match.group(1)), int(meta.get("version", 0)), meta))
+    return sorted(found, key=lambda c: c.step)
+
+
+def latest_checkpoint(out: str | Path) -> Optional[CheckpointInfo]:
+    found = list_checkpoints(out)
+    return found[-1] if found else None
+
+
+def save_checkpoint(out: str | Path, step: int, write: Callable[[Path], None], meta: dict,
+                    keep: int = KEEP) -> CheckpointInfo:
+    """Write a checkpoint atomically: ``write(folder)`` fills a temporary folder, then
+    meta.json is added, everything is flushed, and the folder is renamed to
+    ``step-<step>``. Older checkpoints past the newest ``keep`` are removed."""
+    root = checkpoints_dir(out)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):  # left by a process killed while saving
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-step-{step}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        meta = {**meta, "step": step, "saved_at": time.time()}
+        (tmp / META).write_text(json.dumps(meta, indent=2))
+        _fsync_tree(tmp)
+        final = root / f"step-{step}"
+        if final.exists():  # saved again at the same step (a resumed run): replace it
+            trash = root / f".tmp-old-step-{step}-{os.getpid()}"
+            os.rename(final, trash)
+            os.rename(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in list_checkpoints(out)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old.path, ignore_errors=True)
+    return CheckpointInfo(final, step, int(meta.get("version", 0)), meta)
+
+
+def truncate_metrics(path: str | Path, step: int) -> int:
+    """Drop the points of ``metrics.jsonl`` after ``step`` (they are computed again by
+    the resumed run), atomically; returns how many were dropped. An unreadable last line
+    (the process was killed mid-write) is dropped too."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                point = json.loads(line)
+                keep = int(point["step"]) <= step
+            except (ValueError, KeyError, TypeError):
+                keep = False
+            if keep:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return dropped
