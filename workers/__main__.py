@@ -85,6 +85,12 @@ def cmd_run(args) -> int:
             print(f"--resume: continuing from {resume.path} (step {resume.step}, policy version {resume.version}); "
                   f"dropped {dropped} metric points after step {resume.step}", file=sys.stderr)
     reporter = Reporter(out / "metrics.jsonl", platform)
+    if resume is not None and platform:
+        # The platform may lack points up to the checkpoint (a checkpoint saved while it was
+        # away, or not yet reported when the run died): send them again; it skips what it has.
+        from .checkpoint import read_metrics
+
+        reporter.resend(read_metrics(out / "metrics.jsonl"))
     on_checkpoint = None
     if platform:
         checkpoints = PlatformClient(args.platform, token, args.run_id)  # used from a thread of its own

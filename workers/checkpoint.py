@@ -146,3 +146,18 @@ def truncate_metrics(path: str | Path, step: int) -> int:
     tmp.write_text("".join(kept), encoding="utf-8")
     os.replace(tmp, path)
     return dropped
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The points of a metrics.jsonl file (unreadable lines skipped)."""
+    points = []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    points.append(json.loads(line))
+                except ValueError:
+                    continue
+    except FileNotFoundError:
+        pass
+    return points

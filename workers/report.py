@@ -92,6 +92,18 @@ class Reporter:
                 if overflow > 0:
                     self._drop(self._points, overflow, "points")
 
+    def resend(self, points: list[dict]) -> None:
+        """Queue points already written to metrics.jsonl for the platform again, ahead of
+        new ones (a resumed run: the platform may lack some of them, and skips those it
+        has). Nothing is written to the file."""
+        if self.platform is None or not points:
+            return
+        with self._lock:
+            self._points.extendleft(reversed(points))
+            overflow = len(self._points) - self.max_points
+            if overflow > 0:
+                self._drop(self._points, overflow, "points")
+
     def sample(self, record: dict) -> None:
         if self.platform is not None:
             with self._lock:

@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from workers.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint, truncate_metrics
+from workers.checkpoint import latest_checkpoint, list_checkpoints, read_metrics, save_checkpoint, truncate_metrics
 from workers.controller import Controller
+from workers.report import PlatformClient, Reporter
 from workers.spec import validate_spec
 
 
@@ -83,6 +84,19 @@ def test_resume_cuts_metrics_after_the_checkpoint_step(tmp_path):
     assert [(p["key"], p["step"]) for p in kept] == [(k, s) for s in range(0, 4) for k in ("a", "b")]
     assert truncate_metrics(path, -1) == 8 and path.read_text() == ""
     assert truncate_metrics(tmp_path / "none.jsonl", 3) == 0
+
+
+def test_a_resumed_run_sends_the_kept_points_again_before_new_ones_without_rewriting_the_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"key": "a", "step": s, "value": s, "time": 0.0}) + "\n" for s in range(3)))
+    platform = PlatformClient("http://127.0.0.1:9", "flxr_test", 1, timeout=1)
+    reporter = Reporter(path, platform, flush_every_s=60, close_timeout_s=0)
+    reporter.log(3, {"a": 3})
+    reporter.resend(read_metrics(path)[:3])
+    assert [p["step"] for p in reporter._points] == [0, 1, 2, 3]
+    reporter._stop.set()
+    reporter.close()
+    assert [p["step"] for p in read_metrics(path)] == [0, 1, 2, 3]
 
 
 def _controller(tmp_path, seed=3):
