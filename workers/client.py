@@ -80,6 +80,10 @@ class FluxClient:
     def cancel(self, run_id: int) -> dict:
         return self.request("POST", f"runs/{run_id}/cancel/")
 
+    def resume(self, run_id: int) -> dict:
+        """Queue a failed or cancelled run again, from its newest checkpoint."""
+        return self.request("POST", f"runs/{run_id}/resume/")
+
     def samples(self, run_id: int, since_step: int | None = None) -> Iterator[dict]:
         params = {"since_step": since_step} if since_step is not None else None
         return self.pages(f"runs/{run_id}/samples/", params)

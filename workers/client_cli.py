@@ -5,6 +5,7 @@
   fluxrl runs [--status running] [--tag demo]
   fluxrl watch RUN              live progress until the run ends (exit 0 if it succeeded)
   fluxrl cancel RUN
+  fluxrl resume RUN [--watch]   a failed or cancelled run again, from its newest checkpoint
   fluxrl samples RUN [-o samples.jsonl] [--since-step N]
 
 FLUXRL_URL and FLUXRL_TOKEN, when set, win over the stored login.
@@ -142,6 +143,12 @@ def cmd_cancel(client: FluxClient, args) -> int:
     return 0
 
 
+def cmd_resume(client: FluxClient, args) -> int:
+    run = client.resume(args.run)
+    print(f"run {args.run}: queued again, to resume from its newest checkpoint ({run['status']})")
+    return watch(client, args.run) if args.watch else 0
+
+
 def cmd_samples(client: FluxClient, args) -> int:
     out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     count = 0
@@ -174,6 +181,9 @@ def parser() -> argparse.ArgumentParser:
     runs.add_argument("--team")
     for name, text in (("watch", "follow a run live until it ends"), ("cancel", "stop a run")):
         sub.add_parser(name, help=text).add_argument("run", type=int)
+    resume = sub.add_parser("resume", help="run a failed or cancelled run on from its newest checkpoint")
+    resume.add_argument("run", type=int)
+    resume.add_argument("--watch", action="store_true", help="then watch it until it ends")
     samples = sub.add_parser("samples", help="download a run's samples as JSON lines")
     samples.add_argument("run", type=int)
     samples.add_argument("-o", "--output", help="file (default: stdout)")
@@ -187,7 +197,8 @@ def main(argv=None) -> int:
         if args.cmd == "login":
             return cmd_login(args)
         client = FluxClient(*load_login())
-        commands = {"submit": cmd_submit, "runs": cmd_runs, "cancel": cmd_cancel, "samples": cmd_samples}
+        commands = {"submit": cmd_submit, "runs": cmd_runs, "cancel": cmd_cancel, "resume": cmd_resume,
+                    "samples": cmd_samples}
         return watch(client, args.run) if args.cmd == "watch" else commands[args.cmd](client, args)
     except ApiError as exc:
         fields = "".join(f"\n  {field}: {message}" for field, message in exc.fields.items())

@@ -35,7 +35,7 @@ from fluxrl.accounts.services import create_run_token
 from fluxrl.errors import DomainError
 
 from .models import Run, RunStatus
-from .services import IllegalTransition, resolve_spec, transition
+from .services import IllegalTransition, resolve_spec, resume_from_checkpoint, transition
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,13 @@ def run_dir(run_id: int) -> Path:
     return Path(settings.FLUXRL_DATA_DIR) / "runs" / str(run_id)
 
 
-def engine_command(run_id: int, spec_path: Path, out_dir: Path) -> list[str]:
+def engine_command(run_id: int, spec_path: Path, out_dir: Path, resume: bool = False) -> list[str]:
     # No --token here: a command line is visible to every user of the host (ps, /proc);
-    # the run token goes in the environment (start_engine).
+    # the run token goes in the environment (start_engine). --resume: continue from the
+    # newest checkpoint in out_dir (a run queued again by services.resume_run).
     return [*settings.FLUXRL_ENGINE_COMMAND, "run", str(spec_path), "--out", str(out_dir),
-            "--platform", settings.FLUXRL_PUBLIC_URL, "--run-id", str(run_id), "--no-progress"]
+            "--platform", settings.FLUXRL_PUBLIC_URL, "--run-id", str(run_id), "--no-progress",
+            *(["--resume"] if resume else [])]
 
 
 def _term_with_parent() -> None:  # runs in the child, between fork and exec
@@ -181,7 +183,8 @@ def launch(run_id: int) -> tuple[subprocess.Popen, Path] | None:
             spec_path = folder / "spec.json"
             spec_path.write_text(json.dumps(resolve_spec(run), indent=2))
             _, key = create_run_token(run)
-            proc = start_engine(engine_command(run.pk, spec_path, folder / "out"), folder / "engine.log", key)
+            command = engine_command(run.pk, spec_path, folder / "out", resume=resume_from_checkpoint(run))
+            proc = start_engine(command, folder / "engine.log", key)
             transition(run, RunStatus.STARTING, worker_host=socket.gethostname(), worker_pid=proc.pid)
     except BaseException:
         if proc is not None:

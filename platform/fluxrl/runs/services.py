@@ -33,8 +33,15 @@ TAG_PATTERN = re.compile(r"[\w.:/+-]{1,50}")
 MAX_TAGS = 20
 
 
+RESUMABLE_STATUSES = (RunStatus.FAILED, RunStatus.CANCELLED)
+
+
 class IllegalTransition(Conflict):
     code = "illegal_transition"
+
+
+class NoCheckpoint(Conflict):
+    code = "no_checkpoint"
 
 
 # --- submission ------------------------------------------------------------------------
@@ -205,6 +212,42 @@ def cancel_run(run: Run) -> Run:
         return transition(run, RunStatus.CANCELLED)
     transaction.on_commit(partial(live.publish_status, run))
     return run
+
+
+@transaction.atomic
+def resume_run(run: Run) -> Run:
+    """Queue a failed or cancelled run again, to continue from its newest checkpoint: the
+    dispatcher starts the engine with --resume on the same output folder, and the engine
+    loads the newest complete checkpoint it finds there. Metric points and samples after
+    the checkpoint are removed, since the resumed engine computes those steps again.
+    Raises IllegalTransition or NoCheckpoint (HTTP 409) otherwise."""
+    from fluxrl.metrics.models import MetricPoint
+
+    run = Run.objects.select_for_update().get(pk=run.pk)
+    if run.status not in RESUMABLE_STATUSES:
+        raise IllegalTransition(f"Only a failed or cancelled run can be resumed; run {run.pk} is {run.status}.",
+                                fields={"status": f"not resumable while {run.status}"})
+    checkpoint = run.checkpoints.order_by("-step").first()
+    if checkpoint is None:
+        raise NoCheckpoint(f"Run {run.pk} has no checkpoint to resume from: it saves one every "
+                           "trainer.checkpoint_every steps of its spec (0 = only at the end), and none was saved "
+                           "before it stopped.")
+    MetricPoint.objects.filter(run=run, step__gt=checkpoint.step).delete()
+    run.samples.filter(step__gt=checkpoint.step).delete()
+    run.status = RunStatus.QUEUED
+    run.failure_reason = ""
+    run.cancel_requested = False
+    run.finished_at = run.heartbeat_at = None
+    run.save()
+    transaction.on_commit(partial(enqueue_run, run))
+    transaction.on_commit(partial(live.publish_status, run))
+    return run
+
+
+def resume_from_checkpoint(run: Run) -> bool:
+    """Whether the dispatcher starts this run's engine with --resume: it has reported a
+    checkpoint (only a run queued again by resume_run can have one when it starts)."""
+    return run.checkpoints.exists()
 
 
 # --- what workers report ------------------------------------------------------------------

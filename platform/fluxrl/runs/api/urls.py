@@ -6,6 +6,7 @@ urlpatterns = [
     path("runs/", views.RunListView.as_view(), name="run-list"),
     path("runs/<int:pk>/", views.RunDetailView.as_view(), name="run-detail"),
     path("runs/<int:pk>/cancel/", views.RunCancelView.as_view(), name="run-cancel"),
+    path("runs/<int:pk>/resume/", views.RunResumeView.as_view(), name="run-resume"),
     path("runs/<int:pk>/tokens/", views.RunTokenView.as_view(), name="run-tokens"),
     path("runs/<int:pk>/status/", views.RunStatusView.as_view(), name="run-status"),
     path("runs/<int:pk>/samples/", views.RunSamplesView.as_view(), name="run-samples"),

@@ -67,6 +67,15 @@ class RunCancelView(RunMixin, generics.GenericAPIView):
         return Response(RunStatusSerializer(services.cancel_run(self.get_object())).data)
 
 
+class RunResumeView(RunMixin, generics.GenericAPIView):
+    serializer_class = RunStatusSerializer
+
+    @extend_schema(request=None, responses={200: RunStatusSerializer},
+                   summary="Queue a failed or cancelled run again, from its newest checkpoint (409 if none)")
+    def post(self, request, pk):
+        return Response(RunStatusSerializer(services.resume_run(self.get_object())).data)
+
+
 class RunTokenView(RunMixin, generics.GenericAPIView):
     serializer_class = RunTokenSerializer
 
