@@ -24,6 +24,20 @@ def numeric_match(prompt: str, completion: str, answer: str = "", **_) -> float:
     return 1.0 if got is not None and want is not None and abs(got - want) < 1e-9 else 0.0
 
 
+def digit_match(prompt: str, completion: str, answer: str = "", **_) -> float:
+    """Partial credit for arithmetic: the share of digit places (ones, tens, ...) that
+    agree with the answer, over the longer of the two numbers; 1.0 only when exact.
+    Denser than numeric_match, so a group of samples rarely scores all alike."""
+    got, want = _last_number(completion), _last_number(str(answer))
+    if got is None or want is None:
+        return 0.0
+    if abs(got - want) < 1e-9:
+        return 1.0
+    a, b = str(int(abs(got)))[::-1], str(int(abs(want)))[::-1]
+    same = sum(x == y for x, y in zip(a, b)) * (float(got) * float(want) >= 0)
+    return 0.9 * same / max(len(a), len(b))
+
+
 def format_check(prompt: str, completion: str, pattern: str = r"^[-\d ]+$", **_) -> float:
     return 1.0 if re.fullmatch(pattern, completion.strip() or "") else 0.0
 
@@ -50,6 +64,7 @@ def countdown_check(prompt: str, completion: str, target: int | None = None, **_
 BUILTIN_REWARDS: dict[str, Callable[..., float]] = {
     "exact_match": exact_match,
     "numeric_match": numeric_match,
+    "digit_match": digit_match,
     "format_check": format_check,
     "length_penalty": length_penalty,
     "countdown_check": countdown_check,

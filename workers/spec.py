@@ -54,6 +54,8 @@ class AlgorithmSpec(_Strict):
     loss: Literal["ppo", "reinforce"] = "ppo"
     group_size: int = Field(8, ge=1)
     lr: float = Field(5e-5, gt=0)
+    warmup_steps: int = Field(10, ge=0, description="linear learning-rate warm-up: Adam's first steps "
+                              "are sign-like and move every weight by the full lr, a jolt that costs reward")
     clip: float = Field(0.2, gt=0)
     kl_coef: float = Field(0.0, ge=0)
     behav_weight_cap: float = Field(5.0, gt=0)

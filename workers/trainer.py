@@ -78,7 +78,10 @@ class Trainer:
             "bf16": {"enabled": spec.model.dtype == "bfloat16"},
             "steps_per_print": 10**9,
         }
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        warmup = algo.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                                    lr_scheduler=scheduler)
         self.version = 0
         self.temperature = max(spec.rollout.temperature, 1e-5)
 

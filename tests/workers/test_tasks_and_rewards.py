@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from workers.rewards import BUILTIN_REWARDS, countdown_check, numeric_match
+from workers.rewards import BUILTIN_REWARDS, countdown_check, digit_match, numeric_match
 from workers.tasks import DatasetError, gen_chain, generate, load_rows
 
 
@@ -36,6 +36,16 @@ def test_numeric_match_reads_the_last_number():
     assert numeric_match("", "5 9 13", answer="5 9 12") == 0.0
     assert numeric_match("", "no number", answer="3") == 0.0
     assert set(BUILTIN_REWARDS) >= {"exact_match", "numeric_match", "format_check", "length_penalty"}
+
+
+def test_digit_match_gives_partial_credit_per_digit_place_and_full_credit_only_when_exact():
+    assert digit_match("", "68", answer="68") == 1.0
+    assert digit_match("", "58", answer="68") == pytest.approx(0.45)  # ones right, tens wrong
+    assert digit_match("", "168", answer="68") == pytest.approx(0.6)  # 2 of 3 places
+    assert digit_match("", "6", answer="68") == 0.0  # places align from the ones
+    assert digit_match("", "-68", answer="68") == 0.0
+    assert digit_match("", "none", answer="68") == 0.0
+    assert "digit_match" in BUILTIN_REWARDS
 
 
 def test_load_rows_splits_held_out_prompts_from_training(tmp_path):
