@@ -1,7 +1,7 @@
 """Ablation of the long-tail techniques (StreamRL, RLHFuse) on the long-tailed chain
 task: the same spec with each technique off/on, one after another in one invocation.
 
-    .venv/bin/python bench/ablation.py [--steps 20]
+    .venv/bin/python bench/ablation.py [--steps 20] [--rounds 3]
 
 Every configuration runs with ``max_num_seqs: 16`` (fewer sequences than a step's 64
 samples), so requests queue in the engine as on a loaded GPU and dispatch order matters.
@@ -15,9 +15,10 @@ import json
 import tempfile
 from pathlib import Path
 
-from sync_vs_async import BASE, ROOT, merged, run
+from sync_vs_async import BASE, ROOT, interleaved, median_run, merged, run
 
-QUEUED = merged(BASE, {"rollout": {"max_num_seqs": 16}})
+# Throughput only: no held-out evaluation before and after (it is not timed, but costs minutes).
+QUEUED = merged(BASE, {"rollout": {"max_num_seqs": 16}, "eval": {"prompts": 0}})
 CONFIGS = {
     "sync (plain: barrier scoring, fifo)": {"schedule": {"mode": "sync"}, "rollout": {"fused_scoring": False}},
     "sync + fused scoring": {"schedule": {"mode": "sync"}},
@@ -32,18 +33,22 @@ CONFIGS = {
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=1, help="interleaved repetitions; the median run is reported")
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "ablation.json"))
     args = p.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for k, (name, over) in enumerate(CONFIGS.items()):
-            print(f"running {name} ({args.steps} steps)...", flush=True)
-            results.append({"config": name, **run(f"ablation{k}", args.steps, Path(tmp), over, base=QUEUED)})
+        names = list(CONFIGS)
+        runs = interleaved(names, args.rounds, lambda name, tag: run(
+            f"ablation{names.index(name)}", args.steps, Path(tmp) / tag, CONFIGS[name], base=QUEUED))
+        results = [{"config": name, **median_run(rs)} for name, rs in runs.items()]
     base = results[0]["samples_per_s"]
-    print(f"\n{'configuration':<34} {'samples/s':>9} {'× sync':>7} {'idle gen':>9} {'idle train':>10} {'ranker ρ':>8}")
+    print(f"\n{'configuration':<34} {'samples/s':>9} {'(min–max)':>15} {'× sync':>7} {'idle gen':>9} "
+          f"{'idle train':>10} {'ranker ρ':>8}")
     for r in results:
         rho = f"{r['spearman']:.2f}" if r.get("spearman") is not None else "-"
-        print(f"{r['config']:<34} {r['samples_per_s']:>9.2f} {r['samples_per_s'] / base:>7.2f} "
+        spread = f"{r['samples_per_s_min']:.1f}–{r['samples_per_s_max']:.1f}"
+        print(f"{r['config']:<34} {r['samples_per_s']:>9.2f} {spread:>15} {r['samples_per_s'] / base:>7.2f} "
               f"{r['idle_generation']:>9.2f} {r['idle_training']:>10.2f} {rho:>8}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2))

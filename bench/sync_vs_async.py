@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -49,10 +50,31 @@ def merged(base: dict, over: dict) -> dict:
     return out
 
 
+def interleaved(names: list[str], rounds: int, one) -> dict[str, list[dict]]:
+    """Run every configuration once per round, round after round, so that load changing
+    on a shared machine hits all of them alike; ``one(name, tag)`` runs one."""
+    out: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names:
+            print(f"round {r + 1}/{rounds}: {name} (load average {os.getloadavg()[0]:.1f})...", flush=True)
+            out[name].append(one(name, f"r{r}"))
+    return out
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median throughput, plus the spread over all rounds."""
+    ordered = sorted(runs, key=lambda r: r["samples_per_s"])
+    mid = dict(ordered[len(ordered) // 2])
+    mid.update(rounds=len(runs), samples_per_s_min=ordered[0]["samples_per_s"],
+               samples_per_s_max=ordered[-1]["samples_per_s"], all_samples_per_s=[r["samples_per_s"] for r in runs])
+    return mid
+
+
 def run(mode: str, steps: int, workdir: Path, overrides: dict | None = None, base: dict = BASE) -> dict:
     """One run of ``python -m workers run`` with ``base`` + ``overrides`` (default: MODES[mode])."""
     over = MODES[mode] if overrides is None else overrides
     spec = merged(merged(base, over), {"name": f"bench-{mode}", "stop": {"max_steps": steps}})
+    workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / f"{mode}.yaml"
     path.write_text(yaml.safe_dump(spec))
     out = workdir / mode
@@ -80,13 +102,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--modes", default="sync,keep,interrupt,drain")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved repetitions; the median run is reported")
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "sync_vs_async.json"))
     args = p.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in args.modes.split(","):
-            print(f"running {mode} ({args.steps} steps)...", flush=True)
-            results.append(run(mode, args.steps, Path(tmp)))
+        runs = interleaved(args.modes.split(","), args.rounds,
+                           lambda mode, tag: run(mode, args.steps, Path(tmp) / tag))
+        results = [median_run(rs) for rs in runs.values()]
     base = next((r for r in results if r["mode"] == "sync"), results[0])
     print()
     print(f"{'mode':<10} {'samples/s':>9} {'× sync':>7} {'acc before→after':>17} {'stale':>6} "
