@@ -9,8 +9,6 @@ default 14, flushed first), so a worker on the developer's queues never sees the
 import asyncio
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ from fluxrl.accounts.models import Membership, Role, Team
 from fluxrl.accounts.services import create_api_token
 from fluxrl.metrics.models import MetricPoint
 from fluxrl.runs.models import Run
+from tests.platform.servers import free_port, start, stop, wait_until
 from workers.client import FluxClient
 
 psutil = pytest.importorskip("psutil")
@@ -51,39 +50,6 @@ schedule: {mode: async, max_staleness: 2, batch_prompts: 4}
 stop: {max_steps: 4, max_minutes: 5}
 eval: {every_steps: 0, prompts: 20}
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(check, timeout: float, what: str, every: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(every)
-
-
-def start(command: list[str], env: dict, log_path: Path) -> subprocess.Popen:
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(wait)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 @pytest.fixture(scope="module")
