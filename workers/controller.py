@@ -79,6 +79,10 @@ class RunResult:
         return self.trained_samples / self.seconds if self.seconds else 0.0
 
 
+class TrainerError(RuntimeError):
+    """The trainer raised: the run fails (exit code 1, status failed) with this as its reason."""
+
+
 def _percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -208,6 +212,8 @@ class Controller:
         t0 = time.perf_counter()
         try:
             return await asyncio.to_thread(fn, *args)
+        except Exception as exc:  # not a bad-input exit (2) even if it is a ValueError
+            raise TrainerError(f"the trainer failed: {type(exc).__name__}: {exc}") from exc
         finally:
             self.trainer_busy_s += time.perf_counter() - t0
 
