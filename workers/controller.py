@@ -30,8 +30,8 @@ from .checkpoint import CheckpointInfo, save_checkpoint
 from .length_ranker import LengthRanker
 from .report import Reporter
 from .reward_service import RewardService
-from .rollout import Completion, RolloutEngine, configure_cpu_environment
-from .scheduling import plan_dispatch
+from .rollout import Completion, RolloutEngine, configure_cpu_environment, continue_on
+from .scheduling import plan_dispatch, plan_tail_migration
 from .spec import RunSpec
 from .staleness import StalenessGate
 from .tasks import load_rows
@@ -115,6 +115,7 @@ class Controller:
         self.resume = resume  # a checkpoint to continue from (workers/checkpoint.py)
         self.on_checkpoint = on_checkpoint  # called (step, version, path) after each save
         self._first_step = 1
+        self.migrations = 0  # sequences moved to another engine (rollout.migrate_tail)
         self._seconds_before = 0.0  # training time before the resumed checkpoint
         self._gen_busy_before = 0.0
 
@@ -181,7 +182,29 @@ class Controller:
         return [(rows[i], self.engines[e], predicted[i]) for i, e in plan]
 
     async def _generate(self, engine: RolloutEngine, row: dict, temperature: float) -> Completion:
-        return await engine.generate(encode(row["prompt"]), self.spec.rollout.max_tokens, temperature)
+        comp = await engine.generate(encode(row["prompt"]), self.spec.rollout.max_tokens, temperature)
+        while comp.finish_reason == "handed_off":  # migrated: finish it on the idlest other engine
+            others = [e for e in self.engines if e.index != comp.engine and not getattr(e, "dead", False)] or [engine]
+            target = min(others, key=lambda e: len(e.active))
+            comp = await continue_on(target, comp, self.spec.rollout.max_tokens, temperature)
+        return comp
+
+    async def _migrate_tail(self) -> None:
+        """During a synchronous step's generation: when few requests remain, move some
+        from the busiest engine to the idlest (``rollout.migrate_tail``)."""
+        tail = self.spec.rollout.migrate_tail
+        while True:
+            plan = plan_tail_migration([len(e.active) for e in self.engines], tail)
+            if plan is not None:
+                src, dst, count = plan
+                self.migrations += await self.engines[src].hand_off(count)
+                await asyncio.sleep(0.1)  # let the moved requests land before looking again
+            await asyncio.sleep(0.02)
+
+    def _tail_migrator(self) -> Optional[asyncio.Task]:
+        if self.spec.rollout.migrate_tail and len(self.engines) > 1:
+            return asyncio.create_task(self._migrate_tail())
+        return None
 
     async def _score(self, row: dict, comp: Completion) -> Sample:
         text = decode([t for t in comp.token_ids if t != EOS_ID])
@@ -378,6 +401,7 @@ class Controller:
             "lengths/p99": _percentile(lengths, 0.99),
             "queue/depth": self.ready.qsize() if hasattr(self, "ready") else 0,
             "version/current": self.trainer.version,
+            "rollout/migrations": self.migrations,
         })
         # A few samples for the run page; a sequence spanning an update first.
         shown = sorted(samples, key=lambda s: (-len(s.completion.versions.runs), -s.completion.length))[:4]
@@ -425,8 +449,13 @@ class Controller:
                 await self._checkpoint(step, t_start, [])
                 continue
             fused = spec.rollout.fused_scoring
-            groups = await asyncio.gather(*(self._group(row, i, version, engine, pred, score=fused)
-                                            for i, (row, engine, pred) in enumerate(plan)))
+            migrator = self._tail_migrator()
+            try:
+                groups = await asyncio.gather(*(self._group(row, i, version, engine, pred, score=fused)
+                                                for i, (row, engine, pred) in enumerate(plan)))
+            finally:
+                if migrator is not None:
+                    migrator.cancel()
             if not fused:  # the barrier: score everything once generation is over
                 for g in groups:
                     row = plan[g.index][0]
@@ -441,11 +470,15 @@ class Controller:
         await self._in_trainer(self.trainer.begin_step)
         tasks = [asyncio.create_task(self._group(row, i, version, engine, pred))
                  for i, (row, engine, pred) in enumerate(plan)]
-        groups = []
-        for next_done in asyncio.as_completed(tasks):
-            group = await next_done
-            groups.append(group)
-            await self._in_trainer(self.trainer.accumulate, self._train_samples(group))
+        groups, migrator = [], self._tail_migrator()
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                group = await next_done
+                groups.append(group)
+                await self._in_trainer(self.trainer.accumulate, self._train_samples(group))
+        finally:
+            if migrator is not None:
+                migrator.cancel()
         n = sum(len(g.samples) for g in groups)
         stats = await self._in_trainer(self.trainer.finish_step, n, True)
         await self._train_on(sorted(groups, key=lambda g: g.index), step, t_start, stats=stats)

@@ -60,6 +60,20 @@ class Completion:
         return len(self.token_ids)
 
 
+async def continue_on(engine: "RolloutEngine", done: Completion, max_tokens: int, temperature: float,
+                      ignore_eos: bool = False) -> Completion:
+    """Finish on ``engine`` a sequence another engine handed off: prompt + tokens so far
+    as the new prompt, the remaining budget, and one completion stitched together."""
+    rest = await engine.generate(done.prompt_ids + done.token_ids, max_tokens - done.length, temperature,
+                                 ignore_eos=ignore_eos)
+    track = VersionTrack()
+    for version, n in done.versions.runs + rest.versions.runs:
+        track.add(version, n)
+    return Completion(done.prompt_ids, done.token_ids + rest.token_ids, done.logprobs + rest.logprobs, track,
+                      rest.finish_reason, done.start_version, done.started_at, rest.finished_at,
+                      done.resubmits + rest.resubmits + 1, rest.engine)
+
+
 @dataclass
 class UpdateTiming:
     version: int
@@ -94,6 +108,7 @@ class RolloutEngine:
         self._resume = asyncio.Event()
         self._resume.set()
         self._interrupted: set[str] = set()
+        self._handed_off: set[str] = set()  # aborted to be continued on another engine
         self._gap_ema: Optional[float] = None
         self._pending_stall: Optional[tuple[UpdateTiming, float, dict[str, float]]] = None
 
@@ -169,12 +184,26 @@ class RolloutEngine:
                     self.busy_s += time.perf_counter() - self._busy_since
                     self._busy_since = None
             extend_track(track, spans, len(tokens), self.version)
+            if rid in self._handed_off:
+                self._handed_off.discard(rid)
+                if finish != "stop" and len(tokens) < max_tokens:  # not already done by itself
+                    return Completion(prompt_ids, tokens, logprobs, track, "handed_off", start_version, started,
+                                      time.time(), resubmits, self.index)
             if rid in self._interrupted and len(tokens) < max_tokens:
                 self._interrupted.discard(rid)
                 resubmits += 1
                 continue  # resume from prompt + tokens so far under the new weights
             return Completion(prompt_ids, tokens, logprobs, track, finish, start_version, started, time.time(),
                               resubmits, self.index)
+
+    async def hand_off(self, count: int) -> int:
+        """Abort up to ``count`` running requests so their callers continue them on
+        another engine (see ``continue_on``); the most recently started go first."""
+        victims = list(self.active)[-count:] if count > 0 else []
+        self._handed_off.update(victims)
+        if victims:
+            await self.engine.abort(victims)
+        return len(victims)
 
     # -- weight updates ------------------------------------------------------------
     async def update_weights(self, blob: bytes, version: int) -> UpdateTiming:

@@ -80,3 +80,18 @@ class EngineLoads:
     def finish(self, engine: int, predicted_tokens: float) -> None:
         self.tokens[engine] -= predicted_tokens
         self.groups[engine] -= 1
+
+
+def plan_tail_migration(running: Sequence[int], tail: int) -> tuple[int, int, int] | None:
+    """RLHFuse's long-tail migration, as a balancing rule: once at most ``tail`` requests
+    are still running across the engines, and the busiest engine runs at least two more
+    than the idlest, move half the difference from the busiest to the idlest (a decode
+    step is cheaper per sequence with fewer sequences in it, and an idle engine's share
+    of the machine is wasted). Returns (from, to, how many) or None."""
+    total = sum(running)
+    if len(running) < 2 or total == 0 or total > tail:
+        return None
+    src = max(range(len(running)), key=lambda i: (running[i], -i))
+    dst = min(range(len(running)), key=lambda i: (running[i], i))
+    moved = (running[src] - running[dst]) // 2
+    return (src, dst, moved) if moved >= 1 else None

@@ -77,6 +77,8 @@ class RolloutSpec(_Strict):
     # score each sample the moment it finishes, overlapped with generation (RLHFuse's
     # inter-stage fusion); off = score the whole batch after generation, at a barrier
     fused_scoring: bool = True
+    migrate_tail: int = Field(0, ge=0, description="sync mode with 2+ engines: once this few requests remain, "
+                              "move some from the busiest engine to the idlest (RLHFuse); 0 = off")
     kv_cache_gb: float = Field(1.0, gt=0)
 
 

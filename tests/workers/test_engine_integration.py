@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from workers.rollout import RolloutEngine, configure_cpu_environment
+from workers.rollout import RolloutEngine, configure_cpu_environment, continue_on
 from workers.tinymodel import encode
 from workers.weight_sync import serialize_state_dict, tensors_checksum
 
@@ -126,3 +126,46 @@ def test_trainer_and_engine_weights_match_after_a_training_step(loop, engine, ti
     assert loop.run_until_complete(engine.weights_checksum()) == tensors_checksum(
         {k: v for k, v in state.items()})
     assert loop.run_until_complete(_logprob_gap(engine, trainer.engine.module)) < 1e-3
+
+
+def test_a_handed_off_request_finishes_on_another_engine_with_its_prefix_and_budget(loop, engine, tiny_model_path, hf_model):
+    other = RolloutEngine(tiny_model_path, index=1, update_mode="keep", max_model_len=256)
+    loop.run_until_complete(other.start())
+    try:
+        # both engines hold the same weights (the model's)
+        blob = serialize_state_dict(hf_model.state_dict())
+        version = engine.version + 1
+        loop.run_until_complete(engine.update_weights(blob, version))
+        loop.run_until_complete(other.update_weights(blob, version))
+
+        async def six_then_hand_off_three():
+            tasks = [asyncio.create_task(engine.generate(encode(f"{i}+{i}="), 90, 1.0, ignore_eos=True)) for i in range(6)]
+            while engine.generated_tokens < start + 6 * 15:
+                await asyncio.sleep(0.02)
+            moved = await engine.hand_off(3)
+            done = await asyncio.gather(*tasks)
+            return moved, done, await asyncio.gather(*(continue_on(other, c, 90, 1.0, ignore_eos=True) if c.finish_reason == "handed_off"
+                                                       else asyncio.sleep(0, c) for c in done))
+
+        start = engine.generated_tokens
+        moved, partial, final = loop.run_until_complete(six_then_hand_off_three())
+        assert moved == 3
+        handed = [c for c in partial if c.finish_reason == "handed_off"]
+        assert len(handed) == 3 and all(0 < c.length < 90 for c in handed)
+        assert all(c.length == 90 and len(c.logprobs) == 90 and c.versions.tokens == 90 for c in final)
+        moved_on = [f for p, f in zip(partial, final) if p.finish_reason == "handed_off"]
+        assert all(f.engine == 1 and f.resubmits == 1 for f in moved_on)
+        for p, f in zip(partial, final):
+            assert f.token_ids[: p.length] == p.token_ids  # the prefix is kept
+        # the continued tokens were sampled from the same policy: their log-probs are the model's
+        gap = max(abs(a - b) for f in moved_on for a, b in zip(_model_logprobs(hf_model, f), f.logprobs))
+        assert gap < 1e-3
+    finally:
+        other.shutdown()
+
+
+def _model_logprobs(model, comp):
+    with torch.no_grad():
+        logits = model(torch.tensor([comp.prompt_ids + comp.token_ids])).logits[0].float().log_softmax(-1)
+    n = len(comp.prompt_ids)
+    return [logits[n - 1 + i, t].item() for i, t in enumerate(comp.token_ids)]

@@ -1,7 +1,7 @@
 """Dispatch policies: exact orders and engine assignments."""
 import pytest
 
-from workers.scheduling import EngineLoads, dispatch_order, least_loaded, plan_dispatch
+from workers.scheduling import EngineLoads, dispatch_order, least_loaded, plan_dispatch, plan_tail_migration
 
 PREDICTED = [5, 40, 10, 40, 2, 20]
 
@@ -69,3 +69,12 @@ def test_engine_loads_pick_by_tokens_for_longest_first_and_by_groups_otherwise()
     assert loads.pick("longest_first") == 1 and loads.pick("fifo") == 0
     loads.finish(0, 100.0)
     assert loads.tokens == [0.0, 20.0] and loads.groups == [0, 2]
+
+
+def test_tail_migration_moves_half_the_gap_once_few_requests_remain():
+    assert plan_tail_migration([6, 0], tail=8) == (0, 1, 3)
+    assert plan_tail_migration([1, 7, 2], tail=10) == (1, 0, 3)  # busiest → idlest
+    assert plan_tail_migration([5, 4], tail=10) is None  # balanced enough
+    assert plan_tail_migration([20, 0], tail=8) is None  # not the tail yet
+    assert plan_tail_migration([0, 0], tail=8) is None
+    assert plan_tail_migration([6], tail=8) is None  # nowhere to go
