@@ -64,7 +64,7 @@ def interleaved(names: list[str], rounds: int, one) -> dict[str, list[dict]]:
 def median_run(runs: list[dict]) -> dict:
     """The run with the median throughput, plus the spread over all rounds."""
     ordered = sorted(runs, key=lambda r: r["samples_per_s"])
-    mid = dict(ordered[len(ordered) // 2])
+    mid = dict(ordered[(len(ordered) - 1) // 2])  # the lower middle for an even count
     mid.update(rounds=len(runs), samples_per_s_min=ordered[0]["samples_per_s"],
                samples_per_s_max=ordered[-1]["samples_per_s"], all_samples_per_s=[r["samples_per_s"] for r in runs])
     return mid
