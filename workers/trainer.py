@@ -32,10 +32,13 @@ def _init_distributed() -> None:
 
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)
-    if "MASTER_PORT" not in os.environ:
+    if "MASTER_PORT" not in os.environ or os.environ["WORLD_SIZE"] == "1":
+        # A single process is its own rendezvous: take a free port, even over an inherited
+        # MASTER_PORT — a parent that trained in-process still listens on that one
+        # (EADDRINUSE), and several runs share a machine.
         import socket
 
-        with socket.socket() as s:  # a free port, so several runs can share a machine
+        with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     backend = "nccl" if torch.cuda.is_available() else "gloo"
