@@ -118,6 +118,14 @@ class Controller:
         self.migrations = 0  # sequences moved to another engine (rollout.migrate_tail)
         self._seconds_before = 0.0  # training time before the resumed checkpoint
         self._gen_busy_before = 0.0
+        # Rollout engines whose core process dies are taken out of service (their requests
+        # continue on a live engine) and restarted in the background with the current weights.
+        self.engine_deaths = 0
+        self._restarts: dict[int, asyncio.Task] = {}  # engine index -> its restart
+        self._dead: list[RolloutEngine] = []
+        self._retired_tokens, self._retired_busy = 0, 0.0  # counters of dead engines
+        self._latest_blob: Optional[bytes] = None  # the weights the engines hold (for a restart)
+        self._latest_version = 0
 
     # -- set-up -------------------------------------------------------------------
     def _cpu_split(self) -> tuple[Optional[str], Optional[int]]:
@@ -152,19 +160,26 @@ class Controller:
         self.engines = [
             RolloutEngine(spec.model.path, index=i, update_mode=spec.rollout.update_mode,
                           max_model_len=longest + spec.rollout.max_tokens + 8, max_num_seqs=spec.rollout.max_num_seqs,
-                          dtype=spec.model.dtype, seed=spec.seed + i)
+                          dtype=spec.model.dtype, seed=spec.seed + i, rpc_timeout_s=spec.rollout.rpc_timeout_s)
             for i in range(spec.rollout.engines)
         ]
         for engine in self.engines:  # one at a time: start-up is CPU-heavy
             # warm_blob is the first update: on resume, the checkpoint's weights and version
             await engine.start(warm_blob=blob, version=self.trainer.version)
             self._load[engine.index] = 0.0
+        self._latest_blob, self._latest_version = blob, self.trainer.version
         if self.resume is not None:
             await self._note_resume(blob)
 
     async def close(self) -> None:
-        for engine in self.engines:
-            engine.shutdown()
+        for task in self._restarts.values():
+            task.cancel()
+        await asyncio.gather(*self._restarts.values(), return_exceptions=True)
+        for engine in self.engines + self._dead:
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - a dead engine may fail to
+                pass
         if hasattr(self, "rewards"):
             self.rewards.close()
 
@@ -183,11 +198,82 @@ class Controller:
 
     async def _generate(self, engine: RolloutEngine, row: dict, temperature: float) -> Completion:
         comp = await engine.generate(encode(row["prompt"]), self.spec.rollout.max_tokens, temperature)
-        while comp.finish_reason == "handed_off":  # migrated: finish it on the idlest other engine
-            others = [e for e in self.engines if e.index != comp.engine and not getattr(e, "dead", False)] or [engine]
-            target = min(others, key=lambda e: len(e.active))
+        while comp.finish_reason in ("handed_off", "engine_died"):
+            # migrated, or its engine died: finish it from its prefix on the idlest other live engine
+            source = engine if comp.finish_reason == "handed_off" else None
+            if comp.finish_reason == "engine_died":
+                dead = next((e for e in self.engines + self._dead if e.index == comp.engine and e.dead), None)
+                if dead is not None:
+                    self._retire(dead, "its requests continue on the other engine(s)")
+            target = await self._live_engine(exclude=comp.engine, fallback=source)
             comp = await continue_on(target, comp, self.spec.rollout.max_tokens, temperature)
         return comp
+
+    # -- rollout engines that die -----------------------------------------------------
+    async def _live_engine(self, exclude: Optional[int] = None,
+                           fallback: Optional[RolloutEngine] = None) -> RolloutEngine:
+        """The idlest live engine other than ``exclude`` (else ``fallback``, else any live
+        one), waiting for a restart when none is left; raises when every engine is dead
+        for good."""
+        while True:
+            live = [e for e in self.engines if not e.dead]
+            others = [e for e in live if e.index != exclude]
+            pool = others or ([fallback] if fallback is not None and not fallback.dead else live)
+            if pool:
+                return min(pool, key=lambda e: len(e.active))
+            restarting = [t for t in self._restarts.values() if not t.done()]
+            if not restarting:
+                raise RuntimeError("every rollout engine died and none could be restarted")
+            await asyncio.wait(restarting)
+
+    def _retire(self, engine: RolloutEngine, why: str) -> None:
+        """Take a dead engine out of service (once) and start its replacement."""
+        if engine not in self.engines:
+            return
+        self.engines.remove(engine)
+        self.engine_deaths += 1
+        self._retired_tokens += engine.generated_tokens
+        self._retired_busy += engine.busy_s + (time.perf_counter() - engine._busy_since
+                                               if engine._busy_since is not None else 0.0)
+        engine._busy_since = None
+        print(f"warning: rollout engine {engine.index} died (EngineDeadError: its core process exited); {why}; "
+              f"{len(self.engines)} engine(s) live", file=sys.stderr)
+        self._dead.append(engine)  # shut down at close
+        if self.spec.rollout.restart_dead_engines:
+            self._restarts[engine.index] = asyncio.create_task(self._restart(engine))
+
+    async def _restart(self, dead: RolloutEngine) -> None:
+        """A new engine in the dead one's place, holding the current weights; if it cannot
+        start, the run goes on with the engines left."""
+        new = dead.twin()
+        try:
+            await new.start(warm_blob=self._latest_blob, version=self._latest_version, in_thread=True)
+            while new.version != self._latest_version:  # weights were pushed while it started
+                await new.update_weights(self._latest_blob, self._latest_version)
+        except Exception as exc:  # noqa: BLE001
+            try:
+                new.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+            print(f"warning: could not restart rollout engine {dead.index} ({type(exc).__name__}: {exc}); "
+                  f"going on with {len(self.engines)} engine(s)", file=sys.stderr)
+            return
+        except BaseException:
+            new.shutdown()
+            raise
+        self.engines.append(new)
+        self._load.setdefault(new.index, 0.0)
+        print(f"rollout engine {new.index} restarted with policy version {new.version}", file=sys.stderr)
+
+    async def _update(self, engine: RolloutEngine, blob: bytes, version: int):
+        """Push weights to one engine; None if it died (it is retired and replaced)."""
+        try:
+            return await engine.update_weights(blob, version)
+        except Exception:
+            if not engine.dead:
+                raise
+            self._retire(engine, "weight updates skip it")
+            return None
 
     async def _migrate_tail(self) -> None:
         """During a synchronous step's generation: when few requests remain, move some
@@ -346,7 +432,8 @@ class Controller:
         """Greedy accuracy (mean reward) on the held-out rows."""
         if not self.eval_rows:
             return float("nan")
-        engines = self.engines
+        await self._live_engine()  # waits for a restart if every engine is dead
+        engines = [e for e in self.engines if not e.dead]
         samples = await asyncio.gather(*(self._sample(engines[i % len(engines)], r, 0.0)
                                          for i, r in enumerate(self.eval_rows)))
         accuracy = sum(s.reward for s in samples) / len(samples)
@@ -367,7 +454,10 @@ class Controller:
             batch = [t for g in groups for t in self._train_samples(g)]
             stats = await self._in_trainer(self.trainer.train_step, batch)
         blob = await asyncio.to_thread(serialize_state_dict, self.trainer.state_dict())
-        timings = await asyncio.gather(*(e.update_weights(blob, self.trainer.version) for e in self.engines))
+        # Set first: an engine restarting meanwhile loads these before it joins.
+        self._latest_blob, self._latest_version = blob, self.trainer.version
+        timings = [t for t in await asyncio.gather(*(self._update(e, blob, self.trainer.version)
+                                                     for e in list(self.engines))) if t is not None]
         self.gate.advance(self.trainer.version)
 
         r = self.result
@@ -388,12 +478,14 @@ class Controller:
             "reward/errors": sum(1 for s in samples if s.error),
             "throughput/samples_per_s": r.trained_samples / elapsed,
             "throughput/tokens_per_s": r.trained_tokens / elapsed,
-            "rollout/gen_tokens_per_s": sum(e.generated_tokens for e in self.engines) / elapsed,
+            "rollout/gen_tokens_per_s": (self._retired_tokens + sum(e.generated_tokens for e in self.engines)) / elapsed,
+            "rollout/engines_live": len(self.engines),
+            "rollout/engine_deaths": self.engine_deaths,
             "staleness/mean": sum(staleness) / len(staleness),
             "staleness/max": max(staleness),
             **hist,
-            "weights/sync_ms": max(t.sync_ms for t in timings),
-            "weights/load_ms": max(t.load_ms for t in timings),
+            **({"weights/sync_ms": max(t.sync_ms for t in timings),
+                "weights/load_ms": max(t.load_ms for t in timings)} if timings else {}),
             **self.ranker.metrics(),
             "idle/generation": self._idle_generation(elapsed),
             "idle/training": 1.0 - min(1.0, self.trainer_busy_s / elapsed),
@@ -418,11 +510,12 @@ class Controller:
 
     def _gen_busy(self) -> float:
         now = time.perf_counter()
-        return sum(e.busy_s + (now - e._busy_since if e._busy_since is not None else 0.0) for e in self.engines)
+        return self._retired_busy + sum(e.busy_s + (now - e._busy_since if e._busy_since is not None else 0.0)
+                                        for e in self.engines)
 
     def _idle_generation(self, elapsed: float) -> float:
         busy = self._gen_busy()
-        return 1.0 - min(1.0, (busy - self._busy_before) / (elapsed * len(self.engines)))
+        return 1.0 - min(1.0, (busy - self._busy_before) / (elapsed * max(1, len(self.engines))))
 
     def _collect_stalls(self) -> None:
         for e in self.engines:
@@ -442,6 +535,7 @@ class Controller:
         for step in range(self._first_step, spec.stop.max_steps + 1):
             if self._out_of_time(t_start):
                 break
+            await self._live_engine()  # every engine dead: wait for a restart (or fail)
             plan = self._plan([next(rows) for _ in range(spec.schedule.batch_prompts)])
             version = self.trainer.version
             if spec.schedule.stream_train:
@@ -512,6 +606,12 @@ class Controller:
                 if free > 0:
                     while len(waiting) < free + spec.schedule.batch_prompts:
                         waiting.append(next(rows))
+                    try:
+                        await self._live_engine()  # every engine dead: wait for a restart
+                    except RuntimeError as exc:
+                        self._failure = self._failure or exc
+                        self.stop.set()
+                        return
                     plan = self._plan(list(waiting))[:free]
                     for row, engine, predicted in plan:
                         waiting.remove(row)

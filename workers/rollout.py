@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
 import statistics
 import time
@@ -93,10 +94,19 @@ def configure_cpu_environment(threads_bind: Optional[str], kv_cache_gb: float) -
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+class EngineDied(RuntimeError):
+    """The engine's core process died while a call to it was pending."""
+
+
+class EngineRPCTimeout(RuntimeError):
+    """The engine did not answer a call in time (wedged)."""
+
+
 class RolloutEngine:
     def __init__(self, model_path: str, *, index: int = 0, update_mode: str = "keep", max_model_len: int = 256,
-                 max_num_seqs: int = 256, dtype: str = "float32", seed: int = 0):
+                 max_num_seqs: int = 256, dtype: str = "float32", seed: int = 0, rpc_timeout_s: float = 60.0):
         self.model_path, self.index, self.update_mode = model_path, index, update_mode
+        self.rpc_timeout_s = rpc_timeout_s
         self.max_model_len, self.max_num_seqs, self.dtype, self.seed = max_model_len, max_num_seqs, dtype, seed
         self.engine = None
         self.version = 0
@@ -113,9 +123,10 @@ class RolloutEngine:
         self._pending_stall: Optional[tuple[UpdateTiming, float, dict[str, float]]] = None
 
     # -- lifecycle ---------------------------------------------------------------
-    async def start(self, warm_blob: Optional[bytes] = None, version: int = 0) -> None:
+    async def start(self, warm_blob: Optional[bytes] = None, version: int = 0, in_thread: bool = False) -> None:
         """Start the engine; ``warm_blob`` is loaded as its first weight update, labelled
-        ``version`` (a resumed run's checkpoint)."""
+        ``version`` (a resumed run's checkpoint). ``in_thread``: build the engine off the
+        event loop (a restart while the run goes on; building waits ~20 s for the core)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -131,7 +142,16 @@ class RolloutEngine:
             enable_prefix_caching=False,
             distributed_executor_backend="uni",
         )
-        self.engine = AsyncLLM.from_engine_args(args)
+        if in_thread:
+            building = asyncio.ensure_future(asyncio.to_thread(AsyncLLM.from_engine_args, args))
+            try:
+                self.engine = await asyncio.shield(building)
+            except asyncio.CancelledError:  # the thread builds on: shut what it builds down
+                self.engine = await building
+                self.shutdown()
+                raise
+        else:
+            self.engine = AsyncLLM.from_engine_args(args)
         await self.engine.engine_core.set_weight_version_async("0")
         # The first weight load and the first steps of a process are slow (warm-up): pay them now.
         await self.generate([1, 5], max_tokens=4, temperature=1.0)
@@ -145,6 +165,45 @@ class RolloutEngine:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+    @property
+    def dead(self) -> bool:
+        """Its engine core process died (vLLM then raises EngineDeadError for new calls)."""
+        return self.engine is None or bool(getattr(self.engine, "errored", False))
+
+    def core_pids(self) -> list[int]:
+        """Pids of the engine core processes (one with the uni executor)."""
+        resources = getattr(getattr(self.engine, "engine_core", None), "resources", None)
+        manager = getattr(resources, "engine_manager", None)
+        return [proc.pid for proc in getattr(manager, "processes", [])]
+
+    def twin(self) -> "RolloutEngine":
+        """A new, unstarted engine like this one (to replace it when it died)."""
+        return RolloutEngine(self.model_path, index=self.index, update_mode=self.update_mode,
+                             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs, dtype=self.dtype,
+                             seed=self.seed, rpc_timeout_s=self.rpc_timeout_s)
+
+    async def _call(self, what: str, aw, timed: bool = True):
+        """Await an engine call, failing with ``EngineDied`` once the engine is dead and with
+        ``EngineRPCTimeout`` after ``rpc_timeout_s``. vLLM (0.32, AsyncMPClient) never
+        resolves a utility call that is pending when the core process dies: the future
+        stays in ``utility_results`` forever, so without this a weight update hangs."""
+        task = asyncio.ensure_future(aw)
+        deadline = time.monotonic() + (self.rpc_timeout_s if timed else math.inf)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=max(0.0, min(0.05, deadline - time.monotonic())))
+                if done:
+                    return task.result()
+                if self.dead:
+                    raise EngineDied(f"rollout engine {self.index} died during {what}")
+                if time.monotonic() >= deadline:
+                    raise EngineRPCTimeout(f"rollout engine {self.index} did not answer {what} within "
+                                           f"{self.rpc_timeout_s:g} s (rollout.rpc_timeout_s); it looks wedged")
+        finally:
+            if not task.done():
+                task.cancel()
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
 
     # -- generation ----------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float,
@@ -169,6 +228,7 @@ class RolloutEngine:
                 self._busy_since = time.perf_counter()
             self.active[rid] = time.perf_counter()
             spans = None
+            died = False
             try:
                 async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids + tokens), params, request_id=rid):
                     c = out.outputs[0]
@@ -178,12 +238,21 @@ class RolloutEngine:
                     self._note_output(rid)
                     if c.finish_reason is not None:
                         finish, spans = c.finish_reason, c.weight_versions
+            except Exception:
+                if not self.dead:
+                    raise
+                died = True  # the tokens so far are good: the caller continues them elsewhere
             finally:
                 self.active.pop(rid, None)
                 if not self.active and self._busy_since is not None:
                     self.busy_s += time.perf_counter() - self._busy_since
                     self._busy_since = None
             extend_track(track, spans, len(tokens), self.version)
+            if died and len(tokens) < max_tokens:
+                self._interrupted.discard(rid)
+                self._handed_off.discard(rid)
+                return Completion(prompt_ids, tokens, logprobs, track, "engine_died", start_version, started,
+                                  time.time(), resubmits, self.index)
             if rid in self._handed_off:
                 self._handed_off.discard(rid)
                 if finish != "stop" and len(tokens) < max_tokens:  # not already done by itself
@@ -210,27 +279,29 @@ class RolloutEngine:
         core = self.engine.engine_core
         t0 = time.perf_counter()
         if self.update_mode == "keep":
-            _, loaded, _, _ = await asyncio.gather(
+            _, loaded, _, _ = await self._call("a weight update", asyncio.gather(
                 core.pause_scheduler_async(mode="keep", clear_cache=False),
                 self.engine.collective_rpc("fluxrl_load_weights", args=(blob,)),
                 core.set_weight_version_async(str(version)),
                 core.resume_scheduler_async(),
-            )
+            ))
         elif self.update_mode == "interrupt":
             self._resume.clear()
             try:
                 victims = list(self.active)
                 self._interrupted.update(victims)
-                await self.engine.abort(victims)
-                loaded = await self.engine.collective_rpc("fluxrl_load_weights", args=(blob,))
-                await core.set_weight_version_async(str(version))
+                await self._call("an abort", self.engine.abort(victims))
+                loaded = await self._call("a weight load", self.engine.collective_rpc("fluxrl_load_weights",
+                                                                                        args=(blob,)))
+                await self._call("a weight version", core.set_weight_version_async(str(version)))
             finally:
                 self._resume.set()
         elif self.update_mode == "drain":
-            await core.pause_scheduler_async(mode="wait", clear_cache=False)
-            loaded = await self.engine.collective_rpc("fluxrl_load_weights", args=(blob,))
-            await core.set_weight_version_async(str(version))
-            await core.resume_scheduler_async()
+            # waits for the running requests: as long as they take, but not past a death
+            await self._call("a drain", core.pause_scheduler_async(mode="wait", clear_cache=False), timed=False)
+            loaded = await self._call("a weight load", self.engine.collective_rpc("fluxrl_load_weights", args=(blob,)))
+            await self._call("a weight version", core.set_weight_version_async(str(version)))
+            await self._call("a resume", core.resume_scheduler_async())
         else:
             raise ValueError(f"unknown update mode {self.update_mode!r}")
         self.version = version
@@ -258,4 +329,4 @@ class RolloutEngine:
         self._gap_ema = gap if self._gap_ema is None else 0.9 * self._gap_ema + 0.1 * gap
 
     async def weights_checksum(self) -> Optional[str]:
-        return (await self.engine.collective_rpc("fluxrl_loaded_checksum"))[0]
+        return (await self._call("a checksum", self.engine.collective_rpc("fluxrl_loaded_checksum")))[0]

@@ -80,6 +80,11 @@ class RolloutSpec(_Strict):
     migrate_tail: int = Field(0, ge=0, description="sync mode with 2+ engines: once this few requests remain, "
                               "move some from the busiest engine to the idlest (RLHFuse); 0 = off")
     kv_cache_gb: float = Field(1.0, gt=0)
+    rpc_timeout_s: float = Field(60.0, gt=0, description="a weight update an engine has not acknowledged after this "
+                                 "long fails the run (a wedged engine) instead of hanging it")
+    restart_dead_engines: bool = Field(False, description="experimental: restart a rollout engine whose process "
+                                       "died, with the current weights (its test hung: see issue #7); off = the run "
+                                       "goes on with the engines left")
 
 
 class ScheduleSpec(_Strict):
