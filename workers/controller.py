@@ -118,14 +118,12 @@ class Controller:
         self.migrations = 0  # sequences moved to another engine (rollout.migrate_tail)
         self._seconds_before = 0.0  # training time before the resumed checkpoint
         self._gen_busy_before = 0.0
-        # Rollout engines whose core process dies are taken out of service (their requests
-        # continue on a live engine) and restarted in the background with the current weights.
+        # Rollout engines whose core process dies are taken out of service; their requests
+        # continue on a live engine. (Restarting one in the same process is not done: a
+        # restart attempt hung, see issue #7.)
         self.engine_deaths = 0
-        self._restarts: dict[int, asyncio.Task] = {}  # engine index -> its restart
         self._dead: list[RolloutEngine] = []
         self._retired_tokens, self._retired_busy = 0, 0.0  # counters of dead engines
-        self._latest_blob: Optional[bytes] = None  # the weights the engines hold (for a restart)
-        self._latest_version = 0
 
     # -- set-up -------------------------------------------------------------------
     def _cpu_split(self) -> tuple[Optional[str], Optional[int]]:
@@ -167,14 +165,10 @@ class Controller:
             # warm_blob is the first update: on resume, the checkpoint's weights and version
             await engine.start(warm_blob=blob, version=self.trainer.version)
             self._load[engine.index] = 0.0
-        self._latest_blob, self._latest_version = blob, self.trainer.version
         if self.resume is not None:
             await self._note_resume(blob)
 
     async def close(self) -> None:
-        for task in self._restarts.values():
-            task.cancel()
-        await asyncio.gather(*self._restarts.values(), return_exceptions=True)
         for engine in self.engines + self._dead:
             try:
                 engine.shutdown()
@@ -205,29 +199,24 @@ class Controller:
                 dead = next((e for e in self.engines + self._dead if e.index == comp.engine and e.dead), None)
                 if dead is not None:
                     self._retire(dead, "its requests continue on the other engine(s)")
-            target = await self._live_engine(exclude=comp.engine, fallback=source)
+            target = self._live_engine(exclude=comp.engine, fallback=source)
             comp = await continue_on(target, comp, self.spec.rollout.max_tokens, temperature)
         return comp
 
     # -- rollout engines that die -----------------------------------------------------
-    async def _live_engine(self, exclude: Optional[int] = None,
+    def _live_engine(self, exclude: Optional[int] = None,
                            fallback: Optional[RolloutEngine] = None) -> RolloutEngine:
         """The idlest live engine other than ``exclude`` (else ``fallback``, else any live
-        one), waiting for a restart when none is left; raises when every engine is dead
-        for good."""
-        while True:
-            live = [e for e in self.engines if not e.dead]
-            others = [e for e in live if e.index != exclude]
-            pool = others or ([fallback] if fallback is not None and not fallback.dead else live)
-            if pool:
-                return min(pool, key=lambda e: len(e.active))
-            restarting = [t for t in self._restarts.values() if not t.done()]
-            if not restarting:
-                raise RuntimeError("every rollout engine died and none could be restarted")
-            await asyncio.wait(restarting)
+        one); raises when every engine is dead."""
+        live = [e for e in self.engines if not e.dead]
+        others = [e for e in live if e.index != exclude]
+        pool = others or ([fallback] if fallback is not None and not fallback.dead else live)
+        if not pool:
+            raise RuntimeError("every rollout engine died")
+        return min(pool, key=lambda e: len(e.active))
 
     def _retire(self, engine: RolloutEngine, why: str) -> None:
-        """Take a dead engine out of service (once) and start its replacement."""
+        """Take a dead engine out of service (once)."""
         if engine not in self.engines:
             return
         self.engines.remove(engine)
@@ -239,31 +228,6 @@ class Controller:
         print(f"warning: rollout engine {engine.index} died (EngineDeadError: its core process exited); {why}; "
               f"{len(self.engines)} engine(s) live", file=sys.stderr)
         self._dead.append(engine)  # shut down at close
-        if self.spec.rollout.restart_dead_engines:
-            self._restarts[engine.index] = asyncio.create_task(self._restart(engine))
-
-    async def _restart(self, dead: RolloutEngine) -> None:
-        """A new engine in the dead one's place, holding the current weights; if it cannot
-        start, the run goes on with the engines left."""
-        new = dead.twin()
-        try:
-            await new.start(warm_blob=self._latest_blob, version=self._latest_version, in_thread=True)
-            while new.version != self._latest_version:  # weights were pushed while it started
-                await new.update_weights(self._latest_blob, self._latest_version)
-        except Exception as exc:  # noqa: BLE001
-            try:
-                new.shutdown()
-            except Exception:  # noqa: BLE001
-                pass
-            print(f"warning: could not restart rollout engine {dead.index} ({type(exc).__name__}: {exc}); "
-                  f"going on with {len(self.engines)} engine(s)", file=sys.stderr)
-            return
-        except BaseException:
-            new.shutdown()
-            raise
-        self.engines.append(new)
-        self._load.setdefault(new.index, 0.0)
-        print(f"rollout engine {new.index} restarted with policy version {new.version}", file=sys.stderr)
 
     async def _update(self, engine: RolloutEngine, blob: bytes, version: int):
         """Push weights to one engine; None if it died (it is retired and replaced)."""
@@ -432,7 +396,7 @@ class Controller:
         """Greedy accuracy (mean reward) on the held-out rows."""
         if not self.eval_rows:
             return float("nan")
-        await self._live_engine()  # waits for a restart if every engine is dead
+        self._live_engine()  # fails clearly if every engine is dead
         engines = [e for e in self.engines if not e.dead]
         samples = await asyncio.gather(*(self._sample(engines[i % len(engines)], r, 0.0)
                                          for i, r in enumerate(self.eval_rows)))
@@ -454,8 +418,6 @@ class Controller:
             batch = [t for g in groups for t in self._train_samples(g)]
             stats = await self._in_trainer(self.trainer.train_step, batch)
         blob = await asyncio.to_thread(serialize_state_dict, self.trainer.state_dict())
-        # Set first: an engine restarting meanwhile loads these before it joins.
-        self._latest_blob, self._latest_version = blob, self.trainer.version
         timings = [t for t in await asyncio.gather(*(self._update(e, blob, self.trainer.version)
                                                      for e in list(self.engines))) if t is not None]
         self.gate.advance(self.trainer.version)
@@ -535,7 +497,7 @@ class Controller:
         for step in range(self._first_step, spec.stop.max_steps + 1):
             if self._out_of_time(t_start):
                 break
-            await self._live_engine()  # every engine dead: wait for a restart (or fail)
+            self._live_engine()  # fails clearly if every engine is dead
             plan = self._plan([next(rows) for _ in range(spec.schedule.batch_prompts)])
             version = self.trainer.version
             if spec.schedule.stream_train:
@@ -607,7 +569,7 @@ class Controller:
                     while len(waiting) < free + spec.schedule.batch_prompts:
                         waiting.append(next(rows))
                     try:
-                        await self._live_engine()  # every engine dead: wait for a restart
+                        self._live_engine()  # fails clearly if every engine is dead
                     except RuntimeError as exc:
                         self._failure = self._failure or exc
                         self.stop.set()

@@ -123,10 +123,9 @@ class RolloutEngine:
         self._pending_stall: Optional[tuple[UpdateTiming, float, dict[str, float]]] = None
 
     # -- lifecycle ---------------------------------------------------------------
-    async def start(self, warm_blob: Optional[bytes] = None, version: int = 0, in_thread: bool = False) -> None:
+    async def start(self, warm_blob: Optional[bytes] = None, version: int = 0) -> None:
         """Start the engine; ``warm_blob`` is loaded as its first weight update, labelled
-        ``version`` (a resumed run's checkpoint). ``in_thread``: build the engine off the
-        event loop (a restart while the run goes on; building waits ~20 s for the core)."""
+        ``version`` (a resumed run's checkpoint)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -142,16 +141,7 @@ class RolloutEngine:
             enable_prefix_caching=False,
             distributed_executor_backend="uni",
         )
-        if in_thread:
-            building = asyncio.ensure_future(asyncio.to_thread(AsyncLLM.from_engine_args, args))
-            try:
-                self.engine = await asyncio.shield(building)
-            except asyncio.CancelledError:  # the thread builds on: shut what it builds down
-                self.engine = await building
-                self.shutdown()
-                raise
-        else:
-            self.engine = AsyncLLM.from_engine_args(args)
+        self.engine = AsyncLLM.from_engine_args(args)
         await self.engine.engine_core.set_weight_version_async("0")
         # The first weight load and the first steps of a process are slow (warm-up): pay them now.
         await self.generate([1, 5], max_tokens=4, temperature=1.0)
@@ -176,12 +166,6 @@ class RolloutEngine:
         resources = getattr(getattr(self.engine, "engine_core", None), "resources", None)
         manager = getattr(resources, "engine_manager", None)
         return [proc.pid for proc in getattr(manager, "processes", [])]
-
-    def twin(self) -> "RolloutEngine":
-        """A new, unstarted engine like this one (to replace it when it died)."""
-        return RolloutEngine(self.model_path, index=self.index, update_mode=self.update_mode,
-                             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs, dtype=self.dtype,
-                             seed=self.seed, rpc_timeout_s=self.rpc_timeout_s)
 
     async def _call(self, what: str, aw, timed: bool = True):
         """Await an engine call, failing with ``EngineDied`` once the engine is dead and with

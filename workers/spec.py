@@ -82,9 +82,6 @@ class RolloutSpec(_Strict):
     kv_cache_gb: float = Field(1.0, gt=0)
     rpc_timeout_s: float = Field(60.0, gt=0, description="a weight update an engine has not acknowledged after this "
                                  "long fails the run (a wedged engine) instead of hanging it")
-    restart_dead_engines: bool = Field(False, description="experimental: restart a rollout engine whose process "
-                                       "died, with the current weights (its test hung: see issue #7); off = the run "
-                                       "goes on with the engines left")
 
 
 class ScheduleSpec(_Strict):
