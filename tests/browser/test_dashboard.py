@@ -161,9 +161,11 @@ def test_submit_a_run_through_the_form_and_watch_it_grow_live(page, api, screens
 
     form.locator('[name="algorithm.lr"]').fill("0.001")
     form.get_by_role("button", name="Copy as YAML").click()
+    expect(page.locator("#copy-output")).to_have_value(re.compile(r"lr: 0\.001"))  # filled asynchronously
     spec = yaml.safe_load(page.locator("#copy-output").input_value())
     assert validate_spec(spec).algorithm.lr == 0.001 and spec["model"]["path"] == "builtin:tiny"
     form.get_by_role("button", name="Copy as curl").click()
+    expect(page.locator("#copy-output")).to_have_value(re.compile(r"^curl "))
     curl = page.locator("#copy-output").input_value()
     assert curl.startswith("curl -sS -X POST") and '"name":"live-demo"' in curl and "$FLUXRL_TOKEN" in curl
 
