@@ -230,7 +230,7 @@ class Controller:
         self._dead.append(engine)  # shut down at close
 
     async def _update(self, engine: RolloutEngine, blob: bytes, version: int):
-        """Push weights to one engine; None if it died (it is retired and replaced)."""
+        """Push weights to one engine; None if it died (it is retired; the others go on)."""
         try:
             return await engine.update_weights(blob, version)
         except Exception:

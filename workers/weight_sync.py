@@ -71,14 +71,18 @@ class WeightSyncExtension:
             return self._fluxrl_plan_cache
         model = self.model_runner.get_model()
         packed = getattr(model, "packed_modules_mapping", {}) or {}
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        if get_tensor_model_parallel_world_size() != 1:  # sharded parameters: not whole tensors
+            self._fluxrl_plan_cache = None
+            return None
         plan = []
-        tp = self.model_runner.parallel_config.tensor_parallel_size if hasattr(self.model_runner, "parallel_config") else 1
         for module_name, module in model.named_modules():
             for pname, param in module.named_parameters(recurse=False):
                 full = f"{module_name}.{pname}" if module_name else pname
                 last = module_name.rsplit(".", 1)[-1]
                 parts = [full.replace(f".{last}.", f".{p}.") for p in packed[last]] if last in packed else [full]
-                if any(p not in tensors for p in parts) or tp != 1:
+                if any(p not in tensors for p in parts):
                     if param is getattr(module, "weight", None) and module_name.endswith("lm_head"):
                         continue  # tied to the embedding: updated with it
                     plan = None
@@ -96,22 +100,28 @@ class WeightSyncExtension:
         from vllm.platforms import current_platform
 
         cpu = current_platform.is_cpu()
+        written: set[int] = set()  # storages already copied into (a tied lm_head is the embedding)
+        repack: dict[int, torch.nn.Module] = {}  # embedding-shaped layers whose packed copy is stale
         with torch.no_grad():
             for module, pname, parts in self._fluxrl_plan(tensors):
-                new = tensors[parts[0]] if len(parts) == 1 else torch.cat([tensors[p] for p in parts])
                 param = getattr(module, pname)
                 if param.numel() == 0 and cpu and pname == "weight":
                     # vLLM dropped the unpacked weight after packing it: pack the new one
+                    new = tensors[parts[0]] if len(parts) == 1 else torch.cat([tensors[p] for p in parts])
                     module.weight = torch.nn.Parameter(new.to(param.dtype).contiguous(), requires_grad=False)
                     dispatch_cpu_unquantized_gemm(module, remove_weight=True)
                     continue
-                param[: new.shape[0]].copy_(new)
+                if param.data_ptr() not in written:
+                    written.add(param.data_ptr())
+                    new = tensors[parts[0]] if len(parts) == 1 else torch.cat([tensors[p] for p in parts])
+                    param[: new.shape[0]].copy_(new)
                 if cpu and pname == "weight" and hasattr(module, "cpu_linear") and param.dim() == 2:
-                    dispatch_cpu_unquantized_gemm(module, remove_weight=False)  # embedding-shaped heads
-            if cpu:
-                head = getattr(self.model_runner.get_model(), "lm_head", None)
-                if head is not None and hasattr(head, "cpu_linear") and head.weight.numel():
-                    dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+                    repack[id(module)] = module
+            head = getattr(self.model_runner.get_model(), "lm_head", None)
+            if cpu and head is not None and hasattr(head, "cpu_linear") and head.weight.numel():
+                repack[id(head)] = head  # tied: its weight changed with the embedding's
+            for module in repack.values():
+                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
     def _fluxrl_retie_embeddings(self) -> None:
         # The layerwise reload loads embed_tokens but, finding no lm_head weight, puts
