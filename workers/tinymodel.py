@@ -30,6 +30,11 @@ DEFAULT_RECIPE = {
     "steps": 600,
     "batch": 64,
     "lr": 5e-3,
+    # The cosine schedule stops at this share of the peak rate instead of 0: a model
+    # annealed to lr 0 sits in a sharp minimum that the first RL steps knock it out of
+    # (greedy accuracy fell 0.625 -> 0.55 within 25 steps at RL lr 1e-4); one that ends
+    # at 10% stays put under RL and improves its sampled accuracy (README, "What RL does").
+    "final_lr_ratio": 0.1,
     # Mix of short (add) and long-tailed (chain) answers.
     "mix": {"add": 0.5, "chain": 0.5},
     "params": {"add": {"max_digits": 2}, "chain": {"max_value": 10, "max_terms": 12}},
@@ -166,7 +171,8 @@ def _train(recipe: dict, out: Path, progress: bool) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], weight_decay=0.01)
     steps, warm = recipe["steps"], max(1, recipe["steps"] // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+        opt, lambda s: min(1.0, (s + 1) / warm)
+        * max(recipe.get("final_lr_ratio", 0.0), 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))))
     t0 = time.time()
     bar = tqdm(range(steps), desc="warm start (SFT)", disable=not progress, unit="step")
     for step in bar:
