@@ -26,46 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from workers import rewards, tasks, tinymodel  # noqa: E402
+from workers.tinymodel import complete, greedy_accuracy  # noqa: E402
 from workers.algorithms import group_advantages  # noqa: E402
 
-PAD, EOS = tinymodel.PAD_ID, tinymodel.EOS_ID
-
-
-def left_padded(prompts: list[str]):
-    enc = [tinymodel.encode(p) for p in prompts]
-    width = max(map(len, enc))
-    ids = torch.full((len(enc), width), PAD)
-    att = torch.zeros((len(enc), width), dtype=torch.long)
-    for i, e in enumerate(enc):
-        ids[i, width - len(e):] = torch.tensor(e)
-        att[i, width - len(e):] = 1
-    return ids, att
-
-
-@torch.no_grad()
-def complete(model, prompts: list[str], max_new: int, temperature: float = 0.0, n: int = 1) -> list[list[int]]:
-    """Completions (token ids up to and including EOS); prompt i owns rows i*n..i*n+n-1."""
-    ids, att = left_padded(prompts)
-    how = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
-    out = model.generate(ids, attention_mask=att, max_new_tokens=max_new, num_return_sequences=n,
-                         eos_token_id=EOS, pad_token_id=PAD, **how)
-    comps = []
-    for row in out[:, ids.shape[1]:].tolist():
-        toks = row[: row.index(EOS) + 1] if EOS in row else row
-        comps.append(toks)
-    return comps
+PAD = tinymodel.PAD_ID
 
 
 def score(rows: list[dict], comps: list[list[int]], n: int, reward=rewards.numeric_match) -> list[float]:
     return [reward(rows[i // n]["prompt"], tinymodel.decode(c), rows[i // n]["answer"]) for i, c in enumerate(comps)]
-
-
-def greedy_accuracy(model, rows: list[dict], max_new: int) -> float:
-    model.eval()
-    hits = sum(sum(score(rows[i:i + 100], complete(model, [r["prompt"] for r in rows[i:i + 100]], max_new), 1))
-               for i in range(0, len(rows), 100))
-    model.train()
-    return hits / max(1, len(rows))
 
 
 def frontier(model, held: list[dict], args) -> None:

@@ -44,26 +44,22 @@ def checkpoints_dir(out: str | Path) -> Path:
     return Path(out) / FOLDER
 
 
-def _fsync_tree(folder: Path) -> None:
-    """Flush the files and the folders under ``folder`` to disk before the rename that
-    publishes them (a crash right after the rename must not leave empty files)."""
-    for root, dirs, files in os.walk(folder):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as fh:
-                os.fsync(fh.fileno())
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _fsync_dir(folder: Path) -> None:
+def _fsync_dir(folder: str | Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush the files and the folders under ``folder`` to disk before the rename that
+    publishes them (a crash right after the rename must not leave empty files)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(root)
 
 
 def list_checkpoints(out: str | Path) -> list[CheckpointInfo]:

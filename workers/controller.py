@@ -12,6 +12,7 @@ and the trainer's step runs in a thread so generation streams on meanwhile.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -222,9 +223,7 @@ class Controller:
         self.engines.remove(engine)
         self.engine_deaths += 1
         self._retired_tokens += engine.generated_tokens
-        self._retired_busy += engine.busy_s + (time.perf_counter() - engine._busy_since
-                                               if engine._busy_since is not None else 0.0)
-        engine._busy_since = None
+        self._retired_busy += engine.busy_seconds()
         print(f"warning: rollout engine {engine.index} died (EngineDeadError: its core process exited); {why}; "
               f"{len(self.engines)} engine(s) live", file=sys.stderr)
         self._dead.append(engine)  # shut down at close
@@ -251,10 +250,17 @@ class Controller:
                 await asyncio.sleep(0.1)  # let the moved requests land before looking again
             await asyncio.sleep(0.02)
 
-    def _tail_migrator(self) -> Optional[asyncio.Task]:
+    @contextlib.asynccontextmanager
+    async def _tail_migration(self):
+        """Around a synchronous step's generation: migrate its tail while it runs."""
+        migrator = None
         if self.spec.rollout.migrate_tail and len(self.engines) > 1:
-            return asyncio.create_task(self._migrate_tail())
-        return None
+            migrator = asyncio.create_task(self._migrate_tail())
+        try:
+            yield
+        finally:
+            if migrator is not None:
+                migrator.cancel()
 
     async def _score(self, row: dict, comp: Completion) -> Sample:
         text = decode([t for t in comp.token_ids if t != EOS_ID])
@@ -313,12 +319,15 @@ class Controller:
             yield self.train_rows[self._row_order[self._row_pos - 1]]
 
     # -- checkpoints ------------------------------------------------------------------
+    def _checkpoint_due(self, step: int) -> bool:
+        every = self.spec.trainer.checkpoint_every
+        return bool(every) and step % every == 0
+
     async def _checkpoint(self, step: int, t_start: float, unfinished: list[dict]) -> None:
         """Save a checkpoint after ``step`` if the spec asks for one now (workers/checkpoint.py).
         ``unfinished``: rows drawn but not trained on (in flight, scored but not batched);
         a resumed run generates them first, so no prompt is skipped."""
-        every = self.spec.trainer.checkpoint_every
-        if not every or step % every:
+        if not self._checkpoint_due(step):
             return
         import numpy as np
         import torch
@@ -472,8 +481,7 @@ class Controller:
 
     def _gen_busy(self) -> float:
         now = time.perf_counter()
-        return self._retired_busy + sum(e.busy_s + (now - e._busy_since if e._busy_since is not None else 0.0)
-                                        for e in self.engines)
+        return self._retired_busy + sum(e.busy_seconds(now) for e in self.engines)
 
     def _idle_generation(self, elapsed: float) -> float:
         busy = self._gen_busy()
@@ -505,13 +513,9 @@ class Controller:
                 await self._checkpoint(step, t_start, [])
                 continue
             fused = spec.rollout.fused_scoring
-            migrator = self._tail_migrator()
-            try:
+            async with self._tail_migration():
                 groups = await asyncio.gather(*(self._group(row, i, version, engine, pred, score=fused)
                                                 for i, (row, engine, pred) in enumerate(plan)))
-            finally:
-                if migrator is not None:
-                    migrator.cancel()
             if not fused:  # the barrier: score everything once generation is over
                 for g in groups:
                     row = plan[g.index][0]
@@ -526,15 +530,12 @@ class Controller:
         await self._in_trainer(self.trainer.begin_step)
         tasks = [asyncio.create_task(self._group(row, i, version, engine, pred))
                  for i, (row, engine, pred) in enumerate(plan)]
-        groups, migrator = [], self._tail_migrator()
-        try:
+        groups = []
+        async with self._tail_migration():
             for next_done in asyncio.as_completed(tasks):
                 group = await next_done
                 groups.append(group)
                 await self._in_trainer(self.trainer.accumulate, self._train_samples(group))
-        finally:
-            if migrator is not None:
-                migrator.cancel()
         n = sum(len(g.samples) for g in groups)
         stats = await self._in_trainer(self.trainer.finish_step, n, True)
         await self._train_on(sorted(groups, key=lambda g: g.index), step, t_start, stats=stats)
@@ -620,10 +621,10 @@ class Controller:
                     break
                 await self._train_on(batch, step, t_start)
                 wake.set()
-                ready = [self.ready.get_nowait() for _ in range(self.ready.qsize())]
-                stash.extend(ready)
-                unfinished = (list(task_rows.values()) + [g.samples[0].row for g in stash] + list(waiting))
-                await self._checkpoint(step, t_start, unfinished)
+                if self._checkpoint_due(step):  # rows drawn but not trained on go into it
+                    stash.extend(self.ready.get_nowait() for _ in range(self.ready.qsize()))
+                    unfinished = list(task_rows.values()) + [g.samples[0].row for g in stash] + list(waiting)
+                    await self._checkpoint(step, t_start, unfinished)
         finally:
             self.stop.set()
             wake.set()

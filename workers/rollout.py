@@ -156,6 +156,12 @@ class RolloutEngine:
             self.engine.shutdown()
             self.engine = None
 
+    def busy_seconds(self, now: Optional[float] = None) -> float:
+        """Time with at least one request running, the current stretch included."""
+        now = time.perf_counter() if now is None else now
+        running = now - self._busy_since if self._busy_since is not None else 0.0
+        return self.busy_s + running
+
     @property
     def dead(self) -> bool:
         """Its engine core process died (vLLM then raises EngineDeadError for new calls)."""

@@ -122,19 +122,36 @@ def _batch(rows: list[dict]):
 
 
 @torch.no_grad()
-def greedy_accuracy(model, rows: list[dict], max_new: int = 48) -> float:
-    """Held-out exact-answer accuracy with a plain greedy loop (no vLLM needed)."""
+def complete(model, prompts: list[str], max_new: int, temperature: float = 0.0, n: int = 1) -> list[list[int]]:
+    """Completions with plain HF generation, no vLLM (greedy when ``temperature`` is 0):
+    token ids up to and including EOS; prompt i owns rows i*n .. i*n+n-1. Prompts are
+    left-padded into one batch."""
+    enc = [encode(p) for p in prompts]
+    width = max(map(len, enc))
+    ids = torch.full((len(enc), width), PAD_ID)
+    att = torch.zeros((len(enc), width), dtype=torch.long)
+    for i, e in enumerate(enc):
+        ids[i, width - len(e):] = torch.tensor(e)
+        att[i, width - len(e):] = 1
+    how = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+    out = model.generate(ids, attention_mask=att, max_new_tokens=max_new, num_return_sequences=n,
+                         eos_token_id=EOS_ID, pad_token_id=PAD_ID, **how)
+    rows = out[:, width:].tolist()
+    return [row[: row.index(EOS_ID) + 1] if EOS_ID in row else row for row in rows]
+
+
+def greedy_accuracy(model, rows: list[dict], max_new: int = 48, batch: int = 100) -> float:
+    """Held-out exact-answer accuracy (numeric_match) under greedy decoding, no vLLM."""
     from .rewards import numeric_match
 
+    was_training = model.training
     model.eval()
     correct = 0
-    for r in rows:
-        ids = torch.tensor([encode(r["prompt"])])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                             eos_token_id=EOS_ID, pad_token_id=PAD_ID)
-        text = decode(out[0, ids.shape[1]:].tolist())
-        correct += numeric_match(r["prompt"], text, r["answer"])
-    model.train()
+    for i in range(0, len(rows), batch):
+        chunk = rows[i:i + batch]
+        for r, toks in zip(chunk, complete(model, [r["prompt"] for r in chunk], max_new)):
+            correct += numeric_match(r["prompt"], decode(toks), r["answer"])
+    model.train(was_training)
     return correct / max(1, len(rows))
 
 

@@ -102,18 +102,21 @@ class WeightSyncExtension:
         cpu = current_platform.is_cpu()
         written: set[int] = set()  # storages already copied into (a tied lm_head is the embedding)
         repack: dict[int, torch.nn.Module] = {}  # embedding-shaped layers whose packed copy is stale
+
+        def joined(parts: list[str]) -> torch.Tensor:  # a fused parameter is its parts along dim 0
+            return tensors[parts[0]] if len(parts) == 1 else torch.cat([tensors[p] for p in parts])
+
         with torch.no_grad():
             for module, pname, parts in self._fluxrl_plan(tensors):
                 param = getattr(module, pname)
                 if param.numel() == 0 and cpu and pname == "weight":
                     # vLLM dropped the unpacked weight after packing it: pack the new one
-                    new = tensors[parts[0]] if len(parts) == 1 else torch.cat([tensors[p] for p in parts])
-                    module.weight = torch.nn.Parameter(new.to(param.dtype).contiguous(), requires_grad=False)
+                    module.weight = torch.nn.Parameter(joined(parts).to(param.dtype).contiguous(), requires_grad=False)
                     dispatch_cpu_unquantized_gemm(module, remove_weight=True)
                     continue
                 if param.data_ptr() not in written:
                     written.add(param.data_ptr())
-                    new = tensors[parts[0]] if len(parts) == 1 else torch.cat([tensors[p] for p in parts])
+                    new = joined(parts)
                     param[: new.shape[0]].copy_(new)
                 if cpu and pname == "weight" and hasattr(module, "cpu_linear") and param.dim() == 2:
                     repack[id(module)] = module
@@ -146,4 +149,3 @@ class WeightSyncExtension:
         if getattr(self, "_fluxrl_checksum", None) is None and getattr(self, "_fluxrl_tensors", None) is not None:
             self._fluxrl_checksum = tensors_checksum(self._fluxrl_tensors)
         return getattr(self, "_fluxrl_checksum", None)
-

@@ -81,3 +81,20 @@ def test_reward_that_raises_on_every_sample_fails_the_run_with_its_error(tmp_pat
     proc = run_cli(tmp_path, with_(reward={"function": "user", "code": code}, eval={"every_steps": 0, "prompts": 0}))
     assert proc.returncode == 2
     assert "failed on all of the first" in proc.stderr and "reward exploded" in proc.stderr
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("stream_train", [False, True], ids=["barrier", "streamed"])
+def test_sync_run_on_two_engines_with_tail_migration_trains_every_step(tmp_path, tiny_model_path, stream_train):
+    spec = with_(task={"dataset": "gen:chain?max_value=10&max_terms=12", "size": 300, "eval_size": 4},
+                 rollout={"engines": 2, "max_tokens": 32, "migrate_tail": 1000},
+                 schedule={"mode": "sync", "batch_prompts": 4, "stream_train": stream_train},
+                 stop={"max_steps": 3, "max_minutes": 5}, eval={"every_steps": 0, "prompts": 4})
+    proc = run_cli(tmp_path, spec)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["steps"] == 3 and result["trained_samples"] == 3 * 4 * 4 and result["staleness_max"] == 0
+    points = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    migrations = [p["value"] for p in points if p["key"] == "rollout/migrations"]
+    assert len(migrations) == 3 and migrations == sorted(migrations)  # a running count, reported every step

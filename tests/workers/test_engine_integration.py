@@ -51,10 +51,7 @@ async def _logprob_gap(engine, model, prompt="12+34="):
     """Max |engine behaviour log-prob − HF log-prob| over a sampled completion."""
     ids = encode(prompt)
     comp = await engine.generate(ids, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
-    with torch.no_grad():
-        logits = model(torch.tensor([ids + comp.token_ids])).logits[0].float().log_softmax(-1)
-    mine = [logits[len(ids) - 1 + i, t].item() for i, t in enumerate(comp.token_ids)]
-    return max(abs(a - b) for a, b in zip(mine, comp.logprobs))
+    return max(abs(a - b) for a, b in zip(_model_logprobs(model, comp), comp.logprobs))
 
 
 async def _run_with_update(engine, blob, version, n=12, max_tokens=120):
