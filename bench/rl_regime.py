@@ -51,7 +51,7 @@ def frontier(model, held: list[dict], args) -> None:
     for key in sorted(cells):
         print(f"{key[0]:>6} | {key[1]:.2f} | {cells[key]}")
     flippable = sum(v for (g, p), v in cells.items() if g == "wrong" and p >= 0.25)
-    print(f"RL could flip {flippable} wrong prompts (sampled right ≥ 1/4 of the time); "
+    print(f"RL could flip {flippable} wrong prompts (sampled right ≥ 1/8 of the time, row ≥ 0.25); "
           f"{cells[('wrong', 0.0)]} are out of reach")
 
 
