@@ -179,6 +179,15 @@ def ensure_tiny_model(root: str | os.PathLike | None = None, recipe: dict | None
     return out
 
 
+def sft_lr_factor(step: int, recipe: dict) -> float:
+    """Share of the peak SFT rate at ``step``: linear warm-up over the first 5% of the
+    planned steps, then a cosine over the planned steps, never below ``final_lr_ratio``."""
+    planned = recipe.get("schedule_steps", recipe["steps"])
+    warm = max(1, planned // 20)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, step / planned)))
+    return min(1.0, (step + 1) / warm) * max(recipe.get("final_lr_ratio", 0.0), cosine)
+
+
 def _train(recipe: dict, out: Path, progress: bool) -> dict:
     from tqdm import tqdm
 
@@ -190,10 +199,8 @@ def _train(recipe: dict, out: Path, progress: bool) -> dict:
     rows = training_rows(recipe, planned * recipe["batch"], seed=recipe["seed"] + 1)
     held_out = training_rows(recipe, 100, seed=recipe["seed"] + 99)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], weight_decay=0.01)
-    steps, warm = recipe["steps"], max(1, planned // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm)
-        * max(recipe.get("final_lr_ratio", 0.0), 0.5 * (1 + math.cos(math.pi * min(1.0, s / planned)))))
+    steps = recipe["steps"]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: sft_lr_factor(s, recipe))
     t0 = time.time()
     bar = tqdm(range(steps), desc="warm start (SFT)", disable=not progress, unit="step")
     for step in bar:

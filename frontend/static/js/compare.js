@@ -24,7 +24,8 @@ if (runs.length < 2) {
   const slider = document.getElementById("smoothing");
   const sliderValue = document.getElementById("smoothing-value");
   const chart = document.getElementById("compare-chart");
-  const cache = new Map(); // metric -> [series per run]
+  const cache = new Map(); // metric -> promise of [series per run]
+  let drawn = 0; // the newest draw() call: an older one whose fetch resolves later must not paint
 
   const wanted = params.get("metric") || "reward/mean";
   if ([...metricSelect.options].some((o) => o.value === wanted)) metricSelect.value = wanted;
@@ -34,13 +35,15 @@ if (runs.length < 2) {
 
   const xMode = () => document.querySelector('input[name="xaxis"]:checked').value;
 
-  async function series(metric) {
-    if (!cache.has(metric)) {
+  function series(metric) {
+    if (!cache.has(metric)) { // the promise is cached, so quick changes share one fetch
       const query = new URLSearchParams({ keys: metric, max_points: 2000 });
-      cache.set(metric, await Promise.all(runs.map(async (run) => {
+      const pending = Promise.all(runs.map(async (run) => {
         const reply = await api(`/api/runs/${run.id}/metrics/?${query}`);
         return reply.series[metric] || { step: [], value: [], time: [] };
-      })));
+      }));
+      pending.catch(() => cache.delete(metric)); // a failed fetch is retried on the next draw
+      cache.set(metric, pending);
     }
     return cache.get(metric);
   }
@@ -56,15 +59,17 @@ if (runs.length < 2) {
 
   async function draw() {
     const metric = metricSelect.value, mode = xMode(), weight = Number(slider.value);
+    const me = ++drawn;
     sliderValue.textContent = weight.toFixed(2);
     syncUrl({ metric, x: mode, smooth: weight });
     let all;
     try {
       all = await series(metric);
     } catch (err) {
-      document.getElementById("compare-note").textContent = `Could not load ${metric}: ${err.message}`;
+      if (me === drawn) document.getElementById("compare-note").textContent = `Could not load ${metric}: ${err.message}`;
       return;
     }
+    if (me !== drawn) return; // the view changed while this metric loaded: the newer call paints
     const xs = runs.map((run, i) => xValues(run, all[i], mode));
     // Smoothing unit: the point spacing of the densest run over the common x range.
     const flat = xs.flat();
