@@ -13,16 +13,16 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from simulator import Panel, Series, svg_chart  # noqa: E402
+from workers.checkpoint import read_metrics  # noqa: E402
 
 
 def curves(run_dir: Path, window: int) -> dict[str, list[tuple[int, float]]]:
     by_key: dict[str, dict[int, float]] = {}
-    with open(run_dir / "metrics.jsonl", encoding="utf-8") as fh:
-        for line in fh:
-            p = json.loads(line)
-            by_key.setdefault(p["key"], {})[p["step"]] = p["value"]  # a resumed run may repeat a step
+    for p in read_metrics(run_dir / "metrics.jsonl"):
+        by_key.setdefault(p["key"], {})[p["step"]] = p["value"]  # a resumed run may repeat a step
     reward = sorted(by_key.get("reward/mean", {}).items())
     windows = [reward[i:i + window] for i in range(0, len(reward) - window + 1, window)]
     return {

@@ -179,10 +179,15 @@ def ensure_tiny_model(root: str | os.PathLike | None = None, recipe: dict | None
     return out
 
 
+def planned_steps(recipe: dict) -> int:
+    """The SFT's planned length (its data and schedule); ``steps`` of them are run."""
+    return recipe.get("schedule_steps", recipe["steps"])
+
+
 def sft_lr_factor(step: int, recipe: dict) -> float:
     """Share of the peak SFT rate at ``step``: linear warm-up over the first 5% of the
     planned steps, then a cosine over the planned steps, never below ``final_lr_ratio``."""
-    planned = recipe.get("schedule_steps", recipe["steps"])
+    planned = planned_steps(recipe)
     warm = max(1, planned // 20)
     cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, step / planned)))
     return min(1.0, (step + 1) / warm) * max(recipe.get("final_lr_ratio", 0.0), cosine)
@@ -195,8 +200,7 @@ def _train(recipe: dict, out: Path, progress: bool) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(recipe["seed"])
     model = build_model(recipe)
-    planned = recipe.get("schedule_steps", recipe["steps"])
-    rows = training_rows(recipe, planned * recipe["batch"], seed=recipe["seed"] + 1)
+    rows = training_rows(recipe, planned_steps(recipe) * recipe["batch"], seed=recipe["seed"] + 1)
     held_out = training_rows(recipe, 100, seed=recipe["seed"] + 99)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], weight_decay=0.01)
     steps = recipe["steps"]
