@@ -12,7 +12,7 @@ ENV PYTHONUNBUFFERED=1 \
     FLUXRL_DATA_DIR=/data
 
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends build-essential \
+    && apt-get install -y --no-install-recommends build-essential bubblewrap libseccomp2 \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app

@@ -3,7 +3,13 @@
 # Uses PostgreSQL/Redis when DATABASE_URL/REDIS_URL are set, SQLite/in-memory otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+t=$SECONDS
 scripts/setup.sh
-# The tiny model the engine tests train (built once per machine, a few minutes; cached).
+echo "== phase install: $((SECONDS - t)) s"; t=$SECONDS
+# The tiny model the engine tests train: its shipped weights, checked and put in the cache.
 .venv/bin/python -m workers bootstrap
-exec .venv/bin/python -m pytest -p no:cacheprovider "$@"
+echo "== phase model: $((SECONDS - t)) s"; t=$SECONDS
+status=0
+.venv/bin/python -m pytest -p no:cacheprovider "$@" || status=$?
+echo "== phase tests: $((SECONDS - t)) s (pytest exit $status)"
+exit $status

@@ -1,20 +1,35 @@
-"""Runs user-written reward code in a separate, resource-limited process.
+"""Runs user-written reward code in a separate process that the operating system contains.
 
 Used by the engine's reward service and by the platform's "try it" endpoint, so user
-code never runs inside the web process or the trainer. Layers, each catching what the
-others miss:
-- a fresh interpreter (``python -I``) with an empty environment (no platform secrets),
-  its own empty working folder and its own process group;
-- rlimits: address space (memory), CPU seconds, file size, open files;
-- a private network namespace where the OS allows it (no interface but a down loopback);
-- a PEP 578 audit hook that refuses sockets, subprocesses, fork/exec, signals, ctypes,
-  environment changes, writes outside the working folder and reads outside the Python
-  installation and the working folder;
-- a wall-clock deadline per call enforced by the parent, which kills the process group.
+code never runs inside the web process or the trainer. The boundary is the kernel's,
+not the interpreter's: code that tears down every Python-level guard is still held.
+
+- **bubblewrap** (``bwrap``) starts the child in fresh mount, PID, network, IPC and UTS
+  namespaces: the root filesystem is an empty tmpfs holding only /usr (read-only), the
+  Python installation (read-only), a minimal /dev, its own /proc, and a 16 MB tmpfs
+  working folder. No /etc, /home, /root, repository, database or model files exist in
+  there; no network interface but a down loopback; no other process is visible.
+- **another user**: started by root, the child drops to ``FLUXRL_SANDBOX_UID`` (61000),
+  with no capabilities and no supplementary groups (``setpriv``); started by another
+  user, a user namespace maps it there instead.
+- **seccomp** filters (libseccomp, through pyseccomp): no fork/vfork or process-making
+  clone, no ptrace, mount, namespaces, keyrings, bpf, io_uring, perf events; sockets
+  only of the AF_UNIX family; once the interpreter has started, no execve either.
+- **rlimits**: address space (memory), CPU seconds, file size, open files, processes.
+- a wall-clock deadline per call enforced by the parent, which kills the sandbox.
+- a PEP 578 audit hook remains, only to turn a blocked call into a clear message.
+
+Where bubblewrap cannot run (no user namespaces, no binary), starting a sandbox raises
+``SandboxUnavailable`` naming what is missing. ``FLUXRL_UNSAFE_REWARD_CODE=1`` opts in
+to the old interpreter-level guards only (rlimits, a network namespace if allowed, the
+audit hook); the dashboard then shows a warning on every page.
 """
 from __future__ import annotations
 
+import errno
+import functools
 import json
+import logging
 import os
 import resource
 import select
@@ -24,8 +39,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+UNSAFE_ENV = "FLUXRL_UNSAFE_REWARD_CODE"
+SANDBOX_UID = int(os.environ.get("FLUXRL_SANDBOX_UID", "61000"))
+WORKDIR_MB = 16
+MAX_PROCESSES = 64  # RLIMIT_NPROC of the sandbox user: threads count too
+CHILD_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/work", "LANG": "C.UTF-8",
+             "PYTHONDONTWRITEBYTECODE": "1"}
 
 # Executed by the child interpreter. Reads the code, then one JSON request per line.
 _CHILD = r'''
@@ -76,7 +100,22 @@ def hook(event, args):
         # (the "open" event does not carry dir_fd).
         if os.path.isdir(real) and real != workdir and not real.startswith(workdir + os.sep):
             raise PermissionError(f"sandbox: opening the folder {real} is not allowed")
-code = json.loads(sys.stdin.readline())["code"]
+first = json.loads(sys.stdin.readline())
+code = first["code"]
+if first.get("exec_filter"):
+    # The second seccomp filter (no execve), loaded now that the interpreter is running.
+    import ctypes
+    program = ctypes.create_string_buffer(bytes.fromhex(first["exec_filter"]))
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    fprog = SockFprog(len(program.raw) // 8, ctypes.addressof(program))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:  # NO_NEW_PRIVS, SECCOMP filter
+        reply(ok=False, error=f"sandbox: could not load the exec filter (errno {ctypes.get_errno()})"); sys.exit(0)
+    del libc, fprog, program, SockFprog
+    for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
+        del sys.modules[name]
+    del ctypes
 for name in ("mkfifo", "mknod"):  # no audit event for these: take them away
     for module in (os, sys.modules["posix"]):
         module.__dict__.pop(name, None)
@@ -117,8 +156,170 @@ class RewardResult:
     ms: float = 0.0
 
 
-def _limit_child(memory_mb: int, cpu_s: int) -> None:
-    # Runs in the child between fork and exec.
+class SandboxUnavailable(RuntimeError):
+    """The operating-system boundary cannot be set up on this machine."""
+
+
+# -- the system-call filters ------------------------------------------------------
+CLONE_THREAD = 0x00010000
+# Calls reward code has no use for and an escape would: refused with EPERM.
+_DENIED = ("fork", "vfork", "ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root",
+           "chroot", "unshare", "setns", "bpf", "io_uring_setup", "io_uring_enter", "io_uring_register",
+           "keyctl", "add_key", "request_key", "perf_event_open", "userfaultfd", "kexec_load",
+           "kexec_file_load", "init_module", "finit_module", "delete_module", "open_by_handle_at",
+           "name_to_handle_at", "move_mount", "open_tree", "fsopen", "fsmount", "fspick", "mount_setattr",
+           "swapon", "swapoff", "reboot", "syslog", "acct", "quotactl", "lookup_dcookie", "personality",
+           "mknod", "mknodat", "pidfd_getfd", "kcmp", "setdomainname", "sethostname")
+AF_UNIX = 1
+
+
+def _seccomp_filters() -> tuple[bytes, bytes]:
+    """BPF programs: (the sandbox's filter, loaded by bwrap; the exec filter, loaded by the
+    child once Python runs). Built with libseccomp for the machine's own architecture."""
+    import pyseccomp as seccomp
+
+    def rule(filt, action, name, *args):
+        try:
+            filt.add_rule(action, name, *args)
+        except (OSError, ValueError, RuntimeError):  # a call this architecture does not have
+            pass
+
+    main = seccomp.SyscallFilter(seccomp.ALLOW)
+    for name in _DENIED:
+        rule(main, seccomp.ERRNO(errno.EPERM), name)
+    # Threads yes (the interpreter and libraries start them), processes no.
+    rule(main, seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_THREAD, 0))
+    rule(main, seccomp.ERRNO(errno.ENOSYS), "clone3")  # flags live in memory; libc falls back to clone
+    rule(main, seccomp.ERRNO(errno.EAFNOSUPPORT), "socket", seccomp.Arg(0, seccomp.NE, AF_UNIX))
+    exec_only = seccomp.SyscallFilter(seccomp.ALLOW)
+    for name in ("execve", "execveat"):
+        rule(exec_only, seccomp.ERRNO(errno.EPERM), name)
+    return _bpf(main), _bpf(exec_only)
+
+
+def _bpf(filt) -> bytes:
+    with tempfile.TemporaryFile() as f:
+        filt.export_bpf(f)
+        f.seek(0)
+        return f.read()
+
+
+# -- the boundary ------------------------------------------------------------------
+@dataclass
+class Boundary:
+    """How sandboxes start on this machine: ``bwrap`` (the OS boundary) or ``unsafe``."""
+
+    kind: str
+    bwrap: str = ""
+    setpriv: str = ""
+    python: str = ""
+    python_home: str = ""
+    filters: tuple[bytes, bytes] = (b"", b"")
+    notes: list[str] = field(default_factory=list)
+
+    def argv(self, filter_fd: int) -> list[str]:
+        """The command that starts ``python -I`` inside the boundary (seccomp from ``filter_fd``)."""
+        if self.kind != "bwrap":
+            return [sys.executable, "-I"]
+        a = [self.bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+             "--die-with-parent", "--new-session", "--hostname", "sandbox",
+             "--ro-bind", "/usr", "/usr"]
+        for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+            if os.path.islink(top):
+                a += ["--symlink", os.readlink(top), top]
+            elif os.path.isdir(top):
+                a += ["--ro-bind", top, top]
+        if os.path.exists("/etc/ld.so.cache"):
+            a += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+        if not self.python_home.startswith("/usr/"):
+            # Parents made as fresh world-readable folders: the host's (e.g. /root, 0700) stay shut.
+            parent, parents = os.path.dirname(self.python_home), []
+            while parent not in ("/", ""):
+                parents.append(parent)
+                parent = os.path.dirname(parent)
+            for folder in reversed(parents):
+                a += ["--perms", "0755", "--dir", folder]
+            a += ["--ro-bind", self.python_home, self.python_home]
+        a += ["--proc", "/proc", "--dev", "/dev",
+              "--perms", "1777", "--size", str(WORKDIR_MB << 20), "--tmpfs", "/work", "--chdir", "/work",
+              "--seccomp", str(filter_fd)]
+        if self.setpriv:
+            a += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--", self.setpriv,
+                  f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
+                  "--inh-caps=-all", "--bounding-set=-all", "--"]
+        else:
+            a += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--"]
+        return a + [self.python, "-I"]
+
+
+def _python_install() -> tuple[str, str]:
+    """The real interpreter binary (past a virtualenv's symlink) and its installation root."""
+    python = os.path.realpath(sys.executable)
+    home = os.path.realpath(sys.base_prefix)
+    if not python.startswith(home + os.sep):
+        home = os.path.dirname(os.path.dirname(python))
+    return python, home
+
+
+@functools.lru_cache(maxsize=1)
+def boundary() -> Boundary:
+    """Find (once per process) how to contain reward code here, proving it by starting one
+    sandbox; raise ``SandboxUnavailable`` naming what is missing, unless the operator has
+    opted in to the unsafe path with FLUXRL_UNSAFE_REWARD_CODE=1."""
+    problems: list[str] = []
+    bwrap = shutil.which("bwrap") or ""
+    setpriv = shutil.which("setpriv") or ""
+    if not bwrap:
+        problems.append("bubblewrap is not installed (apt-get install bubblewrap)")
+    if os.geteuid() == 0 and not setpriv:
+        problems.append("setpriv is not installed (apt-get install util-linux)")
+    filters = (b"", b"")
+    try:
+        filters = _seccomp_filters()
+    except Exception as exc:  # ImportError, or libseccomp missing
+        problems.append(f"no seccomp filter ({type(exc).__name__}: {exc}; pip install pyseccomp, apt-get install libseccomp2)")
+    python, home = _python_install()
+    if not problems:
+        found = Boundary("bwrap", bwrap, setpriv if os.geteuid() == 0 else "", python, home, filters)
+        problem = _probe(found)
+        if problem is None:
+            return found
+        problems.append(problem)
+    if os.environ.get(UNSAFE_ENV) == "1":
+        logger.warning("reward code runs WITHOUT the operating-system sandbox (%s=1): %s", UNSAFE_ENV, "; ".join(problems))
+        return Boundary("unsafe", python=python, python_home=home, notes=problems)
+    raise SandboxUnavailable(
+        "reward code cannot be contained on this machine: " + "; ".join(problems)
+        + f". Fix that, or set {UNSAFE_ENV}=1 to run reward code with interpreter-level guards only (not a security boundary).")
+
+
+def _probe(found: Boundary) -> Optional[str]:
+    fd = _filter_fd(found.filters[0])
+    try:
+        run = subprocess.run(found.argv(fd) + ["-c", "import os; print(os.getuid())"], pass_fds=(fd,),
+                             env=CHILD_ENV, capture_output=True, text=True, timeout=30,
+                             preexec_fn=lambda: _limit_child(512, 30, unsafe=False))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bubblewrap did not start ({exc})"
+    finally:
+        os.close(fd)
+    if run.returncode != 0 or run.stdout.strip() != str(SANDBOX_UID):
+        err = (run.stderr.strip().splitlines() or ["no output"])[-1]
+        return (f"bubblewrap could not start a sandbox ({err}); user namespaces may be disabled "
+                "(sysctl kernel.unprivileged_userns_clone / user.max_user_namespaces) or, in a container, "
+                "it needs CAP_SYS_ADMIN and an unconfined AppArmor profile")
+    return None
+
+
+def _filter_fd(program: bytes) -> int:
+    fd = os.memfd_create("fluxrl-seccomp", 0)
+    os.write(fd, program)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _limit_child(memory_mb: int, cpu_s: int, unsafe: bool) -> None:
+    # Runs in the child between fork and exec; bwrap and the interpreter inherit the limits.
     os.setsid()
     mem = memory_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
@@ -126,12 +327,14 @@ def _limit_child(memory_mb: int, cpu_s: int) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    try:  # a network namespace of its own: no way out even past the audit hook
-        import ctypes
+    resource.setrlimit(resource.RLIMIT_NPROC, (MAX_PROCESSES, MAX_PROCESSES))
+    if unsafe:
+        try:  # a network namespace of its own where the OS allows it
+            import ctypes
 
-        ctypes.CDLL(None, use_errno=True).unshare(0x40000000)  # CLONE_NEWNET
-    except Exception:
-        pass
+            ctypes.CDLL(None, use_errno=True).unshare(0x40000000)  # CLONE_NEWNET
+        except Exception:
+            pass
 
 
 class RewardSandbox:
@@ -146,16 +349,31 @@ class RewardSandbox:
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> None:
         self.close()
-        self._dir = tempfile.mkdtemp(prefix="fluxrl-reward-")
-        env = {"PATH": "/usr/bin:/bin", "HOME": self._dir, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", _CHILD],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            cwd=self._dir, env=env, close_fds=True,
-            preexec_fn=lambda: _limit_child(self.memory_mb, self.cpu_s),
-        )
+        try:
+            where = boundary()
+        except SandboxUnavailable as exc:
+            raise RewardCodeError(str(exc)) from None
+        unsafe = where.kind != "bwrap"
+        env, cwd, pass_fds = dict(CHILD_ENV), None, ()
+        if unsafe:
+            self._dir = tempfile.mkdtemp(prefix="fluxrl-reward-")
+            env.update(HOME=self._dir, TMPDIR=self._dir)
+            cwd = self._dir
+        filter_fd = _filter_fd(where.filters[0]) if not unsafe else -1
+        try:
+            if not unsafe:
+                pass_fds = (filter_fd,)
+            self._proc = subprocess.Popen(
+                where.argv(filter_fd) + ["-c", _CHILD],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                cwd=cwd, env=env, close_fds=True, pass_fds=pass_fds,
+                preexec_fn=lambda: _limit_child(self.memory_mb, self.cpu_s, unsafe),
+            )
+        finally:
+            if filter_fd >= 0:
+                os.close(filter_fd)
         self._buf = b""
-        self._send({"code": self.code})
+        self._send({"code": self.code, "exec_filter": where.filters[1].hex()})
         reply = self._recv(max(self.timeout_s, 10.0))
         if reply is None or not reply.get("ok"):
             err = (reply or {}).get("error") or f"reward process did not start ({self._exit_text()})"

@@ -46,7 +46,7 @@ def test_platform_secrets_are_not_in_the_environment(monkeypatch):
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)
     code = ("def reward(prompt, completion, **fields):\n    import os\n"
-            "    assert not set(os.environ) - {'PATH', 'HOME', 'LANG', 'PYTHONDONTWRITEBYTECODE'}, sorted(os.environ)\n"
+            "    assert not set(os.environ) - {'PATH', 'HOME', 'LANG', 'PYTHONDONTWRITEBYTECODE', 'PWD', 'TMPDIR'}, sorted(os.environ)\n"
             "    assert not any(v in str(os.environ) for v in fields['secrets'])\n    return 1.0")
     out = try_reward(code, [{"prompt": "p", "completion": "c", "fields": {"secrets": list(SECRETS.values())}}])
     assert out["ok"], out
@@ -88,10 +88,12 @@ def test_code_may_write_read_and_list_inside_its_own_folder_which_goes_away():
     code = ("def reward(prompt, completion, **fields):\n    import os\n    os.makedirs('sub', exist_ok=True)\n"
             "    open('sub/a.txt', 'w').write('hi')\n    return float(len(open('sub/a.txt').read()) + len(os.listdir('.')))\n")
     with RewardSandbox(code) as box:
-        folder = box._dir
+        folder = box._dir  # None under the OS sandbox: the folder is a tmpfs inside it
         result = box.score("p", "c")
     assert (result.reward, result.error) == (3.0, None)
-    assert not os.path.exists(folder)
+    assert folder is None or not os.path.exists(folder)
+    with RewardSandbox("def reward(prompt, completion, **fields):\n    import os\n    return float(len(os.listdir('.')))\n") as box:
+        assert box.score("p", "c").reward == 0.0  # the next sandbox starts empty
 
 
 def test_an_endless_loop_while_loading_is_stopped_by_the_cpu_limit():
