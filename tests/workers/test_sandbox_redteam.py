@@ -353,3 +353,68 @@ def test_no_descriptor_of_the_parent_is_inherited():
     """)
     extra = {fd: target for fd, target in out.items() if int(fd) > 2 and "/proc/" not in target}
     assert not extra, out
+
+
+# -- the interpreter's own state --------------------------------------------------
+def test_rewriting_frames_builtins_and_the_import_system_reaches_nothing_more(tmp_path):
+    secret = tmp_path / "key"
+    secret.write_text("platform secret")
+    out = attack(f"""
+        import sys, gc, builtins, importlib
+        results = {{}}
+        # Frames: climb to the sandbox's own loop and read its globals.
+        frame = sys._getframe()
+        while frame.f_back is not None:
+            frame = frame.f_back
+        results["main_globals"] = "hook" in frame.f_globals
+        # gc: every live function, including the guard, is within reach.
+        results["functions_seen"] = sum(1 for o in gc.get_objects() if type(o).__name__ == "function") > 10
+        # builtins and the import system: a fresh posix module behind a renamed finder.
+        builtins.open = lambda *a, **k: None
+        sys.meta_path.insert(0, sys.meta_path[-1])
+        posix = importlib.import_module("posix")
+        io = importlib.import_module("_io")
+        results["posix"] = posix.__name__
+        try:
+            results["read"] = io.open({str(secret)!r}).read()
+        except OSError as exc:
+            results["read"] = exc.errno
+        try:
+            fd = posix.open("/proc/1/environ", posix.O_RDONLY)
+            results["init_environ"] = posix.read(fd, 4096).decode(errors="replace")
+        except OSError as exc:
+            results["init_environ"] = exc.errno
+        try:
+            results["fork"] = posix.fork()
+        except OSError as exc:
+            results["fork"] = exc.errno
+        return results
+    """)
+    import errno
+
+    assert out["main_globals"] and out["functions_seen"] and out["posix"] == "posix"  # the attack got that far
+    assert out["read"] == errno.ENOENT  # the host's file is not there at all
+    assert "platform secret" not in str(out["init_environ"]) and "DATABASE_URL" not in str(out["init_environ"])
+    assert out["fork"] == errno.EPERM
+
+
+def test_the_parents_environment_and_memory_are_out_of_reach(monkeypatch):
+    monkeypatch.setenv("FLUXRL_REDTEAM_SECRET", "s3cr3t-value")
+    out = attack("""
+        import os
+        results = {"pid": os.getpid(), "ppid": os.getppid(), "environ": dict(os.environ)}
+        for pid in sorted({os.getppid(), 1}):
+            for name in ("environ", "cmdline", "mem", "root"):
+                path = f"/proc/{pid}/{name}"
+                try:
+                    if name == "root":
+                        results[path] = sorted(os.listdir(path))
+                    else:
+                        with open(path, "rb") as f:
+                            results[path] = f.read(4096).decode(errors="replace")
+                except OSError as exc:
+                    results[path] = exc.errno
+        return results
+    """)
+    assert "s3cr3t-value" not in json.dumps(out)
+    assert out["pid"] != os.getpid() and out["ppid"] != os.getpid()  # its own PID namespace
