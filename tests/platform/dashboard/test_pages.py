@@ -247,3 +247,11 @@ def test_out_of_range_ids_are_404(page_a, path):
 @pytest.mark.parametrize("query", ["version=99999999999999999999", "version=x"])
 def test_unknown_versions_fall_back_to_the_newest(page_a, dataset_a, query):
     assert page_a.get(f"/datasets/{dataset_a.dataset_id}/?{query}").status_code == 200
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_every_page_warns_when_reward_code_may_run_without_the_os_sandbox(page_a, path, monkeypatch):
+    assert 'id="unsafe-sandbox-banner"' not in page_a.get(path).content.decode()
+    monkeypatch.setenv("FLUXRL_UNSAFE_REWARD_CODE", "1")
+    page = page_a.get(path).content.decode()
+    assert 'id="unsafe-sandbox-banner"' in page and "FLUXRL_UNSAFE_REWARD_CODE=1" in page
