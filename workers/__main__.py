@@ -1,6 +1,7 @@
 """FluxRL engine CLI (no web app needed).
 
-  python -m workers bootstrap                 build (or find) the tiny model, print its folder
+  python -m workers bootstrap [--rebuild]     install the tiny model (shipped weights, checked
+                                              against their SHA-256) or retrain its recipe; print its folder
   python -m workers validate spec.yaml        check a run spec, naming any bad field
   python -m workers run spec.yaml [--out DIR] [--platform URL --token T --run-id N] [--resume]
                                               (or the token in FLUXRL_RUN_TOKEN)
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
@@ -151,8 +153,10 @@ def cmd_run(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m workers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("bootstrap", help="build the tiny model")
-    b.add_argument("--root", default=None)
+    b = sub.add_parser("bootstrap", help="install the tiny model (or --rebuild it from its recipe)")
+    b.add_argument("--root", default=None, help="model cache (default: $FLUXRL_MODEL_CACHE or ~/.cache/fluxrl/models)")
+    b.add_argument("--rebuild", action="store_true",
+                   help="retrain the warm start from its recipe (minutes) instead of installing the shipped weights")
     v = sub.add_parser("validate", help="validate a run spec")
     v.add_argument("spec")
     r = sub.add_parser("run", help="run a training from a spec")
@@ -165,10 +169,18 @@ def main(argv=None) -> int:
     r.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --out (from scratch if there is none)")
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.cmd == "bootstrap":
-        from .tinymodel import ensure_tiny_model
+        from .tinymodel import MANIFEST, ensure_tiny_model
 
-        print(ensure_tiny_model(args.root))
+        folder = ensure_tiny_model(args.root, rebuild=args.rebuild)
+        if args.rebuild:
+            built = json.loads((folder / MANIFEST).read_text())
+            same = built.get("same_as_shipped")
+            print(f"rebuilt: demo held-out greedy accuracy {built['demo_accuracy']:.4f}, sha256 {built['sha256'][:12]}..."
+                  + ("" if same is None else " (identical to the shipped weights)" if same
+                     else " (differs from the shipped weights: another CPU model rounds differently)"))
+        print(folder)
         return 0
     if args.cmd == "validate":
         from .spec import SpecError, load_spec_file
