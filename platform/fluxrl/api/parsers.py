@@ -1,10 +1,12 @@
 """Parsers that refuse an oversized body before reading it (413). A view sets
 `max_body_bytes`; otherwise Django's DATA_UPLOAD_MAX_MEMORY_SIZE applies."""
+import math
 from io import BytesIO
 
+import yaml
 from django.conf import settings
 from rest_framework.exceptions import ParseError
-from rest_framework.parsers import JSONParser, MultiPartParser
+from rest_framework.parsers import BaseParser, JSONParser, MultiPartParser
 
 from fluxrl.api.errors import PayloadTooLarge
 from fluxrl.validation import contains_nul
@@ -38,3 +40,79 @@ class LimitedMultiPartParser(MultiPartParser):
     def parse(self, stream, media_type=None, parser_context=None):
         check_body_size(parser_context or {})
         return super().parse(stream, media_type, parser_context)
+
+
+MAX_YAML_DEPTH = 100  # safe_load's composer recurses per level (~500 levels hit Python's limit); specs use ~3
+
+
+def check_json_like(value, path: str = "") -> None:
+    """Only what a JSON body could hold, so YAML reaches the serializers as JSON would:
+    YAML alone has dates, bytes, sets, non-string keys and .nan/.inf; and no NUL (PostgreSQL)."""
+    where = f" at {path}" if path else ""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ParseError(f"YAML strings must not contain NUL characters{where}.")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ParseError(f"YAML mapping keys must be strings; quote {key!r}{where}.")
+            check_json_like(key, path)
+            check_json_like(item, f"{path}.{key}" if path else key)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            check_json_like(item, f"{path}.{index}" if path else str(index))
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ParseError(f"YAML .nan/.inf are not allowed (JSON has none){where}.")
+    elif value is not None and not isinstance(value, (bool, int, float)):
+        raise ParseError(f"YAML {type(value).__name__} values are not allowed{where}; quote it to make it a string.")
+
+
+class LimitedYAMLParser(BaseParser):
+    """A YAML body holding one mapping (a run spec), with the JSON parser's size limit.
+    Anchors/aliases are refused before loading: safe_load shares aliased nodes, but the
+    spec is deep-copied and stored as JSON, so `*a` nested 9 deep would expand a billion-fold."""
+
+    media_type = "application/yaml"
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        check_body_size(parser_context or {})
+        raw = stream.read()
+        if b"\x00" in raw:
+            raise ParseError("The YAML body must not contain NUL bytes.")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ParseError(f"The YAML body is not valid UTF-8 (byte {exc.start}).") from None
+        try:
+            depth = 0
+            for event in yaml.parse(text, Loader=yaml.SafeLoader):  # events only: cheap, builds nothing
+                if getattr(event, "anchor", None) is not None:
+                    raise ParseError(f"YAML anchors and aliases are not allowed (line {event.start_mark.line + 1}).")
+                depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
+                if depth > MAX_YAML_DEPTH:
+                    raise ParseError(f"The YAML body is nested more than {MAX_YAML_DEPTH} levels deep.")
+            data = yaml.safe_load(text)
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ParseError(f"YAML syntax error{where}: {exc.problem or exc.context}") from None
+        except yaml.YAMLError as exc:
+            raise ParseError(f"Invalid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            found = "an empty document" if data is None else f"a {type(data).__name__}"
+            raise ParseError(f"The run spec must be a YAML mapping, not {found}.")
+        check_json_like(data)
+        return data
+
+
+# DRF picks a parser by its one media_type: one class per YAML media type.
+class LimitedXYAMLParser(LimitedYAMLParser):
+    media_type = "application/x-yaml"
+
+
+class LimitedTextYAMLParser(LimitedYAMLParser):
+    media_type = "text/yaml"
+
+
+YAML_PARSERS = [LimitedYAMLParser, LimitedXYAMLParser, LimitedTextYAMLParser]
+YAML_MEDIA_TYPES = tuple(parser.media_type for parser in YAML_PARSERS)

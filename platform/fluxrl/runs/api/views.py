@@ -1,12 +1,15 @@
 from django.conf import settings
 from django.shortcuts import get_object_or_404
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import generics, status
 from rest_framework.response import Response
+from rest_framework.settings import api_settings
 
 from fluxrl.accounts.models import RunToken
 from fluxrl.accounts.services import create_run_token, visible_teams
 from fluxrl.api.base import TeamScopedMixin, is_schema_generation, validated
+from fluxrl.api.parsers import YAML_MEDIA_TYPES, YAML_PARSERS
 from fluxrl.api.permissions import RunWorkerOrTeamUser
 
 from .. import services
@@ -34,6 +37,8 @@ class RunMixin(TeamScopedMixin):
 
 
 class RunListView(RunMixin, generics.ListAPIView):
+    parser_classes = [*api_settings.DEFAULT_PARSER_CLASSES, *YAML_PARSERS]  # a spec file can be posted as is
+
     def get_queryset(self):
         query = validated(RunListQuerySerializer, self.request.query_params) if not is_schema_generation(self) else {}
         return services.filter_runs(super().get_queryset(), **query)
@@ -42,12 +47,24 @@ class RunListView(RunMixin, generics.ListAPIView):
     def get(self, request):
         return super().get(request)
 
-    @extend_schema(request=RunCreateSerializer, responses={201: RunDetailSerializer}, summary="Submit a run")
+    @extend_schema(
+        request={"application/json": RunCreateSerializer, **{media: OpenApiTypes.OBJECT for media in YAML_MEDIA_TYPES}},
+        responses={201: RunDetailSerializer}, summary="Submit a run",
+        description="JSON: `{spec, team?, tags?, notes?}`. YAML: the spec itself (a spec file as is), or that "
+        "same envelope with a `spec:` key. Anchors/aliases are refused.")
     def post(self, request):
-        data = validated(RunCreateSerializer, request.data)
+        body = request.data
+        if request.content_type.partition(";")[0].strip().lower() in YAML_MEDIA_TYPES and not self.is_envelope(body):
+            body = {"spec": body}  # the bare spec, as in `curl --data-binary @spec.yaml` (README)
+        data = validated(RunCreateSerializer, body)
         team = self.team_for_new_object(data.get("team"))
         run = services.submit_run(team, request.user, data["spec"], data["tags"], data["notes"])
         return Response(RunDetailSerializer(self.queryset.get(pk=run.pk)).data, status=status.HTTP_201_CREATED)
+
+    @staticmethod
+    def is_envelope(body: dict) -> bool:
+        # a spec has no `spec` field, so a spec that names one is still checked (and refused) as a spec
+        return "spec" in body and body.keys() <= RunCreateSerializer().fields.keys()
 
 
 class RunDetailView(RunMixin, generics.RetrieveAPIView):
