@@ -2,7 +2,8 @@
 beside two runs that cannot learn, measured by the same held-out greedy accuracy:
 
   working   examples/add-async.yaml as it is
-  lr0       the same with a learning rate of 0 (the engine runs; nothing may change)
+  lr0       the same with a learning rate of 1e-12 (the spec refuses 0): the engine runs
+            every step, the weights cannot move
   random    the same with a reward that is a coin flip, blind to the answer
 
 Each final model is evaluated a second time, independently of the engine (plain HF
@@ -33,7 +34,7 @@ COIN_FLIP = ("import random\n"
              "    return float(random.random() < 0.5)\n")
 VARIANTS = {
     "working": {},
-    "lr0": {"algorithm": {"lr": 0.0}},
+    "lr0": {"algorithm": {"lr": 1e-12}},
     "random": {"reward": {"function": "user", "code": COIN_FLIP}},
 }
 

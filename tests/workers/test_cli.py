@@ -77,9 +77,9 @@ def test_async_run_trains_within_the_staleness_bound_and_reports_metrics(tmp_pat
 
 # How much 250 demo steps must raise held-out greedy accuracy (400 prompts: 0.0025 each).
 # bench/learning_control.py runs the demo cut to 250 steps beside two broken variants:
-# working runs gained +0.0625 and +0.075; lr 0 gains exactly 0 (the same weights give the
-# same greedy answers); a reward that is a coin flip lost 0.38. The threshold sits between
-# the broken runs (<= 0) and the working ones, at 10 prompts.
+# working runs gained +0.0825 and +0.0875 (+0.0625, +0.075 in an earlier session); lr
+# 1e-12 gains exactly 0 (the same greedy answers); a coin-flip reward lost 0.22-0.32. The
+# threshold sits between the broken runs (<= 0) and the working ones, at 10 prompts.
 DEMO_MIN_GAIN = 0.025
 
 
