@@ -470,7 +470,7 @@ CPU_MAX_STALENESS = 2
 # Assumed, not fitted: how much slower a role runs on half of the cores. Small models
 # parallelise poorly over threads, so well under the 2× of perfect scaling.
 HALF_CORES_SLOWDOWN = 1.5
-# Shape of the decode cost: DESIGN.md measured 64 prompts × 16 tokens ≈ 0.14 s
+# Shape of the decode cost: docs/architecture.md §4 records 64 prompts × 16 tokens ≈ 0.14 s
 # (≈ 8.75 ms a step at batch 64); assumed half fixed, half per sequence; a prefill token
 # costs a quarter of a decode slot. Calibration fits one scale for all three.
 CPU_DECODE = (4.4e-3, 4.4e-3 / 64, 4.4e-3 / 64 / 4)

@@ -26,7 +26,7 @@ elif [ "$ENGINE" = cpu ]; then
   # DeepSpeed ships an sdist whose build imports torch: build against the torch we have.
   pip install -q --no-build-isolation "deepspeed==0.19.8" "torch==2.13.0"
   pip install -q "transformers>=5.16.1,<5.20" "torch==2.13.0"
-  # Never let these in: they are built for another torch (DESIGN.md §4).
+  # Never let these in: they are built for another torch (docs/architecture.md §4).
   pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 pip install -q -e ".[test]"

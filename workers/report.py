@@ -1,7 +1,7 @@
 """Where a run's numbers go: a JSONL file always, and the platform's REST API when a
 URL and a run-scoped token are given (batched, retried, never blocking training).
 
-Metric names are the API (DESIGN.md §5). Points are keyed by (key, step) and the
+Metric names are the API (docs/architecture.md §5). Points are keyed by (key, step) and the
 platform stores them idempotently, so a retried batch never duplicates a point.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ The trainer serialises its state dict once per version (safetensors bytes, so th
 engine's RPC can carry it) and each engine loads it through ``WeightSyncExtension``,
 a vLLM worker extension running inside the engine process. ``reload_weights`` is
 used rather than ``model.load_weights`` because the CPU backend repacks weights after
-loading (DESIGN.md §4).
+loading (docs/architecture.md §4).
 """
 from __future__ import annotations
 

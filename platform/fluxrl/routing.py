@@ -1,4 +1,4 @@
-"""Websocket routes: a run's live view (runs/consumers.py, DESIGN.md §7)."""
+"""Websocket routes: a run's live view (runs/consumers.py, docs/architecture.md §7)."""
 from django.urls import path
 
 from fluxrl.runs.consumers import RunConsumer

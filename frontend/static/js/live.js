@@ -1,4 +1,4 @@
-// The run page's websocket (ws/runs/<id>/?since_step=N, DESIGN.md §7): reconnects with
+// The run page's websocket (ws/runs/<id>/?since_step=N, docs/architecture.md §7): reconnects with
 // exponential backoff and asks only for the steps it missed.
 
 const PERMANENT = { 4400: "bad request", 4401: "you are signed out; reload the page to sign in", 4403: "not allowed", 4404: "no such run" };

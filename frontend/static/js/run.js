@@ -10,7 +10,7 @@ const run = data.run;
 const MAX_POINTS = 1000;
 const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
 
-// DESIGN.md §5 metric names, grouped into charts. Keys outside these get "other" charts.
+// docs/architecture.md §5 metric names, grouped into charts. Keys outside these get "other" charts.
 const CHARTS = [
   { id: "reward", title: "Reward (mean ± std)", band: { mean: "reward/mean", std: "reward/std" },
     traces: [{ key: "reward/mean", name: "reward mean" }] },

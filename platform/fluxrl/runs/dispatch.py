@@ -44,7 +44,7 @@ REAP_EVERY_S = 30.0
 LIVE_STATUSES = (RunStatus.STARTING, RunStatus.RUNNING)
 LOG_TAIL_LINES = 20
 LOG_TAIL_CHARS = 3000
-# Never handed to the engine: workers do not touch the database (DESIGN.md §2), and
+# Never handed to the engine: workers do not touch the database (docs/architecture.md §2), and
 # the engine runs user reward code.
 PRIVATE_ENV = ("DATABASE_URL", "DJANGO_SECRET_KEY", "POSTGRES_PASSWORD")
 RUN_TOKEN_ENV = "FLUXRL_RUN_TOKEN"  # read by `python -m workers run` when --token is not given

@@ -1,7 +1,7 @@
 """Live updates of a run for its page: what is pushed to the Channels group run-<id>
 and what a subscriber gets on connect. RunConsumer (consumers.py) forwards both.
 
-Messages (DESIGN.md §7): {"type": "status", ...}, {"type": "metrics", "points": [...]},
+Messages (docs/architecture.md §7): {"type": "status", ...}, {"type": "metrics", "points": [...]},
 {"type": "samples", "samples": [...]}. Points are keyed by (key, step); a retried batch
 may be pushed twice, so subscribers overwrite rather than append blindly.
 """

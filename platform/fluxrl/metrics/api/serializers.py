@@ -2,7 +2,7 @@ from rest_framework import serializers
 
 
 class MetricPointSerializer(serializers.Serializer):
-    key = serializers.CharField(max_length=100, help_text="e.g. reward/mean (DESIGN.md §5)")
+    key = serializers.CharField(max_length=100, help_text="e.g. reward/mean (docs/architecture.md §5)")
     step = serializers.IntegerField(min_value=0)
     value = serializers.FloatField()
     time = serializers.FloatField(required=False, allow_null=True, help_text="wall clock, unix seconds (default: arrival)")

@@ -1,0 +1,61 @@
+"""The project stands on its own: every design note a comment cites is in the repository,
+with the section it names, and the README's and docs' links point at files that exist."""
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT_SUFFIXES = {".py", ".sh", ".md", ".yaml", ".yml", ".js", ".css", ".html", ".txt", ".toml"}
+CITATION = re.compile(r"\b((?:docs/)?[\w./-]+\.md)\s+§(\d+)")
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def tracked_text_files() -> list[Path]:
+    names = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    paths = [ROOT / n for n in names]
+    return [p for p in paths if p.is_file() and (p.suffix in TEXT_SUFFIXES or p.name in ("Dockerfile", "run"))]
+
+
+def sections(doc: Path) -> set[str]:
+    return set(re.findall(r"^#+\s+(\d+)\.", doc.read_text(), re.M))
+
+
+def test_every_cited_design_note_and_section_exists():
+    problems = []
+    for path in tracked_text_files():
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            for doc, section in CITATION.findall(line):
+                target = ROOT / doc
+                where = f"{path.relative_to(ROOT)}:{number}"
+                if not target.is_file():
+                    problems.append(f"{where} cites {doc}, which is not in the repository")
+                elif section not in sections(target):
+                    problems.append(f"{where} cites {doc} §{section}, which has no such section")
+    assert not problems, "\n".join(problems)
+
+
+def test_nothing_cites_design_notes_kept_outside_the_repository():
+    this = Path(__file__).resolve()
+    offenders = [str(p.relative_to(ROOT)) for p in tracked_text_files()
+                 if p.resolve() != this and "DESIGN.md" in p.read_text(errors="replace")]
+    assert not offenders, offenders
+
+
+def test_relative_links_in_the_readme_and_docs_point_at_files():
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for doc in docs:
+        for target in LINK.findall(doc.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not (doc.parent / target).exists():
+                broken.append(f"{doc.relative_to(ROOT)} -> {target}")
+    assert not broken, broken
+
+
+def test_the_architecture_notes_are_cited_by_the_code():
+    # They exist for the code: a note nothing cites would drift unread.
+    cited = {section for p in tracked_text_files() if p.suffix != ".md"
+             for doc, section in CITATION.findall(p.read_text(errors="replace")) if doc == "docs/architecture.md"}
+    assert {"2", "4", "5", "7"} <= cited, cited
