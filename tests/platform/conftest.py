@@ -98,7 +98,7 @@ def dataset_a(team_a, alice):
 
 
 def make_spec(**sections) -> dict:
-    spec = {"name": "add-async", "model": {"path": "./var/models/tiny-add"}, "task": {"dataset": "gen:add"},
+    spec = {"name": "add-async", "model": {"path": "builtin:tiny"}, "task": {"dataset": "gen:add"},
             "reward": {"function": "numeric_match"}}
     spec.update(sections)
     return spec

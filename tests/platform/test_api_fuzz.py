@@ -60,7 +60,7 @@ def fuzz_world(team_a, alice, bob, settings, monkeypatch, keep_test_connection):
     monkeypatch.setattr(datasets, "MAX_GENERATED_ROWS", 500)
     dataset = datasets.generate_version(team_a, alice, "add", "add", n=20, seed=1)
     reward = create_function(team_a, alice, "exact", "def reward(prompt, completion, **f):\n    return 1.0\n")
-    run = submit_run(team_a, alice, {"name": "fuzz", "model": {"path": "./m"}, "task": {"dataset": "add@1"}})
+    run = submit_run(team_a, alice, {"name": "fuzz", "model": {"path": "builtin:tiny"}, "task": {"dataset": "add@1"}})
     transition(run, RunStatus.STARTING)
     transition(run, RunStatus.RUNNING)
     add_samples(run, [{"step": 1, "prompt": "1+1=", "completion": "2", "versions": [0]}])

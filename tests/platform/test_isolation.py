@@ -74,7 +74,7 @@ def build_world(team: Team, admin, member, marker: str) -> World:
     dataset = add_version(team, admin, f"{marker}-data", [{"prompt": f"{marker} 1+1=", "answer": "2"}],
                           description=marker, source="jsonl")
     reward = create_function(team, admin, f"{marker}-reward", CODE + f"# {marker}\n", description=marker)
-    spec = {"name": f"{marker}-run", "model": {"path": "./var/models/tiny-add"},
+    spec = {"name": f"{marker}-run", "model": {"path": "builtin:tiny"},
             "task": {"dataset": f"{marker}-data@1"}, "reward": {"function": f"{marker}-reward@1"}}
     run = submit_run(team, admin, spec, tags=[marker], notes=marker)
     transition(run, RunStatus.STARTING)
@@ -167,7 +167,7 @@ def bodies(route: Route, target: World, has_params: bool) -> list[dict]:
     body that passes the validation of every endpoint; a route without gets variants
     that try to reach the target through the body (team slug, name@version refs)."""
     rows = [{"prompt": "1+1=", "completion": "2", "fields": {"answer": "2"}}]
-    spec = {"name": "walker", "model": {"path": "./m"}, "task": {"dataset": target.refs["dataset"]},
+    spec = {"name": "walker", "model": {"path": "builtin:tiny"}, "task": {"dataset": target.refs["dataset"]},
             "reward": {"function": target.refs["reward"]}}
     if takes_multipart(route):
         upload = lambda: {"file": ("d.jsonl", b'{"prompt": "a", "answer": "1"}\n'), "name": "walker"}  # noqa: E731

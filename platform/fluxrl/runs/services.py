@@ -3,7 +3,9 @@ state machine, cooperative cancellation, and what workers report (samples, check
 from __future__ import annotations
 
 import copy
+import os
 import re
+from pathlib import Path
 from functools import partial
 from itertools import groupby
 
@@ -62,9 +64,53 @@ def parse_user_spec(spec_input) -> dict:
     return yaml.safe_load(spec_input) if isinstance(spec_input, (str, bytes)) else copy.deepcopy(spec_input)
 
 
+BUILTIN_MODELS = ("builtin:tiny",)
+MODEL_ROOTS_ENV = "FLUXRL_MODEL_ROOTS"
+
+
+def model_roots() -> list[Path]:
+    """Folders whose models any team may name (FLUXRL_MODEL_ROOTS, os.pathsep-separated;
+    default FLUXRL_DATA_DIR/models), resolved."""
+    configured = os.environ.get(MODEL_ROOTS_ENV)
+    roots = configured.split(os.pathsep) if configured else [str(Path(settings.FLUXRL_DATA_DIR) / "models")]
+    return [Path(os.path.realpath(r)) for r in roots if r.strip()]
+
+
+def runs_root() -> Path:
+    """Where the dispatcher keeps run folders (<id>/out holds a run's outputs)."""
+    return Path(os.path.realpath(Path(settings.FLUXRL_DATA_DIR) / "runs"))
+
+
+def check_model_path(team, path: str) -> None:
+    """A spec's model.path may be a built-in name, a folder under a model root, or the
+    output of one of the team's own runs: never another team's outputs or any other
+    folder of the worker host. Symlinks and `..` are resolved before the check."""
+    field = "spec.model.path"
+    if path.startswith("builtin:"):
+        if path not in BUILTIN_MODELS:
+            raise field_error(field, f"unknown built-in model; choose one of {list(BUILTIN_MODELS)}")
+        return
+    if not os.path.isabs(path):
+        raise field_error(field, "give a built-in name, or an absolute path to a folder under a model root "
+                                 f"({MODEL_ROOTS_ENV}) or under one of your team's run outputs")
+    real = Path(os.path.realpath(path))
+    for root in model_roots():
+        if real == root or root in real.parents:
+            return
+    runs = runs_root()
+    if runs in real.parents:
+        run_id, _, rest = str(real.relative_to(runs)).partition(os.sep)
+        if run_id.isdigit() and (rest == "out" or rest.startswith("out" + os.sep)) \
+                and Run.objects.filter(pk=int(run_id), team=team).exists():
+            return
+    raise field_error(field, f"{path} is not allowed: a model must be a built-in name, under a model root "
+                             f"({', '.join(map(str, model_roots()))}) or in one of your team's run outputs")
+
+
 def resolve_references(team, spec: dict):
     """(dataset_version, reward_version) named by the spec in the team; None where the
     spec names a built-in generator (gen:<name>), a built-in reward or inline code."""
+    check_model_path(team, (spec.get("model") or {}).get("path", ""))
     dataset_ref = spec["task"]["dataset"]
     function = (spec.get("reward") or {}).get("function", "numeric_match")
     try:
@@ -97,7 +143,9 @@ def engine_spec(spec: dict, dataset_version=None, reward_version=None) -> dict:
 
 def resolve_spec(run: Run) -> dict:
     """Engine-ready spec of a run, from its spec and pinned versions (paths computed now,
-    so a moved FLUXRL_DATA_DIR is followed). Use this at dispatch time."""
+    so a moved FLUXRL_DATA_DIR is followed). Use this at dispatch time. The model path is
+    checked again: a symlink swapped after submission must not slip through."""
+    check_model_path(run.team, (run.spec.get("model") or {}).get("path", ""))
     return engine_spec(run.spec, run.dataset_version, run.reward_version)
 
 

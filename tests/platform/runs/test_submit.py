@@ -49,7 +49,7 @@ def test_the_example_specs_are_accepted(api_a):
 
 
 def test_yaml_text_spec_is_accepted(api_a):
-    text = "name: y\nmodel: {path: ./m}\ntask: {dataset: 'gen:chain'}\nstop: {max_steps: 5}\n"
+    text = "name: y\nmodel: {path: 'builtin:tiny'}\ntask: {dataset: 'gen:chain'}\nstop: {max_steps: 5}\n"
     response = api_a.post("/api/runs/", {"spec": text})
     assert response.status_code == 201, response.content
     assert response.json()["spec"]["stop"] == {"max_steps": 5}
