@@ -39,6 +39,14 @@ class TooLarge(DomainError):
     status, code = 413, "too_large"
 
 
+class TooManyRequests(DomainError):
+    status, code = 429, "too_many_requests"
+
+    def __init__(self, message: str, *, retry_after_s: int = 5):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 def field_error(field: str, message: str) -> InvalidInput:
     """A 400 about one input field; the message names the field."""
     return InvalidInput(f"{field}: {message}", fields={field: message})

@@ -251,6 +251,10 @@ FLUXRL_METRICS_MAX_POINTS = int(os.environ.get("FLUXRL_METRICS_MAX_POINTS", "100
 FLUXRL_REWARD_CODE_MAX_BYTES = 64 * 1024
 FLUXRL_REWARD_TRY_MAX_ROWS = 20
 FLUXRL_REWARD_TRY_MAX_TIMEOUT_S = 5.0
+# A "try it" call is bounded: rows x per-row timeout <= FLUXRL_TRY_MAX_SECONDS, and at most
+# FLUXRL_TRY_MAX_CONCURRENT tries run at once per web process (more get a 429).
+FLUXRL_TRY_MAX_SECONDS = float(os.environ.get("FLUXRL_TRY_MAX_SECONDS", "10"))
+FLUXRL_TRY_MAX_CONCURRENT = int(os.environ.get("FLUXRL_TRY_MAX_CONCURRENT", "2"))
 FLUXRL_RUN_TOKEN_TTL_HOURS = float(os.environ.get("FLUXRL_RUN_TOKEN_TTL_HOURS", "168"))  # 0 = until the run ends
 # Ordinary JSON bodies (run specs, reward code); uploads and ingest have their own limits.
 DATA_UPLOAD_MAX_MEMORY_SIZE = 4 * 1024 * 1024

@@ -43,7 +43,10 @@ class PayloadTooLarge(exceptions.APIException):
 
 def api_exception_handler(exc, context):
     if isinstance(exc, DomainError):
-        return Response(error_body(exc.code, exc.message, exc.fields), status=exc.status)
+        response = Response(error_body(exc.code, exc.message, exc.fields), status=exc.status)
+        if getattr(exc, "retry_after_s", None):
+            response["Retry-After"] = str(exc.retry_after_s)
+        return response
     if isinstance(exc, RequestDataTooBig):
         exc = PayloadTooLarge(str(exc))
     elif isinstance(exc, Http404):

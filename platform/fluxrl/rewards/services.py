@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import ast
 import inspect
+import threading
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 
 import workers.rewards
 from fluxrl.datasets.services import read_rows
-from fluxrl.errors import Conflict, field_error
+from fluxrl.errors import Conflict, InvalidInput, TooManyRequests, field_error
 from fluxrl.versioned import check_name, find_version, next_version_number
 from workers.rewards import BUILTIN_REWARDS
 from workers.sandbox import try_reward
@@ -94,15 +95,44 @@ def rows_from_dataset(version, n: int, completions: list[str] | None = None) -> 
     ]
 
 
-def try_code(code: str, rows: list[dict], timeout_s: float = 2.0, memory_mb: int = 256) -> dict:
+_try_slots: dict[int, threading.BoundedSemaphore] = {}
+_try_slots_lock = threading.Lock()
+
+
+def _try_slot() -> threading.BoundedSemaphore:
+    limit = settings.FLUXRL_TRY_MAX_CONCURRENT
+    with _try_slots_lock:
+        return _try_slots.setdefault(limit, threading.BoundedSemaphore(limit))
+
+
+def try_code(code: str, rows: list[dict], timeout_s: float | None = None, memory_mb: int = 256) -> dict:
     """Score rows ({prompt, completion, fields}) in the sandbox. Errors in the code come
-    back in the result ({"ok": false, "error" or per-row "error"}), never as exceptions."""
+    back in the result ({"ok": false, "error" or per-row "error"}), never as exceptions.
+    The work is bounded (rows x per-row timeout <= FLUXRL_TRY_MAX_SECONDS; without a
+    timeout_s, the per-row timeout is min(2 s, that bound / rows)) and so is the number of
+    tries running at once (429 past FLUXRL_TRY_MAX_CONCURRENT)."""
     if not rows:
         raise field_error("rows", "give at least one row")
     if len(rows) > settings.FLUXRL_REWARD_TRY_MAX_ROWS:
         raise field_error("rows", f"at most {settings.FLUXRL_REWARD_TRY_MAX_ROWS} rows")
+    bound = settings.FLUXRL_TRY_MAX_SECONDS
+    if timeout_s is None:
+        timeout_s = min(2.0, bound / len(rows))
     timeout_s = min(timeout_s, settings.FLUXRL_REWARD_TRY_MAX_TIMEOUT_S)
-    outcome = try_reward(code, rows, timeout_s=timeout_s, memory_mb=memory_mb)
+    if len(rows) * timeout_s > bound + 1e-9:
+        message = (f"{len(rows)} rows x {timeout_s:g} s per row exceed the {bound:g} s a try may take: "
+                   "give fewer rows or a shorter timeout_s")
+        raise InvalidInput(message, fields={"rows": message, "timeout_s": message})
+    slot = _try_slot()
+    if not slot.acquire(blocking=False):
+        raise TooManyRequests(f"{settings.FLUXRL_TRY_MAX_CONCURRENT} tries are already running: try again shortly",
+                              retry_after_s=max(1, int(bound)))
+    try:
+        if not connection.in_atomic_block:
+            connection.close()  # not held while the sandbox scores: the pool serves others
+        outcome = try_reward(code, rows, timeout_s=timeout_s, memory_mb=memory_mb)
+    finally:
+        slot.release()
     outcome["results"] = [
         {"prompt": row["prompt"], "completion": row["completion"], **result}
         for row, result in zip(rows, outcome["results"])

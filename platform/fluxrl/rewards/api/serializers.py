@@ -60,7 +60,9 @@ class RewardTrySerializer(serializers.Serializer):
     n = serializers.IntegerField(default=5, min_value=1, max_value=2**31 - 1)  # read with islice: at most sys.maxsize
     completions = serializers.ListField(child=serializers.CharField(allow_blank=True, trim_whitespace=False), required=False)
     team = serializers.SlugField(required=False, help_text="team of the dataset (and function)")
-    timeout_s = serializers.FloatField(default=2.0, min_value=0.1, help_text="per row")
+    timeout_s = serializers.FloatField(required=False, min_value=0.1,
+                                       help_text="per row; rows x timeout_s <= FLUXRL_TRY_MAX_SECONDS "
+                                                 "(default: min(2, that bound / rows))")
     memory_mb = serializers.IntegerField(default=256, min_value=64, max_value=2048)
 
     def validate(self, data):

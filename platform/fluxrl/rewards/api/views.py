@@ -70,7 +70,7 @@ def run_try(team, code: str, data: dict) -> Response:
     if rows is None:
         dataset = get_dataset_version(team, data["dataset"], field="dataset")
         rows = services.rows_from_dataset(dataset, data["n"], data.get("completions"))
-    outcome = services.try_code(code, rows, timeout_s=data["timeout_s"], memory_mb=data["memory_mb"])
+    outcome = services.try_code(code, rows, timeout_s=data.get("timeout_s"), memory_mb=data["memory_mb"])
     return Response(TryResultSerializer(outcome).data)
 
 
