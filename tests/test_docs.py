@@ -1,5 +1,7 @@
 """The project stands on its own: every design note a comment cites is in the repository,
-with the section it names, and the README's and docs' links point at files that exist."""
+with the section it names; every markdown file named anywhere exists; nothing cites the
+old DESIGN.md kept outside the repository; the README's and docs' links point at files
+that exist."""
 import re
 import subprocess
 from pathlib import Path
@@ -7,6 +9,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TEXT_SUFFIXES = {".py", ".sh", ".md", ".yaml", ".yml", ".js", ".css", ".html", ".txt", ".toml"}
 CITATION = re.compile(r"\b((?:docs/)?[\w./-]+\.md)\s+§(\d+)")
+MENTION = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w-][\w.-]*\.md)\b")  # a markdown file named, cited or not
+SELF_CITATION = re.compile(r"§(\d+)")  # left once citations of other files are removed: this note's own
+URL = re.compile(r"\w+://\S+")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
@@ -32,6 +37,31 @@ def test_every_cited_design_note_and_section_exists():
                     problems.append(f"{where} cites {doc}, which is not in the repository")
                 elif section not in sections(target):
                     problems.append(f"{where} cites {doc} §{section}, which has no such section")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_mentioned_markdown_file_exists():
+    this = Path(__file__).resolve()
+    missing = []
+    for path in tracked_text_files():
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if path.resolve() == this and "DESIGN.md" in line:
+                continue  # the name this file forbids (next test)
+            for name in MENTION.findall(URL.sub("", line)):
+                if not ((ROOT / name).is_file() or (path.parent / name).is_file()):
+                    missing.append(f"{path.relative_to(ROOT)}:{number} mentions {name}, which is not in the repository")
+    assert not missing, "\n".join(missing)
+
+
+def test_a_notes_references_to_its_own_sections_exist():
+    problems = []
+    for doc in sorted((ROOT / "docs").glob("*.md")):
+        own = sections(doc)
+        for number, line in enumerate(doc.read_text().splitlines(), 1):
+            line = CITATION.sub("", line)  # citations of other files are checked above
+            for section in SELF_CITATION.findall(line):
+                if section not in own:
+                    problems.append(f"{doc.relative_to(ROOT)}:{number} refers to §{section}, which it does not have")
     assert not problems, "\n".join(problems)
 
 
