@@ -20,6 +20,8 @@ ERROR_STATUSES = {
     "400": "Invalid input", "401": "Missing, invalid, expired or revoked token", "403": "Not allowed (scope, role, run token)",
     "404": "Not found (or another team's)", "409": "Conflict (e.g. illegal run state transition)", "413": "Too large",
 }
+# Declared only by the operations that can answer them (extend_schema); given the error body here.
+OPTIONAL_ERROR_STATUSES = ("429",)
 
 
 def add_error_responses(result, generator, request, public):
@@ -29,4 +31,7 @@ def add_error_responses(result, generator, request, public):
         for operation in operations.values():
             for status, description in ERROR_STATUSES.items():
                 operation["responses"].setdefault(status, {"description": description, "content": content})
+            for status in OPTIONAL_ERROR_STATUSES:
+                if status in operation["responses"]:
+                    operation["responses"][status].setdefault("content", content)
     return result

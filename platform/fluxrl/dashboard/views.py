@@ -7,6 +7,7 @@ from pathlib import Path
 
 import plotly
 import yaml
+from django.conf import settings
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
@@ -228,6 +229,9 @@ def rewards(request, team, pk=None):
         "versions": function.versions.order_by("-version") if function else [],
         "code": version.code if version else REWARD_TEMPLATE,
         "datasets": [ref for ref in datasets if not ref.startswith("gen:")],
+        # The form sends no timeout_s: the API gives each row min(2 s, FLUXRL_TRY_MAX_SECONDS / rows),
+        # so any row count up to this stays within the try-it bound.
+        "try_max_rows": settings.FLUXRL_REWARD_TRY_MAX_ROWS,
     }, "rewards")
 
 

@@ -105,31 +105,37 @@ def _try_slot() -> threading.BoundedSemaphore:
         return _try_slots.setdefault(limit, threading.BoundedSemaphore(limit))
 
 
-def try_code(code: str, rows: list[dict], timeout_s: float | None = None, memory_mb: int = 256) -> dict:
+def try_code(code: str, rows: list[dict], timeout_s: float | None = None, memory_mb: int = 256,
+             rows_field: str = "rows") -> dict:
     """Score rows ({prompt, completion, fields}) in the sandbox. Errors in the code come
     back in the result ({"ok": false, "error" or per-row "error"}), never as exceptions.
     The work is bounded (rows x per-row timeout <= FLUXRL_TRY_MAX_SECONDS; without a
     timeout_s, the per-row timeout is min(2 s, that bound / rows)) and so is the number of
-    tries running at once (429 past FLUXRL_TRY_MAX_CONCURRENT)."""
+    tries running at once (429 past FLUXRL_TRY_MAX_CONCURRENT). rows_field: the request
+    field the rows came from, named by the errors ("n" for rows read from a dataset).
+    Call it from a thread, never an event loop: it blocks while the sandbox scores (the
+    API's sync views run in a worker thread under ASGI)."""
     if not rows:
-        raise field_error("rows", "give at least one row")
+        raise field_error(rows_field, "give at least one row")
     if len(rows) > settings.FLUXRL_REWARD_TRY_MAX_ROWS:
-        raise field_error("rows", f"at most {settings.FLUXRL_REWARD_TRY_MAX_ROWS} rows")
+        raise field_error(rows_field, f"at most {settings.FLUXRL_REWARD_TRY_MAX_ROWS} rows")
     bound = settings.FLUXRL_TRY_MAX_SECONDS
     if timeout_s is None:
         timeout_s = min(2.0, bound / len(rows))
     timeout_s = min(timeout_s, settings.FLUXRL_REWARD_TRY_MAX_TIMEOUT_S)
     if len(rows) * timeout_s > bound + 1e-9:
         message = (f"{len(rows)} rows x {timeout_s:g} s per row exceed the {bound:g} s a try may take: "
-                   "give fewer rows or a shorter timeout_s")
-        raise InvalidInput(message, fields={"rows": message, "timeout_s": message})
+                   f"give {'fewer rows' if rows_field == 'rows' else 'a smaller ' + rows_field} or a shorter timeout_s")
+        raise InvalidInput(message, fields={rows_field: message, "timeout_s": message})
     slot = _try_slot()
     if not slot.acquire(blocking=False):
         raise TooManyRequests(f"{settings.FLUXRL_TRY_MAX_CONCURRENT} tries are already running: try again shortly",
                               retry_after_s=max(1, int(bound)))
     try:
         if not connection.in_atomic_block:
-            connection.close()  # not held while the sandbox scores: the pool serves others
+            # Not held while the sandbox scores (seconds): back to the pool for other requests.
+            # Nothing below needs the database; a later query would simply reconnect.
+            connection.close()
         outcome = try_reward(code, rows, timeout_s=timeout_s, memory_mb=memory_mb)
     finally:
         slot.release()

@@ -35,7 +35,14 @@ from fluxrl.accounts.services import create_run_token
 from fluxrl.errors import DomainError
 
 from .models import Run, RunStatus
-from .services import IllegalTransition, resolve_spec, resume_from_checkpoint, transition
+from .services import (  # run_dir, run_output_dir: the one place run folders are named
+    IllegalTransition,
+    resolve_spec,
+    resume_from_checkpoint,
+    run_dir,
+    run_output_dir,
+    transition,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +58,6 @@ RUN_TOKEN_ENV = "FLUXRL_RUN_TOKEN"  # read by `python -m workers run` when --tok
 
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-
-
-def run_dir(run_id: int) -> Path:
-    return Path(settings.FLUXRL_DATA_DIR) / "runs" / str(run_id)
 
 
 def engine_command(run_id: int, spec_path: Path, out_dir: Path, resume: bool = False) -> list[str]:
@@ -183,7 +186,7 @@ def launch(run_id: int) -> tuple[subprocess.Popen, Path] | None:
             spec_path = folder / "spec.json"
             spec_path.write_text(json.dumps(resolve_spec(run), indent=2))
             _, key = create_run_token(run)
-            command = engine_command(run.pk, spec_path, folder / "out", resume=resume_from_checkpoint(run))
+            command = engine_command(run.pk, spec_path, run_output_dir(run.pk), resume=resume_from_checkpoint(run))
             proc = start_engine(command, folder / "engine.log", key)
             transition(run, RunStatus.STARTING, worker_host=socket.gethostname(), worker_pid=proc.pid)
     except BaseException:

@@ -4,9 +4,10 @@ import os
 
 import pytest
 
+from fluxrl.errors import InvalidInput
 from fluxrl.runs import dispatch
 from fluxrl.runs.models import Run, RunStatus
-from fluxrl.runs.services import submit_run
+from fluxrl.runs.services import check_model_path, engine_spec, resolve_spec, run_output_dir, submit_run
 
 
 @pytest.fixture
@@ -33,7 +34,8 @@ def test_builtin_names_and_folders_under_a_model_root_are_accepted(api_a, spec, 
     assert post(api_a, spec, roots / "qwen").status_code == 201
 
 
-@pytest.mark.parametrize("path", ["/etc", "/", "relative/model", "../models/qwen", "builtin:huge", "Qwen/Qwen2-0.5B"])
+@pytest.mark.parametrize("path", ["/etc", "/", "relative/model", "../models/qwen", "./qwen", "qwen/../../elsewhere",
+                                  "builtin:huge", "Qwen/Qwen2-0.5B"])
 def test_paths_outside_the_roots_are_refused_naming_the_field(api_a, spec, roots, path):
     refused(post(api_a, spec, path))
 
@@ -70,3 +72,60 @@ def test_a_path_no_longer_allowed_at_dispatch_fails_the_run_without_starting_it(
     run = Run.objects.get(pk=run.pk)
     assert run.status == RunStatus.FAILED and "spec.model.path" in run.failure_reason
     assert not (dispatch.run_dir(run.pk) / "spec.json").exists()  # no engine was given the spec
+
+
+def test_the_default_root_is_the_models_folder_of_the_data_dir(api_a, spec, settings, monkeypatch):
+    monkeypatch.delenv("FLUXRL_MODEL_ROOTS", raising=False)
+    (settings.FLUXRL_DATA_DIR / "models" / "m").mkdir(parents=True)
+    assert post(api_a, spec, settings.FLUXRL_DATA_DIR / "models" / "m").status_code == 201
+    refused(post(api_a, spec, settings.FLUXRL_DATA_DIR / "elsewhere"))
+
+
+def test_several_roots_are_separated_by_os_pathsep(api_a, spec, tmp_path, monkeypatch):
+    first, second = tmp_path / "r1", tmp_path / "r2"
+    (second / "m").mkdir(parents=True)
+    first.mkdir()
+    monkeypatch.setenv("FLUXRL_MODEL_ROOTS", os.pathsep.join([str(first), str(second)]))
+    assert post(api_a, spec, second / "m").status_code == 201
+
+
+def test_a_hub_id_is_accepted_only_where_that_folder_exists_under_a_root(api_a, spec, roots):
+    message = refused(post(api_a, spec, "Qwen/Qwen2-0.5B"))
+    assert "do not download" in message and str(roots) in message
+    (roots / "Qwen" / "Qwen2-0.5B").mkdir(parents=True)
+    response = post(api_a, spec, "Qwen/Qwen2-0.5B")
+    assert response.status_code == 201, response.content
+    run = Run.objects.get(pk=response.json()["id"])
+    assert run.spec["model"]["path"] == "Qwen/Qwen2-0.5B"  # as submitted
+    assert run.resolved_spec["model"]["path"] == str(roots.resolve() / "Qwen" / "Qwen2-0.5B")  # what a worker loads
+
+
+def test_a_link_from_the_teams_outputs_into_another_teams_is_refused(api_a, spec, team_a, team_b, alice, carol):
+    mine, theirs = submit_run(team_a, alice, spec()), submit_run(team_b, carol, spec())
+    (run_output_dir(theirs.pk) / "final_model").mkdir(parents=True)
+    run_output_dir(mine.pk).mkdir(parents=True)
+    os.symlink(run_output_dir(theirs.pk) / "final_model", run_output_dir(mine.pk) / "borrowed")
+    refused(post(api_a, spec, run_output_dir(mine.pk) / "borrowed"))
+    with pytest.raises(InvalidInput) as error:  # the service itself, as dispatch calls it
+        check_model_path(team_b, str(run_output_dir(mine.pk)))
+    assert "spec.model.path" in error.value.fields
+
+
+def test_a_nul_in_a_stored_path_is_refused_not_a_crash(team_a, roots):
+    with pytest.raises(InvalidInput, match="spec.model.path"):  # the API's JSON parser refuses it earlier
+        check_model_path(team_a, f"{roots}/qwen\x00")
+
+
+def test_the_engine_is_given_the_resolved_folder(team_a, alice, spec, roots):
+    os.symlink(roots / "qwen", roots / "alias")
+    run = submit_run(team_a, alice, spec(model={"path": f"{roots}/alias/../qwen"}))
+    assert resolve_spec(run)["model"]["path"] == str((roots / "qwen").resolve())
+    assert resolve_spec(submit_run(team_a, alice, spec()))["model"]["path"] == "builtin:tiny"
+
+
+def test_a_spec_stored_before_the_rule_is_refused_at_dispatch(team_a, alice, spec, roots):
+    stored = spec(model={"path": "/etc"})
+    run = Run.objects.create(team=team_a, owner=alice, name="old", spec=stored, resolved_spec=engine_spec(stored))
+    assert dispatch.execute_run(run.pk) == "failed"
+    run.refresh_from_db()
+    assert "spec.model.path" in run.failure_reason and not (dispatch.run_dir(run.pk) / "spec.json").exists()

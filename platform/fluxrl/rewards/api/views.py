@@ -1,5 +1,6 @@
 from django.db.models import Max, Value
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import generics, status
 from rest_framework.response import Response
 
@@ -65,12 +66,21 @@ class RewardVersionDetailView(RewardVersionsMixin, generics.RetrieveAPIView):
     pass
 
 
+# Try-it is bounded (services.try_code): 400 past FLUXRL_TRY_MAX_SECONDS of work, 429 past
+# FLUXRL_TRY_MAX_CONCURRENT tries at once in this web process.
+TRY_RESPONSES = {200: TryResultSerializer, 429: OpenApiResponse(
+    description="FLUXRL_TRY_MAX_CONCURRENT tries are already scoring in this web process: retry after Retry-After")}
+TRY_HEADERS = [OpenApiParameter("Retry-After", OpenApiTypes.INT, OpenApiParameter.HEADER, response=[429],
+                                description="seconds to wait before trying again")]
+
+
 def run_try(team, code: str, data: dict) -> Response:
-    rows = data.get("rows")
+    rows, rows_field = data.get("rows"), "rows"
     if rows is None:
         dataset = get_dataset_version(team, data["dataset"], field="dataset")
-        rows = services.rows_from_dataset(dataset, data["n"], data.get("completions"))
-    outcome = services.try_code(code, rows, timeout_s=data.get("timeout_s"), memory_mb=data["memory_mb"])
+        rows, rows_field = services.rows_from_dataset(dataset, data["n"], data.get("completions")), "n"
+    outcome = services.try_code(code, rows, timeout_s=data.get("timeout_s"), memory_mb=data["memory_mb"],
+                                rows_field=rows_field)
     return Response(TryResultSerializer(outcome).data)
 
 
@@ -79,7 +89,7 @@ class RewardTryView(RewardVersionsMixin, generics.GenericAPIView):
 
     serializer_class = RewardTryVersionSerializer
 
-    @extend_schema(responses={200: TryResultSerializer}, operation_id="rewards_try_function")
+    @extend_schema(responses=TRY_RESPONSES, parameters=TRY_HEADERS, operation_id="rewards_try_function")
     def post(self, request, pk):
         data = validated(RewardTryVersionSerializer, request.data)
         versions = self.get_queryset()
@@ -95,7 +105,7 @@ class RewardTryAnyView(TeamScopedMixin, generics.GenericAPIView):
 
     serializer_class = RewardTryAnySerializer
 
-    @extend_schema(responses={200: TryResultSerializer}, operation_id="rewards_try_code")
+    @extend_schema(responses=TRY_RESPONSES, parameters=TRY_HEADERS, operation_id="rewards_try_code")
     def post(self, request):
         data = validated(RewardTryAnySerializer, request.data)
         needs_team = "dataset" in data or data.get("function") not in (None, *services.BUILTIN_REWARDS)
