@@ -59,6 +59,11 @@ NOT_RUN = [
     (r"createdb( .*)?", "creates a database on the developer's PostgreSQL server, for a benchmark"),
     (r"(\w+=\S+ )*\.venv/bin/python -m workers run .*",
      "trains the tiny model for minutes; the engine tests (tests/workers, marker `engine`) run `workers run`"),
+    (r"\.venv/bin/python -m workers build-model .*",
+     "trains a tokenizer and warm-starts a model for a minute or more; tests/workers/test_modelzoo.py builds "
+     "every architecture and tests/workers/test_model_zoo_engine.py trains them"),
+    (r"\.venv/bin/python -m workers evaluate .*",
+     "needs a finished run's final_model; tests/workers/test_model_zoo_engine.py makes the same evaluation"),
 ]
 RUN_PROGRAMS = ("curl", "fluxrl")
 LOCAL_URL = re.compile(r"https?://(?:127\.0\.0\.1|localhost):8000")

@@ -3,6 +3,7 @@
   python -m workers bootstrap [--rebuild]     install the tiny model (shipped weights, checked
                                               against their SHA-256) or retrain its recipe; print its folder
   python -m workers validate spec.yaml        check a run spec, naming any bad field
+  python -m workers evaluate MODEL spec.yaml  held-out accuracy of a model folder by HF greedy generation
   python -m workers run spec.yaml [--out DIR] [--platform URL --token T --run-id N] [--resume]
                                               (or the token in FLUXRL_RUN_TOKEN)
 
@@ -26,13 +27,6 @@ from pathlib import Path
 
 RUN_TOKEN_ENV = "FLUXRL_RUN_TOKEN"
 HEARTBEAT_S = 15.0  # the platform fails a run unheard of for 60 s (FLUXRL_RUN_STALE_S)
-
-
-def _resolve_model(spec) -> None:
-    if spec.model.path == "builtin:tiny":
-        from .tinymodel import ensure_tiny_model
-
-        spec.model.path = str(ensure_tiny_model())
 
 
 def cmd_run(args) -> int:
@@ -70,7 +64,12 @@ def cmd_run(args) -> int:
         return fail(f"invalid run spec: {exc}", 2)
     except OSError as exc:
         return fail(f"cannot read the spec: {exc}", 2)
-    _resolve_model(spec)
+    from .preflight import ModelCheckError, resolve_model_path
+
+    try:
+        spec.model.path = resolve_model_path(spec.model.path)
+    except ModelCheckError as exc:
+        return fail(str(exc), 2)
     resume = None
     if args.resume and not args.out:
         return fail("--resume needs --out: the folder of the run to continue", 2)
@@ -140,6 +139,7 @@ def cmd_run(args) -> int:
         "accuracy_after": result.accuracy_after, "staleness_max": result.staleness_max,
         "dropped_stale": result.dropped_stale, "final_model": result.final_model,
         "idle_generation": round(result.idle_generation, 3), "idle_training": round(result.idle_training, 3),
+        "skipped_prompts": result.skipped_prompts,
     }
     (out / "result.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
@@ -159,6 +159,11 @@ def main(argv=None) -> int:
                    help="retrain the warm start from its recipe (minutes) instead of installing the shipped weights")
     v = sub.add_parser("validate", help="validate a run spec")
     v.add_argument("spec")
+    e = sub.add_parser("evaluate", help="held-out accuracy of a model folder with plain HF greedy generation "
+                       "(no vLLM), using the spec's dataset, prompt format and reward")
+    e.add_argument("model", help="a model folder, e.g. RUN_DIR/final_model")
+    e.add_argument("spec")
+    e.add_argument("--prompts", type=int, default=None, help="held-out rows to use (default: the spec's eval.prompts)")
     r = sub.add_parser("run", help="run a training from a spec")
     r.add_argument("spec")
     r.add_argument("--out", default=None, help="output folder (metrics.jsonl, result.json, final_model/)")
@@ -181,6 +186,16 @@ def main(argv=None) -> int:
                   + ("" if same is None else " (identical to the shipped weights)" if same
                      else " (differs from the shipped weights: another CPU model rounds differently)"))
         print(folder)
+        return 0
+    if args.cmd == "evaluate":
+        from .hf_eval import evaluate_folder
+        from .spec import SpecError, load_spec_file
+
+        try:
+            print(json.dumps(evaluate_folder(args.model, load_spec_file(args.spec), args.prompts), indent=2))
+        except (SpecError, ValueError, OSError) as exc:  # bad input: the spec, its dataset, the folder
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         return 0
     if args.cmd == "validate":
         from .spec import SpecError, load_spec_file

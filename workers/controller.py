@@ -28,15 +28,15 @@ from collections import deque
 
 from . import algorithms
 from .checkpoint import CheckpointInfo, save_checkpoint
+from .preflight import check_run, resolve_model_path
 from .length_ranker import LengthRanker
 from .report import Reporter
 from .reward_service import RewardService
-from .rollout import Completion, RolloutEngine, configure_cpu_environment, continue_on
+from .rollout import Completion, RolloutEngine, SamplingOptions, configure_cpu_environment, continue_on
 from .scheduling import plan_dispatch, plan_tail_migration
 from .spec import RunSpec
 from .staleness import StalenessGate
 from .tasks import load_rows
-from .tinymodel import EOS_ID, decode, encode
 from .trainer import TrainSample, Trainer
 from .weight_sync import serialize_state_dict, tensors_checksum
 
@@ -48,6 +48,7 @@ class Sample:
     text: str
     reward: float
     error: Optional[str] = None
+    parts: dict[str, float] = field(default_factory=dict)  # a summed reward's components, unweighted
 
 
 @dataclass
@@ -72,6 +73,7 @@ class RunResult:
     gen_stall_ms: list[float] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
     final_model: Optional[str] = None
+    skipped_prompts: int = 0  # training + held-out prompts longer than max_model_len allows
     idle_generation: float = 0.0  # share of wall time no request was running (mean over engines)
     idle_training: float = 0.0  # share of wall time the trainer was not computing
 
@@ -146,19 +148,24 @@ class Controller:
         t = spec.task
         self.train_rows, self.eval_rows = load_rows(t.dataset, t.size, t.eval_size, t.seed, t.prompt_field, t.answer_field)
         self.eval_rows = self.eval_rows[: spec.eval.prompts]
-        if not os.path.isfile(os.path.join(spec.model.path, "config.json")):
-            raise FileNotFoundError(f"model.path {spec.model.path!r} is not a model folder (no config.json there)")
+        # The model's tokenizer, stop ids and limits, checked before any process starts.
+        spec.model.path = await asyncio.to_thread(resolve_model_path, spec.model.path)
+        checked = await asyncio.to_thread(check_run, spec, self.train_rows, self.eval_rows)
+        self.prompts = checked.renderer
+        self.train_rows, self.eval_rows = checked.train_rows, checked.eval_rows
+        self.result.skipped_prompts = sum(checked.skipped.values())
         self.rewards = RewardService(spec.reward)
         bind, threads = self._cpu_split()
         configure_cpu_environment(bind, spec.rollout.kv_cache_gb)
-        self.trainer = await asyncio.to_thread(Trainer, spec, spec.model.path, threads)
+        self.trainer = await asyncio.to_thread(Trainer, spec, spec.model.path, threads, checked.pad_id)
         if self.resume is not None:
             await asyncio.to_thread(self._restore, self.resume)
         blob = serialize_state_dict(self.trainer.state_dict())
-        longest = max(len(r["prompt"]) for r in self.train_rows + self.eval_rows)
+        ro = spec.rollout
+        sampling = SamplingOptions(ro.top_p, ro.top_k, tuple(ro.stop), tuple(checked.stop_ids))
         self.engines = [
-            RolloutEngine(spec.model.path, index=i, update_mode=spec.rollout.update_mode,
-                          max_model_len=longest + spec.rollout.max_tokens + 8, max_num_seqs=spec.rollout.max_num_seqs,
+            RolloutEngine(spec.model.path, index=i, update_mode=spec.rollout.update_mode, sampling=sampling,
+                          max_model_len=checked.max_model_len, max_num_seqs=spec.rollout.max_num_seqs,
                           dtype=spec.model.dtype, seed=spec.seed + i, rpc_timeout_s=spec.rollout.rpc_timeout_s)
             for i in range(spec.rollout.engines)
         ]
@@ -192,7 +199,7 @@ class Controller:
         return [(rows[i], self.engines[e], predicted[i]) for i, e in plan]
 
     async def _generate(self, engine: RolloutEngine, row: dict, temperature: float) -> Completion:
-        comp = await engine.generate(encode(row["prompt"]), self.spec.rollout.max_tokens, temperature)
+        comp = await engine.generate(self.prompts.ids(row), self.spec.rollout.max_tokens, temperature)
         while comp.finish_reason in ("handed_off", "engine_died"):
             # migrated, or its engine died: finish it from its prefix on the idlest other live engine
             source = engine if comp.finish_reason == "handed_off" else None
@@ -263,10 +270,10 @@ class Controller:
                 migrator.cancel()
 
     async def _score(self, row: dict, comp: Completion) -> Sample:
-        text = decode([t for t in comp.token_ids if t != EOS_ID])
+        text = self.prompts.decode(comp.token_ids)
         fields = {k: v for k, v in row.items() if k != "prompt"}
         score = await self.rewards.score(row["prompt"], text, fields)
-        return Sample(row, comp, text, score.reward, score.error)
+        return Sample(row, comp, text, score.reward, score.error, score.parts)
 
     async def _sample(self, engine: RolloutEngine, row: dict, temperature: float) -> Sample:
         return await self._score(row, await self._generate(engine, row, temperature))
@@ -447,6 +454,8 @@ class Controller:
             "reward/mean": mean_r,
             "reward/std": statistics.pstdev(rewards),
             "reward/errors": sum(1 for s in samples if s.error),
+            **{f"reward/part/{name}": sum(s.parts.get(name, 0.0) for s in samples) / len(samples)
+               for name in samples[0].parts},
             "throughput/samples_per_s": r.trained_samples / elapsed,
             "throughput/tokens_per_s": r.trained_tokens / elapsed,
             "rollout/gen_tokens_per_s": (self._retired_tokens + sum(e.generated_tokens for e in self.engines)) / elapsed,
@@ -469,9 +478,10 @@ class Controller:
         # A few samples for the run page; a sequence spanning an update first.
         shown = sorted(samples, key=lambda s: (-len(s.completion.versions.runs), -s.completion.length))[:4]
         for s in shown:
-            self.reporter.sample({"step": step, "prompt": s.row["prompt"], "completion": s.text, "reward": s.reward,
-                                  "versions": s.completion.versions.per_token(), "length": s.completion.length,
-                                  "error": s.error or ""})
+            self.reporter.sample({"step": step, "prompt": self.prompts.text(s.row), "completion": s.text,
+                                  "reward": s.reward, "versions": s.completion.versions.per_token(),
+                                  "tokens": self.prompts.pieces(s.completion.token_ids),
+                                  "length": s.completion.length, "error": s.error or ""})
         self._collect_stalls()
         if spec.eval.every_steps and step % spec.eval.every_steps == 0 and step < spec.stop.max_steps:
             await self.evaluate(step)
@@ -639,7 +649,8 @@ class Controller:
         spec = self.spec
         try:
             await self.setup()
-            if self.resume is None:  # a resumed run has it (and the step-0 point) already
+            if self.resume is None:  # a resumed run has it (and the step-0 points) already
+                self.reporter.log(0, {"data/skipped_prompts": self.result.skipped_prompts})
                 self.result.accuracy_before = await self.evaluate(0)
             self.gate = StalenessGate(spec.schedule.batch_prompts,
                                       0 if spec.schedule.mode == "sync" else spec.schedule.max_staleness)

@@ -50,6 +50,12 @@ class Reporter:
 
     MAX_BATCH = 1000  # the ingest endpoint's limit
     SAMPLE_BATCH = 50
+    # The ingest endpoint takes 1 MiB a request (FLUXRL_INGEST_MAX_BYTES): long samples,
+    # with their per-token texts, go in smaller batches (one sample at least).
+    SAMPLE_BATCH_BYTES = 512 * 1024
+    # A sample's per-token texts: the platform's limits (FLUXRL_SAMPLE_MAX_TOKENS, default).
+    MAX_SAMPLE_TOKENS = 16384
+    MAX_TOKEN_CHARS = 200
 
     def __init__(self, jsonl_path: Optional[str | Path] = None, platform: Optional[PlatformClient] = None,
                  flush_every_s: float = 0.5, echo=None, max_points: int = 200_000, max_samples: int = 5_000,
@@ -70,6 +76,7 @@ class Reporter:
         self._stop = threading.Event()
         self.failures = 0  # failed posts, all told
         self.dropped_points = self.dropped_samples = 0  # lost to a full buffer
+        self._warned_tokens = False
         self._failing_since: Optional[float] = None
         self._streak = 0  # consecutive failed posts
         self._thread = threading.Thread(target=self._loop, name="fluxrl-reporter", daemon=True)
@@ -106,10 +113,30 @@ class Reporter:
 
     def sample(self, record: dict) -> None:
         if self.platform is not None:
+            record = self._checked_tokens(record)
             with self._lock:
                 self._samples.append(record)
                 if len(self._samples) > self.max_samples:
                     self._drop(self._samples, len(self._samples) - self.max_samples, "samples")
+
+    def _checked_tokens(self, record: dict) -> dict:
+        """A sample whose per-token texts the platform would refuse (not one per version,
+        or past its limits) goes without them: a 400 would lose its whole batch."""
+        tokens = record.get("tokens")
+        if tokens is None:
+            return record
+        versions = record.get("versions") or []
+        problem = ("not one per token of versions" if len(tokens) != len(versions) else
+                   f"more than {self.MAX_SAMPLE_TOKENS}" if len(tokens) > self.MAX_SAMPLE_TOKENS else
+                   f"a token over {self.MAX_TOKEN_CHARS} characters"
+                   if any(not isinstance(t, str) or len(t) > self.MAX_TOKEN_CHARS for t in tokens) else None)
+        if problem is None:
+            return record
+        if not self._warned_tokens:
+            self._warned_tokens = True
+            print(f"warning: a sample's tokens ({problem}) are left out of its report; the platform shows its "
+                  f"completion without token boundaries", file=sys.stderr)
+        return {k: v for k, v in record.items() if k != "tokens"}
 
     def _drop(self, buffer: deque, count: int, what: str) -> None:
         """Drop the oldest `count` entries of a full buffer (lock held): losing old
@@ -158,7 +185,7 @@ class Reporter:
         while True:
             with self._lock:
                 points = list(itertools.islice(self._points, self.MAX_BATCH))
-                samples = list(itertools.islice(self._samples, self.SAMPLE_BATCH))
+                samples = self._sample_batch()
             if not points and not samples:
                 return True
             try:
@@ -180,6 +207,17 @@ class Reporter:
                       f"sending what was buffered", file=sys.stderr)
                 self._failing_since = None
             self._streak = 0
+
+    def _sample_batch(self) -> list[dict]:
+        """The oldest buffered samples (lock held): up to SAMPLE_BATCH of them, within
+        SAMPLE_BATCH_BYTES of JSON unless the first alone is larger."""
+        batch, size = [], 0
+        for sample in itertools.islice(self._samples, self.SAMPLE_BATCH):
+            size += len(json.dumps(sample)) + 2
+            if batch and size > self.SAMPLE_BATCH_BYTES:
+                break
+            batch.append(sample)
+        return batch
 
     def _sent(self, buffer: deque, batch: list) -> None:
         """Forget a batch the platform accepted. The buffer may have lost its oldest

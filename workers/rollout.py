@@ -75,6 +75,15 @@ async def continue_on(engine: "RolloutEngine", done: Completion, max_tokens: int
                       done.resubmits + rest.resubmits + 1, rest.engine)
 
 
+@dataclass(frozen=True)
+class SamplingOptions:
+    """What every request samples with besides its temperature and budget."""
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()  # stop strings (kept in the output)
+    stop_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids
+
+
 @dataclass
 class UpdateTiming:
     version: int
@@ -104,8 +113,10 @@ class EngineRPCTimeout(RuntimeError):
 
 class RolloutEngine:
     def __init__(self, model_path: str, *, index: int = 0, update_mode: str = "keep", max_model_len: int = 256,
-                 max_num_seqs: int = 256, dtype: str = "float32", seed: int = 0, rpc_timeout_s: float = 60.0):
+                 max_num_seqs: int = 256, dtype: str = "float32", seed: int = 0, rpc_timeout_s: float = 60.0,
+                 sampling: SamplingOptions = SamplingOptions()):
         self.model_path, self.index, self.update_mode = model_path, index, update_mode
+        self.sampling = sampling
         self.rpc_timeout_s = rpc_timeout_s
         self.max_model_len, self.max_num_seqs, self.dtype, self.seed = max_model_len, max_num_seqs, dtype, seed
         self.engine = None
@@ -210,9 +221,14 @@ class RolloutEngine:
         while True:
             await self._resume.wait()  # interrupt mode: do not resubmit into a half-loaded engine
             rid = f"e{self.index}-{next(_ids)}"
+            opts = self.sampling
             params = SamplingParams(
                 max_tokens=max_tokens - len(tokens), temperature=temperature, logprobs=0, seed=seed,
-                output_kind=RequestOutputKind.DELTA, skip_special_tokens=True, detokenize=False, ignore_eos=ignore_eos,
+                top_p=opts.top_p, top_k=opts.top_k, stop=list(opts.stop) or None,
+                stop_token_ids=list(opts.stop_token_ids) or None, include_stop_str_in_output=True,
+                output_kind=RequestOutputKind.DELTA, skip_special_tokens=True,
+                detokenize=bool(opts.stop),  # stop strings are matched on text; ids need none
+                ignore_eos=ignore_eos,
             )
             if not self.active:
                 self._busy_since = time.perf_counter()

@@ -3,10 +3,10 @@ and the worker processes. Validated here and nowhere else; unknown fields are re
 by name (pydantic ``extra="forbid"``)."""
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class SpecError(ValueError):
@@ -34,20 +34,151 @@ class TaskSpec(_Strict):
     size: int = Field(4000, ge=1, description="rows to generate for gen: datasets")
     eval_size: int = Field(200, ge=0, description="held-out rows (taken out of training)")
     seed: int = 0
+    # How a row becomes the model's input (workers/prompts.py). auto: chat when the row has
+    # a ``messages`` list or a ``system`` field (or system_prompt is set), raw text otherwise.
+    prompt_format: Literal["auto", "raw", "chat"] = "auto"
+    prompt_template: Optional[str] = Field(None, max_length=20000, description=(
+        "Jinja template over the row's fields (e.g. 'Q: {{ prompt }}\\nA:'): the text (raw) or the user "
+        "message (chat)"))
+    system_prompt: Optional[str] = Field(None, max_length=20000, description="chat: a system message for rows "
+                                         "without their own")
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template_compiles(cls, value):
+        if value is not None:
+            from .prompts import compile_template
+
+            compile_template(value)  # ValueError naming the line
+        return value
+
+
+class RewardComponent(_Strict):
+    """One term of a weighted-sum reward (``reward.components``): weight x
+    function(prompt, completion, **row fields, **params)."""
+    function: str = Field(description="a built-in reward (workers.rewards.BUILTIN_REWARDS), or 'user': the "
+                          "run's reward.code")
+    weight: float = Field(1.0, allow_inf_nan=False, description="multiplies the component's reward; negative: a "
+                          "penalty; 0: scored and reported, not trained on")
+    params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the function, e.g. "
+                                   "{pattern: ...} for format_check; they win over dataset-row fields of the same name")
+    name: Optional[str] = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description=(
+        "the component's label (Score.parts, metrics reward/<name>); default: its function"))
+
+    @field_validator("function")
+    @classmethod
+    def _known_function(cls, function: str) -> str:
+        from pydantic_core import PydanticCustomError
+
+        from .rewards import BUILTIN_REWARDS
+
+        if function != "user" and function not in BUILTIN_REWARDS:
+            raise PydanticCustomError("reward_function", "unknown built-in {function}; choose one of {builtins}, "
+                                      "or 'user' for the run's reward.code (team functions cannot be components)",
+                                      {"function": repr(function), "builtins": ", ".join(BUILTIN_REWARDS)})
+        return function
+
+    @field_validator("params")
+    @classmethod
+    def _params_fit(cls, params: dict, info) -> dict:
+        import inspect
+        import re
+
+        from pydantic_core import PydanticCustomError
+
+        from .rewards import BUILTIN_REWARDS
+
+        clash = sorted({"prompt", "completion"} & set(params))
+        if clash:
+            raise PydanticCustomError("reward_params", "{names}: supplied by the sample, not a parameter",
+                                      {"names": ", ".join(clash)})
+        function = BUILTIN_REWARDS.get(info.data.get("function"))
+        if function is None:  # 'user' (its parameters are its own) or an unknown name (reported already)
+            return params
+        accepted = [p.name for p in inspect.signature(function).parameters.values()
+                    if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name not in ("prompt", "completion")]
+        unknown = sorted(set(params) - set(accepted))
+        if unknown:
+            raise PydanticCustomError("reward_params", "{function} takes no parameter {unknown} (it takes: {accepted})",
+                                      {"function": info.data["function"], "unknown": ", ".join(map(repr, unknown)),
+                                       "accepted": ", ".join(accepted) or "none"})
+        if "pattern" in params:
+            try:
+                re.compile(params["pattern"])
+            except (re.error, TypeError) as exc:
+                raise PydanticCustomError("reward_params", "pattern is not a regular expression: {error}",
+                                          {"error": str(exc)}) from None
+        return params
 
 
 class RewardSpec(_Strict):
-    # A built-in name (workers.rewards.BUILTIN_REWARDS) or "user" with ``code``.
-    function: str = "numeric_match"
+    """How each sample is scored: one ``function``, or a weighted sum of ``components``.
+
+    - ``function``: a built-in name (workers.rewards.BUILTIN_REWARDS), "user" with
+      ``code``, or (on the platform) a team function "name@version".
+    - ``components``: reward = sum of weight x component; ``function`` is then "sum" (or
+      omitted). Each component is a built-in, or "user": the run's ``code`` (at most one
+      such component). A component's ``params`` are keyword arguments for its function and
+      win over dataset-row fields of the same name (a row may not override the spec).
+      Example::
+
+          reward:
+            components:
+              - {function: math_answer, weight: 0.9}
+              - {function: format_boxed, weight: 0.1}
+              - {function: format_regex, weight: 0.05, params: {pattern: "</think>"}, name: think}
+    """
+    function: str = Field("numeric_match", description="a built-in, a team function name@version, 'user' with "
+                          "code, or 'sum' with components")
     code: Optional[str] = Field(None, description="user Python defining reward(prompt, completion, **fields)")
     timeout_s: float = Field(2.0, gt=0, le=60)
     memory_mb: int = Field(512, ge=64, le=8192)
+    components: Optional[list[RewardComponent]] = Field(None, min_length=1, max_length=16, description=(
+        "weighted sum: [{function, weight, params?, name?}, ...] with function 'sum' (or omitted)"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sum_by_default(cls, data):
+        if isinstance(data, dict) and data.get("components") is not None and "function" not in data:
+            data = {**data, "function": "sum"}
+        return data
 
     @model_validator(mode="after")
     def _code_for_user(self):
         if self.function == "user" and not self.code:
             raise ValueError("reward.function 'user' needs reward.code")
+        if self.function == "sum" and self.components is None:
+            raise ValueError("reward.function 'sum' needs reward.components")
         return self
+
+    @field_validator("components")
+    @classmethod
+    def _components_fit(cls, components, info):
+        from pydantic_core import PydanticCustomError
+
+        if components is None:
+            return components
+        if "function" in info.data and info.data["function"] != "sum":
+            raise PydanticCustomError("reward_components", "reward.function must be 'sum' or omitted with "
+                                      "components, not {function} (user code can be a component with function 'user')",
+                                      {"function": repr(info.data["function"])})
+        users = [i for i, c in enumerate(components) if c.function == "user"]
+        if len(users) > 1:
+            raise PydanticCustomError("reward_components", "components {users} are all 'user': at most one component "
+                                      "runs reward.code", {"users": ", ".join(map(str, users))})
+        if users and not info.data.get("code"):
+            raise PydanticCustomError("reward_components", "component {i} is 'user' and needs reward.code",
+                                      {"i": users[0]})
+        if not users and info.data.get("code"):
+            raise PydanticCustomError("reward_components", "reward.code is given but no component is 'user'", {})
+        seen: dict[str, int] = {}
+        for i, component in enumerate(components):
+            label = component.name or component.function
+            if label in seen:
+                raise PydanticCustomError("reward_components", "components {a} and {b} are both named {label}: give "
+                                          "one a distinct name", {"a": seen[label], "b": i, "label": repr(label)})
+            seen[label] = i
+        return components
 
 
 class AlgorithmSpec(_Strict):
@@ -69,6 +200,12 @@ class RolloutSpec(_Strict):
     engines: int = Field(1, ge=1, le=64)
     max_tokens: int = Field(64, ge=1)
     temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, description="-1 = all tokens")
+    stop: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(default_factory=list, max_length=16, description="stop strings (kept in the "
+                            "completion, so the text scored is exactly the tokens trained on)")
+    max_model_len: Optional[int] = Field(None, ge=16, description="prompt + completion tokens; default: the "
+                                         "model's own limit. Longer prompts are skipped and counted")
     # keep: pause with KV cache, load, resume (PipelineRL in-flight update)
     # interrupt: abort, load, resubmit prompt+prefix (AReaL)
     # drain: let running requests finish before loading (update between requests)

@@ -75,6 +75,26 @@ class DatasetError(ValueError):
     pass
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_messages(messages, where: str) -> str:
+    """A chat row's ``messages``: a non-empty list of {role, content} strings ending with
+    the user's turn (the model writes the next one). Returns that last user message,
+    which stands for the row's prompt in rewards, samples and the length ranker."""
+    if not isinstance(messages, list) or not messages:
+        raise DatasetError(f"{where}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} objects")
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DatasetError(f"{where}: messages[{k}] must be an object with string 'role' and 'content'")
+        if m["role"] not in CHAT_ROLES:
+            raise DatasetError(f"{where}: messages[{k}] has role {m['role']!r}; one of {', '.join(CHAT_ROLES)}")
+    if messages[-1]["role"] != "user":
+        raise DatasetError(f"{where}: the last message must be the user's (the model answers it), "
+                           f"not {messages[-1]['role']!r}")
+    return messages[-1]["content"]
+
+
 def load_rows(dataset: str, size: int = 4000, eval_size: int = 200, seed: int = 0,
               prompt_field: str = "prompt", answer_field: str = "answer") -> tuple[list[dict], list[dict]]:
     """Training and held-out rows of a task: a JSONL file or ``gen:<generator>[?k=v&...]``.
@@ -105,10 +125,15 @@ def load_rows(dataset: str, size: int = 4000, eval_size: int = 200, seed: int = 
         raise DatasetError(f"dataset {dataset!r} is empty")
     out = []
     for n, row in enumerate(rows, 1):
-        if not isinstance(row, dict) or prompt_field not in row or answer_field not in row:
-            raise DatasetError(f"dataset {dataset!r} row {n} lacks the field {prompt_field!r} or {answer_field!r}")
+        if not isinstance(row, dict) or answer_field not in row or (prompt_field not in row and "messages" not in row):
+            raise DatasetError(f"dataset {dataset!r} row {n} lacks the field {answer_field!r} or a prompt "
+                               f"({prompt_field!r}, or a chat 'messages' list)")
         extra = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
-        out.append({**extra, "prompt": str(row[prompt_field]), "answer": str(row[answer_field])})
+        if "messages" in row:
+            prompt = check_messages(row["messages"], f"dataset {dataset!r} row {n}")
+        if prompt_field in row:
+            prompt = str(row[prompt_field])
+        out.append({**extra, "prompt": prompt, "answer": str(row[answer_field])})
     if len(out) <= eval_size:
         eval_size = max(0, len(out) // 5)
     held_out = out[len(out) - eval_size:] if eval_size else []

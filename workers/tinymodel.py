@@ -23,6 +23,7 @@ import shutil
 import string
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -209,12 +210,13 @@ def shipped_manifest() -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def verify_model_folder(folder: Path) -> dict:
-    """The folder's manifest, after checking that its weights match the recorded SHA-256."""
-    manifest = json.loads((folder / MANIFEST).read_text())
+def verify_model_folder(folder: Path, manifest_name: str = MANIFEST) -> dict:
+    """The folder's manifest (``manifest_name``), after checking that its weights match
+    the recorded SHA-256."""
+    manifest = json.loads((folder / manifest_name).read_text())
     expected = manifest.get("sha256")
     if not expected:
-        raise TinyModelError(f"{folder}: no checksum recorded in {MANIFEST}")
+        raise TinyModelError(f"{folder}: no checksum recorded in {manifest_name}")
     weights = folder / WEIGHTS
     if not weights.exists():
         raise TinyModelError(f"{folder}: {WEIGHTS} is missing")
@@ -251,26 +253,38 @@ def ensure_tiny_model(root: str | os.PathLike | None = None, recipe: dict | None
     shipped = shipped_manifest()
     if not rebuild and _cache_is_good(out, recipe, shipped):
         return out
+
+    def build(staging: Path) -> None:
+        if not rebuild and shipped and shipped.get("recipe") == recipe:
+            shutil.copytree(SHIPPED_DIR, staging)
+            verify_model_folder(staging)  # a damaged copy is refused, never installed
+            logger.info("tiny model: shipped weights %s... -> %s", shipped["sha256"][:12], out)
+        else:
+            report = _train(recipe, staging, progress)
+            report["sha256"] = file_sha256(staging / WEIGHTS)
+            report["source"] = "rebuilt" if shipped and shipped.get("recipe") == recipe else "trained"
+            if shipped and shipped.get("recipe") == recipe:
+                report["same_as_shipped"] = report["sha256"] == shipped.get("sha256")
+            (staging / MANIFEST).write_text(json.dumps(report, indent=2))
+
+    return install_folder(out, build, lambda: not rebuild and _cache_is_good(out, recipe, shipped))
+
+
+def install_folder(out: Path, build: Callable[[Path], None], is_good: Callable[[], bool]) -> Path:
+    """Install a model folder at ``out``: under a lock on ``out.lock`` (one builder at a
+    time; the others reuse its result), unless ``is_good()`` says a complete one is
+    already there, ``build(staging)`` writes it into a fresh staging folder (which it
+    creates) that is then renamed into place: a reader never sees half a model, and a
+    failed build leaves nothing behind."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(str(out) + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; the others reuse its result
-        if not rebuild and _cache_is_good(out, recipe, shipped):
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_good():
             return out
-        # Built in a staging folder and renamed into place: a reader never sees half a model.
         staging = out.with_name(out.name + f".staging-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            if not rebuild and shipped and shipped.get("recipe") == recipe:
-                shutil.copytree(SHIPPED_DIR, staging)
-                verify_model_folder(staging)  # a damaged copy is refused, never installed
-                logger.info("tiny model: shipped weights %s... -> %s", shipped["sha256"][:12], out)
-            else:
-                report = _train(recipe, staging, progress)
-                report["sha256"] = file_sha256(staging / WEIGHTS)
-                report["source"] = "rebuilt" if shipped and shipped.get("recipe") == recipe else "trained"
-                if shipped and shipped.get("recipe") == recipe:
-                    report["same_as_shipped"] = report["sha256"] == shipped.get("sha256")
-                (staging / MANIFEST).write_text(json.dumps(report, indent=2))
+            build(staging)
             old = out.with_name(out.name + f".old-{os.getpid()}")
             if out.exists():
                 out.rename(old)

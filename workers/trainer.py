@@ -16,7 +16,6 @@ import torch
 
 from . import algorithms
 from .spec import RunSpec
-from .tinymodel import PAD_ID
 
 
 @dataclass
@@ -53,7 +52,7 @@ def _init_distributed() -> None:
 
 
 class Trainer:
-    def __init__(self, spec: RunSpec, model_path: str, threads: Optional[int] = None):
+    def __init__(self, spec: RunSpec, model_path: str, threads: Optional[int] = None, pad_id: int = 0):
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
         import deepspeed
         from transformers import AutoModelForCausalLM
@@ -62,6 +61,7 @@ class Trainer:
             torch.set_num_threads(threads)
         self.spec = spec
         self.model_path = model_path
+        self.pad_id = pad_id  # any id: padded positions are masked out of attention and loss
         algo = spec.algorithm
         _init_distributed()
         torch.manual_seed(spec.seed)
@@ -98,7 +98,8 @@ class Trainer:
 
         self.engine.module.save_pretrained(path, safe_serialization=True)
         for name in os.listdir(self.model_path):
-            if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template", "added_tokens",
+                                "spiece", "sentencepiece")):
                 shutil.copy(os.path.join(self.model_path, name), path)
 
     # -- checkpoints (workers/checkpoint.py) ------------------------------------------
@@ -121,7 +122,7 @@ class Trainer:
     def _tensors(self, batch: list[TrainSample], device):
         width = max(len(s.prompt_ids) + len(s.token_ids) for s in batch)
         n = len(batch)
-        ids = torch.full((n, width), PAD_ID, dtype=torch.long)
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
         att = torch.zeros((n, width), dtype=torch.long)
         mask = torch.zeros((n, width - 1))
         behav = torch.zeros((n, width - 1))

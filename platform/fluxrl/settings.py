@@ -241,6 +241,10 @@ FLUXRL_MAX_UPLOAD_BYTES = int(float(os.environ.get("FLUXRL_MAX_UPLOAD_MB", "64")
 FLUXRL_INGEST_MAX_POINTS = int(os.environ.get("FLUXRL_INGEST_MAX_POINTS", "1000"))
 FLUXRL_INGEST_MAX_SAMPLES = int(os.environ.get("FLUXRL_INGEST_MAX_SAMPLES", "500"))
 FLUXRL_INGEST_MAX_BYTES = int(os.environ.get("FLUXRL_INGEST_MAX_BYTES", str(1024 * 1024)))
+# A sample's per-token texts (the run page's exact token view): at most this many tokens,
+# each at most this many characters.
+FLUXRL_SAMPLE_MAX_TOKENS = int(os.environ.get("FLUXRL_SAMPLE_MAX_TOKENS", "16384"))
+FLUXRL_SAMPLE_MAX_TOKEN_CHARS = 200
 # How ingested points reach PostgreSQL: copy (binary COPY; a batch holding stored points
 # falls back to unnest), unnest (one INSERT ... ON CONFLICT DO NOTHING of arrays, the
 # path before COPY) or orm (bulk_create); bench/ingest.py --insert compares them.
@@ -255,6 +259,8 @@ FLUXRL_REWARD_TRY_MAX_TIMEOUT_S = 5.0
 # FLUXRL_TRY_MAX_CONCURRENT tries run at once per web process (more get a 429).
 FLUXRL_TRY_MAX_SECONDS = float(os.environ.get("FLUXRL_TRY_MAX_SECONDS", "10"))
 FLUXRL_TRY_MAX_CONCURRENT = int(os.environ.get("FLUXRL_TRY_MAX_CONCURRENT", "2"))
+# Prompt previews (POST /api/prompt-preview/) being made at once per web process; more get a 429.
+FLUXRL_PROMPT_PREVIEW_MAX_CONCURRENT = int(os.environ.get("FLUXRL_PROMPT_PREVIEW_MAX_CONCURRENT", "4"))
 FLUXRL_RUN_TOKEN_TTL_HOURS = float(os.environ.get("FLUXRL_RUN_TOKEN_TTL_HOURS", "168"))  # 0 = until the run ends
 # Ordinary JSON bodies (run specs, reward code); uploads and ingest have their own limits.
 DATA_UPLOAD_MAX_MEMORY_SIZE = 4 * 1024 * 1024

@@ -41,3 +41,47 @@ def test_retries_back_off_up_to_the_cap(tmp_path):
         reporter._streak = streak
         delays.append(reporter._backoff())
     assert 0.5 <= delays[0] <= 1.0 and all(d <= 10 for d in delays) and delays[-1] >= 5
+
+
+class RecordingPlatform(PlatformClient):
+    """Answers every post, keeping what was sent."""
+
+    def __init__(self):
+        super().__init__("http://127.0.0.1:9", "flxr_test", 1)
+        self.posts = []
+
+    def post(self, what, payload):
+        self.posts.append((what, payload, len(json.dumps(payload))))
+        return {}
+
+
+def test_long_samples_with_their_tokens_go_in_batches_under_the_ingest_limit():
+    platform = RecordingPlatform()
+    reporter = Reporter(None, None)  # no thread: _ship is called here
+    reporter.platform = platform
+    tokens = ["tok"] * 15_000  # a 15k-token completion, one text per token
+    for i in range(6):
+        reporter.sample({"uid": f"s{i}", "step": i, "prompt": "p", "completion": "tok" * 15_000,
+                         "versions": [1] * 15_000, "tokens": tokens})
+    reporter.sample({"uid": "huge", "step": 9, "prompt": "p" * 700_000, "completion": "", "versions": []})
+    for i in range(60):
+        reporter.sample({"uid": f"t{i}", "step": 10, "prompt": "1+1=", "completion": "2", "versions": [1], "tokens": ["2"]})
+    assert reporter._ship() and reporter.pending == (0, 0)
+    sizes = [(len(payload["samples"]), size) for what, payload, size in platform.posts]
+    assert [n for n, _ in sizes] == [2, 2, 2, 1, 50, 10]  # by bytes, then by count (SAMPLE_BATCH)
+    assert all(size <= Reporter.SAMPLE_BATCH_BYTES for n, size in sizes if n > 1)
+    assert [s["uid"] for _, payload, _ in platform.posts for s in payload["samples"]][:7] == \
+        ["s0", "s1", "s2", "s3", "s4", "s5", "huge"]  # in order; one too large alone goes alone
+
+
+def test_tokens_the_platform_would_refuse_are_left_out_not_the_sample(capfd):
+    reporter = Reporter(None, None)
+    reporter.platform = RecordingPlatform()
+    good = {"uid": "a", "step": 1, "prompt": "p", "completion": "19", "versions": [1, 2], "tokens": ["1", "9"]}
+    reporter.sample(good)
+    reporter.sample({**good, "uid": "b", "tokens": ["19"]})  # not one per version
+    reporter.sample({**good, "uid": "c", "tokens": ["1", "9" * 201]})
+    reporter.sample({**good, "uid": "d", "tokens": None})
+    assert [s.get("tokens") for s in reporter._samples] == [["1", "9"], None, None, None]
+    assert all(s["versions"] == [1, 2] for s in reporter._samples)
+    assert capfd.readouterr().err.count("tokens") == 1  # warned once

@@ -70,7 +70,9 @@ export function clearErrors(form) {
 
 // Show an ApiError next to the fields it names (data-error-for="<field>"; `prefix` is
 // stripped first, e.g. "spec."); whatever has no place goes to the form's general box.
-export function showErrors(form, error, prefix = "") {
+// focus: move the focus to the first field at fault (not while the user types elsewhere);
+// general: use the general box (off when the caller shows the message itself).
+export function showErrors(form, error, prefix = "", { focus = true, general: useGeneral = true } = {}) {
   clearErrors(form);
   const unplaced = [];
   let first = null;
@@ -86,13 +88,13 @@ export function showErrors(form, error, prefix = "") {
       first = first || input;
     }
   }
-  const general = form.querySelector("[data-form-error]");
+  const general = useGeneral ? form.querySelector("[data-form-error]") : null;
   if (general && (unplaced.length || !first)) {
     general.hidden = false;
     general.textContent = unplaced.length ? unplaced.join("\n") : error.message;
     first = first || general;
   }
-  if (first) {
+  if (first && focus) {
     if (first === general) general.setAttribute("tabindex", "-1");
     first.focus();
   }
@@ -126,6 +128,27 @@ export function toast(message) {
 export function pageData(id = "page-data") {
   const node = document.getElementById(id);
   return node ? JSON.parse(node.textContent) : {};
+}
+
+// --- tokens ---------------------------------------------------------------------------------
+
+const SPECIAL_TOKEN = /^<[|\uFF5C]?[^\s<>]{1,40}[|\uFF5C]?>$/; // </s>, <|im_end|>, <eos>: shown muted
+
+// One token as a <span class="tok ...">: its own text, unchanged (a selection copies the
+// text as the model saw or wrote it); a marker drawn by CSS before each newline; a visible
+// box around whitespace-only and empty tokens. Put it in an element of class "tokens".
+export function tokenNode(text, { className = "", title } = {}) {
+  const classes = ["tok"];
+  if (className) classes.push(className);
+  if (text === "") classes.push("empty");
+  else if (!text.trim()) classes.push("ws");
+  else if (SPECIAL_TOKEN.test(text)) classes.push("special");
+  const node = el("span", { class: classes.join(" "), title });
+  text.split("\n").forEach((part, i) => {
+    if (i) node.append(el("span", { class: "nl", "aria-hidden": "true" }), "\n");
+    if (part) node.append(part);
+  });
+  return node;
 }
 
 // --- formatting ----------------------------------------------------------------------------

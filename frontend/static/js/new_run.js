@@ -1,6 +1,7 @@
 // New-run form: builds the run spec from the fields (names are dotted spec paths), submits
-// it to the API and shows its errors by field; or copies it as curl / YAML.
-import { api, copyText, onSubmit } from "./common.js";
+// it to the API and shows its errors by field; or copies it as curl / YAML; and previews
+// the prompt a dataset row becomes for the model (POST /api/prompt-preview/).
+import { api, ApiError, clearErrors, copyText, onSubmit, showErrors, tokenNode } from "./common.js";
 
 const form = document.getElementById("run-form");
 
@@ -11,6 +12,9 @@ function readValue(input) {
   if (raw === "") return undefined; // left empty: the spec's default applies
   if (type === "int") return /^-?\d+$/.test(raw) ? Number(raw) : raw; // let the API name a bad number
   if (type === "float") return Number.isFinite(Number(raw)) ? Number(raw) : raw;
+  if (type === "json") { // a list or mapping, e.g. reward.components: [{"function": "math_answer", "weight": 0.9}]
+    try { return JSON.parse(raw); } catch { return raw; } // let the API name what is wrong
+  }
   return raw;
 }
 
@@ -58,9 +62,11 @@ function yamlScalar(value) {
 }
 
 export function toYaml(value, indent = "") {
-  return Object.entries(value).map(([key, item]) => (item !== null && typeof item === "object"
-    ? `${indent}${key}:\n${toYaml(item, `${indent}  `)}`
-    : `${indent}${key}: ${yamlScalar(item)}`)).join("\n");
+  return Object.entries(value).map(([key, item]) => (Array.isArray(item)
+    ? `${indent}${key}: ${JSON.stringify(item)}` // a list in flow style: JSON is valid YAML
+    : item !== null && typeof item === "object"
+      ? `${indent}${key}:\n${toYaml(item, `${indent}  `)}`
+      : `${indent}${key}: ${yamlScalar(item)}`)).join("\n");
 }
 
 async function show(label, text) {
@@ -75,3 +81,73 @@ async function show(label, text) {
 
 document.getElementById("copy-curl").addEventListener("click", () => show("curl command; set FLUXRL_TOKEN to an API token", curlCommand()));
 document.getElementById("copy-yaml").addEventListener("click", () => show("Run spec as YAML, for the CLI", `${toYaml(buildSpec())}\n`));
+
+// --- prompt preview ------------------------------------------------------------------------
+
+const previewButton = document.getElementById("preview-prompt");
+const previewStatus = document.getElementById("preview-status");
+const previewError = document.getElementById("preview-error");
+const previewOutput = document.getElementById("preview-output");
+let previewShown = false;
+let previewTimer = null;
+let previewRequest = 0;
+
+function previewBody() {
+  const body = { spec: buildSpec(), team: form.dataset.team };
+  const row = form.elements.row.value.trim();
+  if (row) {
+    try {
+      body.row = JSON.parse(row);
+    } catch (err) {
+      throw new ApiError(400, { error: { message: `row: not valid JSON (${err.message})`, fields: { row: `not valid JSON (${err.message})` } } });
+    }
+  }
+  return body;
+}
+
+function showPreview(preview) {
+  document.getElementById("preview-format").textContent = preview.format;
+  document.getElementById("preview-count").textContent = preview.token_count;
+  const truncated = document.getElementById("preview-truncated");
+  truncated.hidden = !preview.truncated;
+  truncated.textContent = preview.truncated ? `(the first ${preview.tokens.length} shown)` : "";
+  document.getElementById("preview-text").textContent = preview.text;
+  document.getElementById("preview-tokens").replaceChildren(...preview.tokens.map((text, i) => tokenNode(text, {
+    className: i % 2 ? "alt" : "", title: `token ${i + 1} · id ${preview.token_ids[i]}` })));
+  previewOutput.hidden = false;
+}
+
+async function preview() {
+  const request = ++previewRequest; // a newer request wins over an older answer
+  previewButton.disabled = true;
+  previewStatus.textContent = "Rendering…";
+  try {
+    const result = await api("/api/prompt-preview/", { method: "POST", json: previewBody() });
+    if (request !== previewRequest) return;
+    clearErrors(form);
+    previewError.hidden = true;
+    showPreview(result);
+    previewShown = true;
+    previewStatus.textContent = "";
+  } catch (err) {
+    if (!(err instanceof ApiError)) throw err;
+    if (request !== previewRequest) return;
+    previewOutput.hidden = true;
+    previewStatus.textContent = "";
+    previewError.hidden = false;
+    previewError.textContent = `Cannot preview: ${err.message}`;
+    if (err.status === 400) showErrors(form, err, "spec.", { focus: false, general: false });
+  } finally {
+    if (request === previewRequest) previewButton.disabled = false;
+  }
+}
+
+previewButton.addEventListener("click", preview);
+
+// Once shown, the preview follows the fields it depends on (debounced).
+form.addEventListener("input", (event) => {
+  const name = event.target.name || "";
+  if (!previewShown || !(name === "model.path" || name.startsWith("task.") || name === "row")) return;
+  clearTimeout(previewTimer);
+  previewTimer = setTimeout(preview, 700);
+});

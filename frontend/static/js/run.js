@@ -1,6 +1,6 @@
 // Run page: charts load their history from the metrics API (downsampled on the server),
 // then grow from the websocket with Plotly.extendTraces; status, samples, cancel, log.
-import { api, el, fmt, formatTime, pageData, toast } from "./common.js";
+import { api, el, fmt, formatTime, pageData, toast, tokenNode } from "./common.js";
 import { groupPoints, HistogramChart, LiveChart } from "./charts.js";
 import { RunSocket } from "./live.js";
 
@@ -189,19 +189,40 @@ const olderButton = document.getElementById("samples-older");
 
 const sampleKey = (s) => s.uid || `${s.step}|${s.prompt}|${s.completion}`;
 
-// Completion characters coloured by the policy version of their tokens. Token and
-// character counts match for the character-level tiny model; otherwise spread evenly.
+// The per-token texts the engine reported (one per token of version_runs), or null for a
+// sample stored without them.
+function exactTokens(sample) {
+  const tokens = sample.tokens;
+  const count = (sample.version_runs || []).reduce((n, [, c]) => n + c, 0);
+  return Array.isArray(tokens) && tokens.length === count && count > 0 ? tokens : null;
+}
+
+// The completion coloured by the policy version that produced each token: at the real
+// token boundaries when the sample has its tokens; otherwise each version's tokens are
+// spread evenly over the characters (exact only for a character-level tokenizer).
 function completionNode(sample) {
   const runs = sample.version_runs || [];
+  const tokens = exactTokens(sample);
+  if (tokens) {
+    const node = el("pre", { class: "completion tokens" });
+    let i = 0;
+    runs.forEach(([version, count], r) => {
+      for (let k = 0; k < count; k++, i++) {
+        node.append(tokenNode(tokens[i], { className: `v${version % 8}${r > 0 && k === 0 ? " vchange" : ""}`,
+          title: `policy version ${version} · token ${i + 1}` }));
+      }
+    });
+    return node;
+  }
   const chars = [...(sample.completion || "")];
-  const tokens = runs.reduce((n, [, count]) => n + count, 0);
+  const count = runs.reduce((n, [, c]) => n + c, 0);
   const node = el("pre", { class: "completion" });
-  if (!runs.length || !tokens) { node.textContent = sample.completion; return node; }
+  if (!runs.length || !count) { node.textContent = sample.completion; return node; }
   let done = 0, from = 0;
-  runs.forEach(([version, count], i) => {
-    done += count;
-    const to = i === runs.length - 1 ? chars.length : Math.round((done / tokens) * chars.length);
-    node.append(el("span", { class: `v${version % 8}${i ? " vchange" : ""}`, title: `policy version ${version}: ${count} tokens`,
+  runs.forEach(([version, c], i) => {
+    done += c;
+    const to = i === runs.length - 1 ? chars.length : Math.round((done / count) * chars.length);
+    node.append(el("span", { class: `v${version % 8}${i ? " vchange" : ""}`, title: `policy version ${version}: ${c} tokens`,
       text: chars.slice(from, to).join("") }));
     from = to;
   });
@@ -212,7 +233,8 @@ function sampleNode(sample) {
   const runs = sample.version_runs || [];
   const versions = [...new Set(runs.map(([v]) => v))];
   const multi = versions.length > 1;
-  const tokens = runs.reduce((n, [, count]) => n + count, 0);
+  const count = runs.reduce((n, [, c]) => n + c, 0);
+  const approximate = !exactTokens(sample) && count !== [...(sample.completion || "")].length;
   return el("article", { class: `sample${multi ? " multi" : ""}`, "data-multi": multi ? "1" : "0" },
     el("header", {},
       el("span", {}, "step ", el("strong", { text: sample.step })),
@@ -221,11 +243,11 @@ function sampleNode(sample) {
       versions.length ? el("span", { text: `policy v${versions.join(" → v")}` }) : null,
       multi ? el("span", { class: "spans", text: `spans ${versions.length} versions` }) : null,
       sample.error ? el("span", { class: "field-error", text: `error: ${sample.error}` }) : null),
-    el("div", { class: "row" }, el("div", { class: "label", text: "prompt" }), el("pre", { text: sample.prompt })),
+    el("div", { class: "row" }, el("div", { class: "label", text: "prompt" }), el("pre", { class: "prompt", text: sample.prompt })),
     el("div", { class: "row" }, el("div", { class: "label", text: "completion" }), completionNode(sample)),
     runs.length ? el("div", { class: "legend", "aria-label": "tokens per policy version" },
-      runs.map(([v, count]) => el("span", { class: `v${v % 8}`, text: `v${v}: ${count}` })),
-      tokens !== [...(sample.completion || "")].length ? el("span", { class: "muted", text: "(token positions approximate)" }) : null) : null);
+      runs.map(([v, c]) => el("span", { class: `v${v % 8}`, text: `v${v}: ${c}` })),
+      approximate ? el("span", { class: "muted", text: "(token positions approximate)" }) : null) : null);
 }
 
 function addSamples(samples, { atTop }) {

@@ -67,10 +67,38 @@ def check_json_like(value, path: str = "") -> None:
         raise ParseError(f"YAML {type(value).__name__} values are not allowed{where}; quote it to make it a string.")
 
 
+def load_yaml_mapping(text: str) -> dict:
+    """A YAML document holding one mapping (a run spec), as JSON could hold it, or a
+    ParseError. Anchors/aliases are refused before loading: safe_load shares aliased nodes,
+    but a spec is deep-copied and stored as JSON, so `*a` nested 9 deep would expand a
+    billion-fold."""
+    if "\x00" in text:
+        raise ParseError("The YAML must not contain NUL characters.")
+    try:
+        depth = 0
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):  # events only: cheap, builds nothing
+            if getattr(event, "anchor", None) is not None:
+                raise ParseError(f"YAML anchors and aliases are not allowed (line {event.start_mark.line + 1}).")
+            depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
+            if depth > MAX_YAML_DEPTH:
+                raise ParseError(f"The YAML is nested more than {MAX_YAML_DEPTH} levels deep.")
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ParseError(f"YAML syntax error{where}: {exc.problem or exc.context}") from None
+    except yaml.YAMLError as exc:
+        raise ParseError(f"Invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        found = "an empty document" if data is None else f"a {type(data).__name__}"
+        raise ParseError(f"The run spec must be a YAML mapping, not {found}.")
+    check_json_like(data)
+    return data
+
+
 class LimitedYAMLParser(BaseParser):
-    """A YAML body holding one mapping (a run spec), with the JSON parser's size limit.
-    Anchors/aliases are refused before loading: safe_load shares aliased nodes, but the
-    spec is deep-copied and stored as JSON, so `*a` nested 9 deep would expand a billion-fold."""
+    """A YAML body holding one mapping (a run spec), with the JSON parser's size limit
+    (load_yaml_mapping: no anchors or aliases)."""
 
     media_type = "application/yaml"
 
@@ -83,26 +111,7 @@ class LimitedYAMLParser(BaseParser):
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ParseError(f"The YAML body is not valid UTF-8 (byte {exc.start}).") from None
-        try:
-            depth = 0
-            for event in yaml.parse(text, Loader=yaml.SafeLoader):  # events only: cheap, builds nothing
-                if getattr(event, "anchor", None) is not None:
-                    raise ParseError(f"YAML anchors and aliases are not allowed (line {event.start_mark.line + 1}).")
-                depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
-                if depth > MAX_YAML_DEPTH:
-                    raise ParseError(f"The YAML body is nested more than {MAX_YAML_DEPTH} levels deep.")
-            data = yaml.safe_load(text)
-        except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ParseError(f"YAML syntax error{where}: {exc.problem or exc.context}") from None
-        except yaml.YAMLError as exc:
-            raise ParseError(f"Invalid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            found = "an empty document" if data is None else f"a {type(data).__name__}"
-            raise ParseError(f"The run spec must be a YAML mapping, not {found}.")
-        check_json_like(data)
-        return data
+        return load_yaml_mapping(text)
 
 
 # DRF picks a parser by its one media_type: one class per YAML media type.

@@ -21,7 +21,7 @@ ERROR_STATUSES = {
     "404": "Not found (or another team's)", "409": "Conflict (e.g. illegal run state transition)", "413": "Too large",
 }
 # Declared only by the operations that can answer them (extend_schema); given the error body here.
-OPTIONAL_ERROR_STATUSES = ("429",)
+OPTIONAL_ERROR_STATUSES = ("429", "501")
 
 
 def add_error_responses(result, generator, request, public):

@@ -200,11 +200,16 @@ def form_field(name: str, info, initial: dict) -> dict:
                 field["min"] = rule.ge
             elif isinstance(rule, annotated_types.Le):
                 field["max"] = rule.le
+    elif get_origin(annotation) in (list, dict):  # e.g. reward.components, rollout.stop: typed as JSON
+        field.update(widget="text", type="json")
     else:
         field.update(widget="text", type="str")
     default = FORM_DEFAULTS.get(name, info.default)
     field["default"] = "" if default is PydanticUndefined or default is None else default
-    field["value"] = initial.get(name, field["default"])
+    value = initial.get(name, field["default"])
+    if field["type"] == "json" and isinstance(value, (list, dict)):
+        value = json.dumps(value) if value else ""  # empty: the spec's default
+    field["value"] = "" if value is None else value  # a cloned run's null: left empty, not "None"
     return field
 
 

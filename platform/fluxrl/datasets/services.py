@@ -20,7 +20,7 @@ from django.db import transaction
 from fluxrl.errors import NotFound, TooLarge, field_error
 from fluxrl.validation import contains_nul
 from fluxrl.versioned import check_name, find_version, next_version_number
-from workers.tasks import GENERATORS, generate
+from workers.tasks import GENERATORS, DatasetError, check_messages, generate
 
 from .models import Dataset, DatasetVersion
 
@@ -124,9 +124,14 @@ def normalize_row(obj, prompt_field: str, answer_field: str) -> dict:
         raise RowProblem("expected a JSON object")
     if contains_nul(obj):
         raise RowProblem("contains a NUL character")
+    if prompt_field not in obj and "messages" in obj:  # a chat row: the last user message stands for its prompt
+        try:
+            obj = {**obj, prompt_field: check_messages(obj["messages"], "messages")}
+        except DatasetError as exc:
+            raise RowProblem(str(exc)) from None
     for field, canonical in ((prompt_field, "prompt"), (answer_field, "answer")):
         if field not in obj or obj[field] is None:
-            raise RowProblem(f"missing field '{field}'")
+            raise RowProblem(f"missing field '{field}'" + (" (or a chat 'messages' list)" if field == prompt_field else ""))
         if field != canonical and canonical in obj:
             raise RowProblem(f"has a column '{canonical}' besides the {canonical} field '{field}'")
     prompt, answer = obj[prompt_field], obj[answer_field]

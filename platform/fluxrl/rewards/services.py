@@ -19,6 +19,10 @@ from workers.sandbox import try_reward
 from .models import RewardFunction, RewardVersion
 
 
+# reward.function values with a meaning of their own in a run spec (workers/spec.py)
+RESERVED_NAMES = {"user", "sum"}
+
+
 def builtin_catalog() -> list[dict]:
     return [{"name": name, "description": inspect.getdoc(fn) or ""} for name, fn in BUILTIN_REWARDS.items()]
 
@@ -54,6 +58,8 @@ def create_function(team, user, name: str, code: str, description: str = "") -> 
     check_name(name)
     if name in BUILTIN_REWARDS:
         raise field_error("name", f"'{name}' is a built-in reward; choose another name")
+    if name in RESERVED_NAMES:
+        raise field_error("name", f"'{name}' has a meaning of its own in reward.function; choose another name")
     check_code(code)
     if RewardFunction.objects.filter(team=team, name=name).exists():
         raise Conflict(f"Reward function '{name}' exists in '{team.slug}'; add a version to it instead.",

@@ -7,6 +7,7 @@ may be pushed twice, so subscribers overwrite rather than append blindly.
 """
 from __future__ import annotations
 
+import json
 import logging
 
 from asgiref.sync import async_to_sync
@@ -24,6 +25,9 @@ RECENT_SAMPLES = 20  # sent on connect; the samples API has the rest
 # daphne closes a socket (1011) rather than send a message over 1 MiB: the history on
 # connect (up to max_points per series, ~90 bytes a point) goes in messages of this many.
 HISTORY_POINTS_PER_MESSAGE = 5000
+# Samples go in messages of at most this many bytes of JSON (with their per-token texts
+# they can be long): a sample larger than that alone is sent in a message of its own.
+SAMPLE_BYTES_PER_MESSAGE = 512 * 1024
 
 
 def group_name(run_id: int) -> str:
@@ -57,8 +61,25 @@ def status_message(run: Run) -> dict:
 
 def sample_dict(sample: Sample) -> dict:
     return {"uid": sample.uid, "step": sample.step, "prompt": sample.prompt, "completion": sample.completion,
-            "reward": sample.reward, "version_runs": sample.version_runs, "length": sample.length,
-            "error": sample.error}
+            "reward": sample.reward, "version_runs": sample.version_runs, "tokens": sample.tokens,
+            "length": sample.length, "error": sample.error}
+
+
+def sample_messages(samples: list[dict], **extra) -> list[dict]:
+    """{"type": "samples"} messages holding `samples` in order, each within
+    SAMPLE_BYTES_PER_MESSAGE of JSON (as the consumer encodes it) unless one sample alone
+    is larger, under daphne's 1 MiB frame limit."""
+    messages, batch, size = [], [], 0
+    for sample in samples:
+        nbytes = len(json.dumps(sample)) + 2
+        if batch and size + nbytes > SAMPLE_BYTES_PER_MESSAGE:
+            messages.append(batch)
+            batch, size = [], 0
+        batch.append(sample)
+        size += nbytes
+    if batch or not messages:
+        messages.append(batch)
+    return [{"type": "samples", "samples": batch, **extra} for batch in messages]
 
 
 def publish_status(run: Run) -> None:
@@ -67,7 +88,8 @@ def publish_status(run: Run) -> None:
 
 def publish_samples(run: Run, samples: list[Sample]) -> None:
     if samples:
-        publish(run.pk, {"type": "samples", "samples": [sample_dict(s) for s in samples]})
+        for message in sample_messages([sample_dict(s) for s in samples]):
+            publish(run.pk, message)
 
 
 def publish_points(run: Run, keys: list, steps: list, values: list, times: list) -> None:
@@ -119,7 +141,7 @@ def snapshot(run: Run, since_step: int | None = None, max_points: int = 1000) ->
     return [
         status_message(run),
         *({"type": "metrics", "points": points[i:i + size], "history": True} for i in range(0, max(len(points), 1), size)),
-        {"type": "samples", "samples": [sample_dict(s) for s in recent], "history": True},
+        *sample_messages([sample_dict(s) for s in recent], history=True),
     ]
 
 

@@ -65,7 +65,10 @@ class RunTag(models.Model):
 
 class Sample(models.Model):
     """A stored generated completion. `version_runs` is the policy version of each token,
-    run-length encoded: [[version, token_count], ...] (a sequence may span versions)."""
+    run-length encoded: [[version, token_count], ...] (a sequence may span versions).
+    `tokens` is each completion token's own text at the tokenizer's real boundaries
+    (special tokens shown), one per token as in version_runs; null for samples reported
+    without it (the run page then spreads versions over the characters)."""
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="samples")
     uid = models.CharField(max_length=64, null=True, blank=True, help_text="client id; a retried batch is not stored twice")
@@ -74,6 +77,7 @@ class Sample(models.Model):
     completion = models.TextField()
     reward = models.FloatField(null=True, blank=True)
     version_runs = models.JSONField(default=list)
+    tokens = models.JSONField(null=True, blank=True, help_text="each completion token's text, or null")
     length = models.IntegerField(help_text="completion tokens")
     error = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)

@@ -143,7 +143,8 @@ def check_model_path(team, path: str) -> str:
 
 def resolve_references(team, spec: dict):
     """(dataset_version, reward_version) named by the spec in the team; None where the
-    spec names a built-in generator (gen:<name>), a built-in reward or inline code."""
+    spec names a built-in generator (gen:<name>), a built-in reward, inline code or a sum
+    of components (built-ins and inline code only; workers.spec checks them)."""
     dataset_ref = spec["task"]["dataset"]
     function = (spec.get("reward") or {}).get("function", "numeric_match")
     try:
@@ -153,7 +154,7 @@ def resolve_references(team, spec: dict):
             dataset_version = None
         else:
             dataset_version = datasets.get_version(team, dataset_ref, field="spec.task.dataset")
-        inline = function == "user" or function in BUILTIN_REWARDS
+        inline = function in ("user", "sum") or function in BUILTIN_REWARDS
         reward_version = None if inline else rewards.get_version(team, function, field="spec.reward.function")
     except NotFound as exc:  # a dangling reference is a bad spec, not a missing URL
         raise InvalidInput("; ".join(f"{f}: {exc.message}" for f in exc.fields), fields=exc.fields) from None
@@ -345,8 +346,8 @@ def compress_versions(versions: list[int]) -> list[list[int]]:
 
 
 def add_samples(run: Run, samples: list[dict]) -> int:
-    """Store validated samples ({step, prompt, completion, reward, versions, length,
-    error, uid}); samples whose uid is already stored are skipped (retried batches)."""
+    """Store validated samples ({step, prompt, completion, reward, versions, tokens,
+    length, error, uid}); samples whose uid is already stored are skipped (retried batches)."""
     if len(samples) > settings.FLUXRL_INGEST_MAX_SAMPLES:
         raise TooLarge(f"{len(samples)} samples in one batch; the limit is {settings.FLUXRL_INGEST_MAX_SAMPLES}.")
     rows = []
@@ -355,7 +356,8 @@ def add_samples(run: Run, samples: list[dict]) -> int:
         length = item.get("length")
         rows.append(Sample(
             run=run, uid=item.get("uid"), step=item["step"], prompt=item["prompt"], completion=item["completion"],
-            reward=item.get("reward"), version_runs=compress_versions(versions), error=item.get("error") or "",
+            reward=item.get("reward"), version_runs=compress_versions(versions), tokens=item.get("tokens"),
+            error=item.get("error") or "",
             length=length if length is not None else len(versions),
         ))
     Sample.objects.bulk_create(rows, ignore_conflicts=True)

@@ -195,6 +195,20 @@ def test_new_run_form_can_start_from_another_run(page_a, run_a):
     assert 'name="task.dataset" data-spec data-type="str" value="add@1"' in body and 'value="baseline"' in body
 
 
+def test_new_run_form_edits_lists_as_json_and_clones_reward_components(page_a, team_a, alice, spec):
+    body = page_a.get("/runs/new/").content.decode()
+    assert 'name="reward.components" data-spec data-type="json" value=""' in body
+    assert 'value="None"' not in body  # unset optional fields start empty
+    components = [{"function": "math_answer", "weight": 0.9}, {"function": "format_boxed", "weight": 0.1}]
+    run = submit_run(team_a, alice, spec(reward={"components": components}))
+    body = page_a.get(f"/runs/new/?from={run.pk}").content.decode()
+    value = re.search(r'name="reward.components" data-spec data-type="json" value="([^"]*)"', body).group(1)
+    assert [(c["function"], c["weight"]) for c in json.loads(value.replace("&quot;", '"'))] == [
+        ("math_answer", 0.9), ("format_boxed", 0.1)]
+    assert re.search(r'name="reward.function" data-spec data-type="str" value="sum"', body)
+    assert "0.9 × math_answer + 0.1 × format_boxed" in page_a.get(f"/runs/{run.pk}/").content.decode()
+
+
 def test_compare_shows_what_differs(page_a, team_a, alice, spec):
     one = submit_run(team_a, alice, spec(name="a", algorithm={"lr": 1e-4}))
     two = submit_run(team_a, alice, spec(name="b", algorithm={"lr": 3e-4}, schedule={"mode": "sync"}))

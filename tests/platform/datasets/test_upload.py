@@ -37,6 +37,15 @@ def test_csv_upload_with_custom_field_names_is_renamed_to_prompt_and_answer(api_
     assert rows[1] == {"prompt": "a, b", "answer": "x\ny", "source": "web"}
 
 
+def test_chat_rows_upload_with_their_last_user_message_as_the_prompt(api_a):
+    row = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
+           "answer": 4}
+    response = upload(api_a, json.dumps(row).encode() + b"\n")
+    assert response.status_code == 201, response.content
+    rows = api_a.get(f"/api/datasets/{response.json()['dataset']}/versions/1/preview/").json()["rows"]
+    assert rows == [{"prompt": "What is 2+2?", "answer": "4", "messages": row["messages"]}]
+
+
 def test_uploading_the_same_name_again_makes_a_new_version(api_a):
     first = upload(api_a, GOOD_JSONL).json()
     second = upload(api_a, GOOD_JSONL[:46] + b"\n").json()
@@ -53,6 +62,9 @@ def test_uploading_the_same_name_again_makes_a_new_version(api_a):
         (b'{"prompt": "a", "answer": "b"}\n{"prompt": "c", "answer": \n', "line 2: not valid JSON"),
         (b'{"prompt": "a", "answer": "b"}\n[1, 2]\n', "line 2: expected a JSON object"),
         (b'{"prompt": "a"}\n', "line 1: missing field 'answer'"),
+        (b'{"answer": "1"}\n', "line 1: missing field 'prompt' (or a chat 'messages' list)"),
+        (b'{"messages": [{"role": "assistant", "content": "x"}], "answer": "1"}\n',
+         "line 1: messages: the last message must be the user's"),
         (b'{"prompt": "", "answer": "1"}\n', "line 1: field 'prompt' must be non-empty text"),
         (b'{"prompt": "a", "answer": {"x": 1}}\n', "line 1: field 'answer' must be text or a number"),
         (b"", "file is empty"),

@@ -51,6 +51,8 @@ def test_code_with_syntax_error_or_without_reward_is_rejected_before_saving(api_
 
 def test_builtin_names_and_existing_names_cannot_be_created(api_a, reward_a, assert_error):
     assert_error(api_a.post("/api/rewards/", {"name": "numeric_match", "code": EXACT}), 400, field="name")
+    for reserved in ("sum", "user"):  # reward.function values of their own
+        assert_error(api_a.post("/api/rewards/", {"name": reserved, "code": EXACT}), 400, field="name")
     assert_error(api_a.post("/api/rewards/", {"name": "exact", "code": EXACT}), 409, "conflict")
 
 

@@ -25,7 +25,8 @@ def test_team_references_resolve_to_the_stored_file_and_inlined_code(api_a, team
     assert response.status_code == 201, response.content
     resolved = response.json()["resolved_spec"]
     assert resolved["task"] | {"size": 0, "eval_size": 0, "seed": 0} == {
-        "dataset": str(dataset_a.path), "prompt_field": "prompt", "answer_field": "answer", "size": 0, "eval_size": 0, "seed": 0}
+        "dataset": str(dataset_a.path), "prompt_field": "prompt", "answer_field": "answer", "size": 0, "eval_size": 0, "seed": 0,
+        "prompt_format": "auto", "prompt_template": None, "system_prompt": None}
     assert (resolved["reward"]["function"], resolved["reward"]["code"], resolved["reward"]["timeout_s"]) == ("user", CODE, 3.0)
     assert (response.json()["dataset"], response.json()["reward"]) == ("add@1", "always@1")
 
@@ -38,6 +39,24 @@ def test_references_without_version_pin_the_newest_at_submission(team_a, alice, 
     add_version(function, alice, CODE.replace("1.0", "0.5"))
     assert run.reward_version.version == 1
     assert resolve_spec(run)["reward"]["code"] == CODE  # later versions do not change the run
+
+
+def test_a_weighted_sum_of_builtin_rewards_is_accepted_inline(api_a, spec):
+    components = [{"function": "math_answer", "weight": 0.9}, {"function": "format_boxed", "weight": 0.1}]
+    for reward in ({"components": components}, {"function": "sum", "components": components}):
+        response = api_a.post("/api/runs/", {"spec": spec(reward=reward)})
+        assert response.status_code == 201, response.content
+        body = response.json()
+        assert body["reward"] is None and body["resolved_spec"]["reward"]["function"] == "sum"
+        assert [(c["function"], c["weight"]) for c in body["resolved_spec"]["reward"]["components"]] == [
+            ("math_answer", 0.9), ("format_boxed", 0.1)]
+
+
+def test_a_bad_reward_component_is_400_naming_it(api_a, spec, assert_error):
+    reward = {"components": [{"function": "math_answer"}, {"function": "mine@1", "weight": 0.1}]}
+    error = assert_error(api_a.post("/api/runs/", {"spec": spec(reward=reward)}), 400, "invalid",
+                         field="spec.reward.components.1.function")
+    assert "unknown built-in 'mine@1'" in error["fields"]["spec.reward.components.1.function"]
 
 
 def test_the_example_specs_are_accepted(api_a):

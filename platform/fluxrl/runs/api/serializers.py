@@ -1,3 +1,4 @@
+from django.conf import settings
 from rest_framework import serializers
 
 from ..models import MAX_INT, MAX_STEP, Checkpoint, Run, RunStatus, Sample
@@ -65,8 +66,22 @@ class RunStatusSerializer(serializers.ModelSerializer):
 class SampleSerializer(serializers.ModelSerializer):
     class Meta:
         model = Sample
-        fields = ["id", "uid", "step", "prompt", "completion", "reward", "version_runs", "length", "error", "created_at"]
+        fields = ["id", "uid", "step", "prompt", "completion", "reward", "version_runs", "tokens", "length", "error",
+                  "created_at"]
         read_only_fields = fields
+        extra_kwargs = {"tokens": {"help_text": "each completion token's text, in order (one per token of "
+                                                "version_runs); null for samples reported without it"}}
+
+
+class StrictStringField(serializers.CharField):
+    """Text only: DRF's CharField would take 12 or 1.5 and store "12"/"1.5"."""
+
+    default_error_messages = {"invalid": "must be a string"}
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
 
 
 class SampleInSerializer(serializers.Serializer):
@@ -77,8 +92,26 @@ class SampleInSerializer(serializers.Serializer):
     reward = serializers.FloatField(required=False, allow_null=True)
     versions = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=MAX_INT), default=list,
                                      help_text="policy version of each completion token")
+    tokens = serializers.ListField(
+        child=StrictStringField(allow_blank=True, trim_whitespace=False, max_length=settings.FLUXRL_SAMPLE_MAX_TOKEN_CHARS),
+        required=False, allow_null=True,
+        help_text="each completion token's own text at real token boundaries (special tokens shown), one per "
+                  "entry of versions; at most FLUXRL_SAMPLE_MAX_TOKENS tokens of FLUXRL_SAMPLE_MAX_TOKEN_CHARS characters")
     length = serializers.IntegerField(required=False, min_value=0, max_value=MAX_INT, help_text="default: len(versions)")
     error = serializers.CharField(required=False, allow_blank=True)
+
+    def validate_tokens(self, tokens):
+        limit = settings.FLUXRL_SAMPLE_MAX_TOKENS
+        if tokens is not None and len(tokens) > limit:
+            raise serializers.ValidationError(f"at most {limit} tokens (got {len(tokens)})")
+        return tokens
+
+    def validate(self, attrs):
+        tokens, versions = attrs.get("tokens"), attrs.get("versions") or []
+        if tokens is not None and len(tokens) != len(versions):
+            raise serializers.ValidationError({"tokens": f"one entry per token of versions: {len(tokens)} tokens "
+                                                         f"for {len(versions)} versions"})
+        return attrs
 
 
 class SampleBatchSerializer(serializers.Serializer):
@@ -106,3 +139,22 @@ class RunTokenSerializer(serializers.Serializer):
     prefix = serializers.CharField()
     expires_at = serializers.DateTimeField(allow_null=True)
     key = serializers.CharField(help_text="shown once; give it to the worker as its bearer token")
+
+
+class PromptPreviewRequestSerializer(serializers.Serializer):
+    spec = serializers.JSONField(help_text="the run spec: a mapping, or YAML/JSON text; only model and task are read")
+    row = serializers.DictField(required=False, allow_null=True,
+                                help_text="a dataset row ({prompt: ...}, or {messages: [...]}, with any fields the "
+                                          "template uses); default: the first row of the spec's task.dataset")
+    team = serializers.SlugField(required=False, help_text="whose datasets and run outputs; default: your only team")
+
+
+class PromptPreviewSerializer(serializers.Serializer):
+    format = serializers.ChoiceField(choices=["chat", "raw"], help_text="how the row became the model's input")
+    text = serializers.CharField(help_text="the prompt exactly as the model's tokenizer encodes it")
+    token_ids = serializers.ListField(child=serializers.IntegerField(), help_text="the first tokens' ids")
+    tokens = serializers.ListField(child=serializers.CharField(), help_text="each of those tokens' own text "
+                                                                         "(special tokens shown)")
+    token_count = serializers.IntegerField(help_text="all of the prompt's tokens")
+    truncated = serializers.BooleanField(help_text="token_ids and tokens stop before token_count")
+    row = serializers.DictField(help_text="the row rendered (prompt and answer named as the engine names them)")

@@ -11,4 +11,5 @@ urlpatterns = [
     path("runs/<int:pk>/status/", views.RunStatusView.as_view(), name="run-status"),
     path("runs/<int:pk>/samples/", views.RunSamplesView.as_view(), name="run-samples"),
     path("runs/<int:pk>/checkpoints/", views.RunCheckpointsView.as_view(), name="run-checkpoints"),
+    path("prompt-preview/", views.PromptPreviewView.as_view(), name="prompt-preview"),
 ]

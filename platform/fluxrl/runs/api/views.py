@@ -1,7 +1,7 @@
 from django.conf import settings
 from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import generics, status
 from rest_framework.response import Response
 from rest_framework.settings import api_settings
@@ -12,10 +12,12 @@ from fluxrl.api.base import TeamScopedMixin, is_schema_generation, validated
 from fluxrl.api.parsers import YAML_MEDIA_TYPES, YAML_PARSERS
 from fluxrl.api.permissions import RunWorkerOrTeamUser
 
-from .. import services
+from .. import preview, services
 from ..models import Checkpoint, Run, Sample
 from .serializers import (
     CheckpointSerializer,
+    PromptPreviewRequestSerializer,
+    PromptPreviewSerializer,
     RunCreateSerializer,
     RunDetailSerializer,
     RunListQuerySerializer,
@@ -169,3 +171,30 @@ class RunCheckpointsView(RunReportMixin, generics.ListAPIView):
         run = self.get_run()
         checkpoint = services.add_checkpoint(run, **validated(CheckpointSerializer, request.data))
         return Response(CheckpointSerializer(checkpoint).data, status=status.HTTP_201_CREATED)
+
+
+class PromptPreviewView(TeamScopedMixin, generics.GenericAPIView):
+    """A row of the spec's dataset (or the row given) as the spec's model will see it."""
+
+    serializer_class = PromptPreviewRequestSerializer
+
+    @extend_schema(
+        request=PromptPreviewRequestSerializer, summary="Preview the prompt a spec's model sees, and its tokens",
+        description="Renders `row` (default: the first row of `spec.task.dataset`) with the spec's "
+        "`task.prompt_format`, `task.prompt_template` and `task.system_prompt` through the model folder's own "
+        "tokenizer and chat template, as the engine will. 400s name the field at fault (`spec.model.path`: no "
+        "tokenizer; `spec.task.prompt_format`: a chat row on a model without a chat template; "
+        "`spec.task.prompt_template`: a template that fails on the row; `spec.task.dataset`, `row`).",
+        responses={
+            200: PromptPreviewSerializer,
+            429: OpenApiResponse(description="FLUXRL_PROMPT_PREVIEW_MAX_CONCURRENT previews are being made in this "
+                                             "web process: retry after Retry-After"),
+            501: OpenApiResponse(description="this server has no tokenizer libraries (a web-only install)"),
+        },
+        parameters=[OpenApiParameter("Retry-After", OpenApiTypes.INT, OpenApiParameter.HEADER, response=[429],
+                                     description="seconds to wait before trying again")])
+    def post(self, request):
+        data = validated(PromptPreviewRequestSerializer, request.data)
+        team = self.team_for_new_object(data.get("team"))
+        result = preview.preview_prompt(team, data["spec"], data.get("row"))
+        return Response(PromptPreviewSerializer(result).data)

@@ -1,0 +1,307 @@
+"""Prompt preview: a run spec's model and dataset -> one row's prompt exactly as the
+engine renders it for the model (workers.prompts: format, template, system prompt, the
+model folder's own tokenizer and chat template), with its token ids and their texts.
+
+It runs in the web process: the model path is scoped as a run's is (check_model_path),
+tokenizers are loaded once and kept (a small LRU), and the model's chat template renders
+in transformers' sandboxed Jinja environment. The spec's own task.prompt_template is
+rendered in a short-lived child process with a time and memory limit (a template is
+user input, and Jinja's sandbox bounds neither loops nor the size of what it builds).
+No user Python runs. Without the engine's libraries (a web-only install) the answer is
+a 501 saying so."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from annotated_types import MaxLen
+from django.conf import settings
+from django.db import connection
+from rest_framework.exceptions import ParseError
+
+import workers
+from fluxrl.datasets import services as datasets
+from fluxrl.errors import DomainError, InvalidInput, NotFound, TooManyRequests, field_error
+from workers.preflight import ModelCheckError, resolve_model_path
+from workers.prompts import TOKENIZER_FILES, PromptError, PromptRenderer, load_tokenizer, row_is_chat
+from workers.spec import SpecError, TaskSpec, validate_spec
+from workers.tasks import GENERATORS, DatasetError, check_messages, load_rows
+
+from .services import MODEL_FIELD, check_model_path, spec_errors
+
+PREVIEW_MAX_TOKENS = 4096  # token ids and texts returned (token_count counts them all)
+MAX_PROMPT_CHARS = 1_000_000
+TOKENIZER_CACHE_SIZE = 4
+TEMPLATE_TIMEOUT_S = 5.0
+TEMPLATE_MEMORY_MB = 512
+DATASET_FIELD = "spec.task.dataset"
+FORMAT_FIELD = "spec.task.prompt_format"
+TEMPLATE_FIELD = "spec.task.prompt_template"
+
+
+class EngineUnavailable(DomainError):
+    status, code = 501, "engine_unavailable"
+
+
+# --- the spec and the row --------------------------------------------------------------------
+
+
+def preview_spec(spec_input) -> tuple:
+    """(spec, prompt_template): the spec's model and task validated by workers.spec (errors
+    named spec.<field>), all but task.prompt_template, which is only checked to be text of
+    the allowed length here and compiled in the child process (render_template): Jinja
+    folds constant expressions while compiling, so `{{ 'a' * 10**10 }}` would be built in
+    this process. Only model and task matter here, so a spec still being written (no name
+    yet, a bad learning rate) can be previewed."""
+    if isinstance(spec_input, (str, bytes)):
+        # Here, not at the top: fluxrl.api.parsers, imported before rest_framework.views,
+        # would be imported again by DRF's settings while half-initialized.
+        from fluxrl.api.parsers import load_yaml_mapping
+
+        text = spec_input.decode("utf-8", "replace") if isinstance(spec_input, bytes) else spec_input
+        try:
+            spec_input = load_yaml_mapping(text)
+        except ParseError as exc:
+            raise field_error("spec", str(exc.detail)) from None
+    if not isinstance(spec_input, dict):
+        raise field_error("spec", "a run spec: a mapping, or YAML/JSON text")
+    name = spec_input.get("name")
+    partial = {"name": name if isinstance(name, str) and 0 < len(name) <= 200 else "preview",
+               **{k: spec_input[k] for k in ("model", "task") if k in spec_input}}
+    template = None
+    if isinstance(partial.get("task"), dict) and "prompt_template" in partial["task"]:
+        template = partial["task"]["prompt_template"]
+        partial["task"] = {k: v for k, v in partial["task"].items() if k != "prompt_template"}
+        limit = next((m.max_length for m in TaskSpec.model_fields["prompt_template"].metadata
+                      if isinstance(m, MaxLen)), 20000)
+        if template is not None and not isinstance(template, str):
+            raise field_error(TEMPLATE_FIELD, "must be text")
+        if template is not None and len(template) > limit:
+            raise field_error(TEMPLATE_FIELD, f"at most {limit} characters")
+    try:
+        return validate_spec(partial), template
+    except SpecError as exc:
+        raise spec_errors(exc.errors) from None
+
+
+def given_row(row, task) -> dict:
+    """A row typed in by the user, read as load_rows reads a JSONL line: the prompt from
+    task.prompt_field, or a chat row's last user message; the answer is not needed."""
+    if not isinstance(row, dict):
+        raise field_error("row", "a JSON object, e.g. {\"prompt\": \"12+7=\"} or {\"messages\": [...]}")
+    out = {k: v for k, v in row.items() if k != task.prompt_field}
+    if "messages" in row:
+        try:
+            out["prompt"] = check_messages(row["messages"], "row")
+        except DatasetError as exc:
+            raise field_error("row", str(exc).removeprefix("row: ")) from None
+    if task.prompt_field in row:
+        out["prompt"] = str(row[task.prompt_field])
+    if "prompt" not in out:
+        raise field_error("row", f"needs the prompt field {task.prompt_field!r} (task.prompt_field) "
+                                 "or a chat 'messages' list")
+    return out
+
+
+def first_row(team, task) -> dict:
+    """The first row of the spec's dataset: a generator's (gen:<name>[?k=v]) as the engine
+    generates it, or the first stored row of one of the team's datasets (another team's is
+    not found, as at submission)."""
+    ref = task.dataset
+    if ref.startswith("gen:"):
+        if ref[4:].partition("?")[0] not in GENERATORS:
+            raise field_error(DATASET_FIELD, f"unknown generator; choose one of {sorted(GENERATORS)}")
+        try:
+            train, _ = load_rows(ref, size=1, eval_size=0, seed=task.seed)
+        except Exception as exc:  # noqa: BLE001 - DatasetError, parameters it does not take or cannot use
+            raise field_error(DATASET_FIELD, f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError)
+                              else str(exc)) from None
+        return train[0]
+    try:
+        version = datasets.get_version(team, ref, field=DATASET_FIELD)
+    except NotFound as exc:  # a dangling reference is a bad spec, not a missing URL
+        raise InvalidInput(exc.message, fields=exc.fields) from None
+    rows = datasets.read_rows(version, 0, 1)
+    if not rows:
+        raise field_error(DATASET_FIELD, f"{version} has no rows")
+    return rows[0]
+
+
+# --- the tokenizer ---------------------------------------------------------------------------
+
+_tokenizers: OrderedDict = OrderedDict()  # (path, files' mtimes) -> (tokenizer, lock)
+_tokenizers_lock = threading.Lock()
+
+
+def _signature(path: str) -> tuple:
+    """What makes a cached tokenizer stale: its folder's tokenizer files changing."""
+    if not os.path.isdir(path):
+        return ()
+    stats = []
+    for name in (*TOKENIZER_FILES, "special_tokens_map.json", "chat_template.jinja", "chat_template.json"):
+        try:
+            st = os.stat(os.path.join(path, name))
+        except OSError:
+            continue
+        stats.append((name, st.st_mtime_ns, st.st_size))
+    return tuple(stats)
+
+
+def engine_missing(exc: ImportError) -> EngineUnavailable:
+    return EngineUnavailable(
+        f"Prompt preview needs the engine's tokenizer libraries (transformers, tokenizers), and this server has "
+        f"no {exc.name or 'engine'} module: it is a web-only install (FLUXRL_ENGINE=none). Install the engine "
+        "here (scripts/setup.sh with FLUXRL_ENGINE=cpu), or preview with `python -m workers` on a worker host.")
+
+
+def tokenizer_for(model_path: str):
+    """(tokenizer, lock) for a model path as check_model_path returned it: builtin:tiny
+    resolves to the tiny model's folder. Kept in an LRU of TOKENIZER_CACHE_SIZE; a
+    tokenizer is used under its lock (a fast tokenizer's settings change per call)."""
+    try:
+        folder = resolve_model_path(model_path)  # builtin:tiny: imports torch (the engine's)
+        key = (folder, _signature(folder))
+        with _tokenizers_lock:
+            if key in _tokenizers:
+                _tokenizers.move_to_end(key)
+                return _tokenizers[key]
+        entry = (load_tokenizer(folder), threading.Lock())  # outside the lock: seconds for a large vocabulary
+    except ImportError as exc:
+        raise engine_missing(exc) from None
+    except (ModelCheckError, PromptError) as exc:
+        raise field_error(MODEL_FIELD, str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - a damaged tokenizer file, and the like
+        raise field_error(MODEL_FIELD, f"{model_path!r}: its tokenizer does not load: {type(exc).__name__}: {exc}") from None
+    with _tokenizers_lock:
+        for stale in [k for k in _tokenizers if k[0] == folder]:
+            del _tokenizers[stale]
+        _tokenizers[key] = entry
+        while len(_tokenizers) > TOKENIZER_CACHE_SIZE:
+            _tokenizers.popitem(last=False)
+    return entry
+
+
+# --- the user's template, bounded ------------------------------------------------------------
+
+_TEMPLATE_CHILD = r"""
+import json, resource, sys
+limit = int(sys.argv[2]) * 1024 * 1024
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+cpu = int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+sys.path.insert(0, sys.argv[1])
+from workers.prompts import compile_template
+job = json.load(sys.stdin)
+def answer(**reply):
+    print(json.dumps(reply))
+    sys.exit()
+try:
+    template = compile_template(job["template"])
+except MemoryError:
+    answer(error=f"compiling it ran out of memory ({sys.argv[2]} MB)")
+except ValueError as exc:  # "prompt_template line N: ..."
+    answer(error=str(exc).removeprefix("prompt_template ")[:2000])
+if not job["render"]:
+    answer(text="")
+try:
+    text = template.render(**job["row"])
+except MemoryError:
+    answer(error=f"rendering it on the row ran out of memory ({sys.argv[2]} MB)")
+except Exception as exc:
+    answer(error=f"failed on the row: {type(exc).__name__}: {exc}"[:2000])
+if len(text) > job["max_chars"]:
+    answer(error=f"the rendered prompt is over {job['max_chars']} characters")
+answer(text=text)
+"""
+
+
+def render_template(template: str, row: dict, render: bool = True) -> str:
+    """task.prompt_template compiled and rendered over the row as PromptRenderer does it
+    (the same sandboxed environment, workers.prompts.compile_template), in a child process
+    stopped after TEMPLATE_TIMEOUT_S or TEMPLATE_MEMORY_MB; render=False: only compiled."""
+    root = str(Path(workers.__file__).resolve().parents[1])
+    job = json.dumps({"template": template, "row": row, "render": render, "max_chars": MAX_PROMPT_CHARS})
+    cpu = max(1, int(TEMPLATE_TIMEOUT_S) + 1)
+    try:
+        done = subprocess.run([sys.executable, "-I", "-c", _TEMPLATE_CHILD, root, str(TEMPLATE_MEMORY_MB), str(cpu)],
+                              input=job, capture_output=True, text=True, timeout=TEMPLATE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise field_error(TEMPLATE_FIELD, f"compiling and rendering it took over {TEMPLATE_TIMEOUT_S:g} s on "
+                                          "the row") from None
+    try:
+        result = json.loads(done.stdout)
+    except ValueError:
+        raise field_error(TEMPLATE_FIELD, f"rendering it on the row ran out of memory ({TEMPLATE_MEMORY_MB} MB) or "
+                                          f"time") from None
+    if "error" in result:
+        raise field_error(TEMPLATE_FIELD, result["error"])
+    return result["text"]
+
+
+# --- the preview -----------------------------------------------------------------------------
+
+_slots: dict[int, threading.BoundedSemaphore] = {}
+_slots_lock = threading.Lock()
+
+
+def _slot() -> threading.BoundedSemaphore:
+    limit = settings.FLUXRL_PROMPT_PREVIEW_MAX_CONCURRENT
+    with _slots_lock:
+        return _slots.setdefault(limit, threading.BoundedSemaphore(limit))
+
+
+def preview_prompt(team, spec_input, row: dict | None = None) -> dict:
+    """{format, text, token_ids, tokens, token_count, truncated, row}: `row` (or the first
+    row of the spec's dataset) as the engine renders it for the spec's model. token_ids and
+    tokens (each token's own text, special tokens shown) stop after PREVIEW_MAX_TOKENS
+    (truncated: true); token_count counts them all. 400s name the field at fault; 501
+    without the engine's libraries; 429 past FLUXRL_PROMPT_PREVIEW_MAX_CONCURRENT previews
+    at once in this process. Call it from a thread, never an event loop."""
+    spec, template = preview_spec(spec_input)
+    task = spec.task
+    model_path = check_model_path(team, spec.model.path)
+    row = given_row(row, task) if row is not None else first_row(team, task)
+    slot = _slot()
+    if not slot.acquire(blocking=False):
+        raise TooManyRequests(f"{settings.FLUXRL_PROMPT_PREVIEW_MAX_CONCURRENT} prompt previews are already being "
+                              "made: try again shortly", retry_after_s=2)
+    try:
+        if not connection.in_atomic_block:
+            connection.close()  # no query below: back to the pool while a tokenizer loads
+        return _render(model_path, task, template, row)
+    finally:
+        slot.release()
+
+
+def _render(model_path: str, task, template: str | None, source: dict) -> dict:
+    row = source
+    chat = row_is_chat(row, task.prompt_format, task.system_prompt)
+    if template:
+        # The engine's PromptRenderer renders the template over the row as the text (raw)
+        # or the user message (chat without a messages list); here the child process does.
+        used = not (chat and isinstance(row.get("messages"), list))
+        text = render_template(template, row, render=used)
+        if used:
+            row = {**row, "prompt": text}
+    tokenizer, lock = tokenizer_for(model_path)
+    renderer = PromptRenderer(tokenizer, task.prompt_format, None, task.system_prompt)
+    with lock:
+        try:
+            text = renderer.text(row)
+        except PromptError as exc:  # a chat row without a chat template, or the template failing on it
+            raise field_error(FORMAT_FIELD if not renderer.has_chat_template else MODEL_FIELD, str(exc)) from None
+        if len(text) > MAX_PROMPT_CHARS:
+            raise field_error("row", f"the prompt is {len(text)} characters; a preview shows up to {MAX_PROMPT_CHARS}")
+        try:
+            ids = renderer.ids(row)
+        except PromptError as exc:
+            raise field_error("row", str(exc)) from None
+        shown = ids[:PREVIEW_MAX_TOKENS]
+        pieces = renderer.pieces(shown)
+    return {"format": "chat" if chat else "raw", "text": text, "token_ids": shown, "tokens": pieces,
+            "token_count": len(ids), "truncated": len(ids) > len(shown), "row": source}
