@@ -60,8 +60,8 @@ NOT_RUN = [
     (r"(\w+=\S+ )*\.venv/bin/python -m workers run .*",
      "trains the tiny model for minutes; the engine tests (tests/workers, marker `engine`) run `workers run`"),
     (r"\.venv/bin/python -m workers build-model .*",
-     "trains a tokenizer and warm-starts a model for a minute or more; tests/workers/test_modelzoo.py builds "
-     "every architecture and tests/workers/test_model_zoo_engine.py trains them"),
+     "trains a tokenizer and warm-starts a model for minutes; tests/workers/test_modelzoo.py builds every "
+     "architecture briefly and tests/workers/test_model_zoo_engine.py runs RL on the full builds"),
     (r"\.venv/bin/python -m workers evaluate .*",
      "needs a finished run's final_model; tests/workers/test_model_zoo_engine.py makes the same evaluation"),
 ]

@@ -4,6 +4,8 @@
                                               against their SHA-256) or retrain its recipe; print its folder
   python -m workers validate spec.yaml        check a run spec, naming any bad field
   python -m workers evaluate MODEL spec.yaml  held-out accuracy of a model folder by HF greedy generation
+  python -m workers build-model ARCH [--out DIR] [--dataset F]
+                                              a small qwen2/llama/gpt2 with its own tokenizer, warm-started
   python -m workers run spec.yaml [--out DIR] [--platform URL --token T --run-id N] [--resume]
                                               (or the token in FLUXRL_RUN_TOKEN)
 
@@ -157,6 +159,13 @@ def main(argv=None) -> int:
     b.add_argument("--root", default=None, help="model cache (default: $FLUXRL_MODEL_CACHE or ~/.cache/fluxrl/models)")
     b.add_argument("--rebuild", action="store_true",
                    help="retrain the warm start from its recipe (minutes) instead of installing the shipped weights")
+    m = sub.add_parser("build-model", help="build a small model of another architecture, with its own trained "
+                       "tokenizer and chat template, warm-started on chat arithmetic (workers/modelzoo.py)")
+    m.add_argument("arch", choices=["qwen2", "llama", "gpt2"])
+    m.add_argument("--out", default=None, help="folder to write (default: the model cache, reused when built)")
+    m.add_argument("--steps", type=int, default=None, help="warm-start steps (default: the recipe's)")
+    m.add_argument("--dataset", default=None, help="also write a chat JSONL dataset of the same task here")
+    m.add_argument("--rows", type=int, default=2000, help="rows of --dataset")
     v = sub.add_parser("validate", help="validate a run spec")
     v.add_argument("spec")
     e = sub.add_parser("evaluate", help="held-out accuracy of a model folder with plain HF greedy generation "
@@ -185,6 +194,21 @@ def main(argv=None) -> int:
             print(f"rebuilt: demo held-out greedy accuracy {built['demo_accuracy']:.4f}, sha256 {built['sha256'][:12]}..."
                   + ("" if same is None else " (identical to the shipped weights)" if same
                      else " (differs from the shipped weights: another CPU model rounds differently)"))
+        print(folder)
+        return 0
+    if args.cmd == "build-model":
+        from .modelzoo import MANIFEST as ZOO_MANIFEST, build_zoo_model, ensure_zoo_model, write_chat_dataset
+
+        if args.out:
+            folder = build_zoo_model(args.arch, args.out, steps=args.steps, progress=True)
+        else:
+            folder = ensure_zoo_model(args.arch, steps=args.steps, progress=True)
+        built = json.loads((Path(folder) / ZOO_MANIFEST).read_text())
+        print(f"{args.arch}: {built['params']:,} parameters, {built['len_tokenizer']} tokens, held-out greedy "
+              f"accuracy {built['held_out_accuracy']:.3f} after the warm start", file=sys.stderr)
+        if args.dataset:
+            write_chat_dataset(args.dataset, args.rows, seed=7)
+            print(f"dataset: {args.dataset} ({args.rows} chat rows)", file=sys.stderr)
         print(folder)
         return 0
     if args.cmd == "evaluate":

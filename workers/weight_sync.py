@@ -61,7 +61,34 @@ class WeightSyncExtension:
         every live parameter can be mapped to the trainer's names."""
         self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
         self._fluxrl_retie_embeddings()
-        self._fluxrl_inplace = self._fluxrl_plan(tensors) is not None
+        self._fluxrl_inplace = self._fluxrl_plan(tensors) is not None and self._fluxrl_plan_holds(tensors)
+
+    def _fluxrl_plan_holds(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Right after vLLM's own loader ran, the direct path would write the same values.
+        Not so where the loader transforms a tensor (GPT-2's Conv1D weights are stored
+        transposed, square ones included): those models keep the generic reload."""
+        try:
+            with torch.no_grad():
+                for module, pname, parts in self._fluxrl_plan(tensors):
+                    param = getattr(module, pname)
+                    new = tensors[parts[0]] if len(parts) == 1 else torch.cat([tensors[p] for p in parts])
+                    new = new.to(param.dtype)
+                    if param.numel() == 0:
+                        # Packed away by the CPU backend: compare what the layer computes
+                        # with what the direct path would make it compute.
+                        width = getattr(module, "input_size_per_partition", getattr(module, "input_size", None))
+                        if new.dim() != 2 or new.shape[1] != width:  # never feed the kernel a wrong shape
+                            return False
+                        probe = torch.randn(2, new.shape[1], dtype=param.dtype)
+                        got = module.quant_method.apply(module, probe)
+                        if not torch.allclose(got[:, : new.shape[0]], probe @ new.T, atol=1e-4, rtol=1e-4):
+                            return False
+                    elif new.dim() != param.dim() or new.shape[1:] != param.shape[1:] \
+                            or new.shape[0] > param.shape[0] or not torch.equal(param[: new.shape[0]], new):
+                        return False
+        except Exception:  # noqa: BLE001 - anything unexpected: the generic reload is always right
+            return False
+        return True
 
     def _fluxrl_plan(self, tensors: dict[str, torch.Tensor]):
         """For every vLLM parameter, the HF tensor names it is made of (fused layers such
@@ -133,8 +160,8 @@ class WeightSyncExtension:
         model = self.model_runner.get_model()
         if not getattr(model.config, "tie_word_embeddings", False):
             return
-        head, embed = model.lm_head, model.model.embed_tokens
-        if head.weight is embed.weight:
+        head, embed = getattr(model, "lm_head", None), _input_embedding(model)
+        if head is None or embed is None or head.weight is embed.weight:
             return
         if hasattr(head, "cpu_linear"):  # CPU backend: lm_head runs on a repacked copy
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
@@ -149,3 +176,13 @@ class WeightSyncExtension:
         if getattr(self, "_fluxrl_checksum", None) is None and getattr(self, "_fluxrl_tensors", None) is not None:
             self._fluxrl_checksum = tensors_checksum(self._fluxrl_tensors)
         return getattr(self, "_fluxrl_checksum", None)
+
+
+def _input_embedding(model):
+    """The token embedding whatever the architecture calls it (Llama/Qwen ``model.embed_tokens``,
+    GPT-2 ``transformer.wte``, GPT-NeoX ``gpt_neox.embed_in``): the first vocabulary
+    embedding that is not the output head."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    return next((m for m in model.modules() if isinstance(m, VocabParallelEmbedding)
+                 and not isinstance(m, ParallelLMHead)), None)

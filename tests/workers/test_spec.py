@@ -39,3 +39,15 @@ def test_yaml_text_is_accepted_and_garbage_is_not():
     assert validate_spec("name: t\nmodel: {path: m}\ntask: {dataset: x.jsonl}\n").task.dataset == "x.jsonl"
     with pytest.raises(SpecError, match="mapping"):
         validate_spec("- just\n- a list\n")
+
+
+def test_the_cli_only_examples_are_valid_specs():
+    from pathlib import Path
+
+    from workers.spec import load_spec_file
+
+    folder = Path(__file__).resolve().parents[2] / "examples" / "own-model"
+    examples = sorted(folder.glob("*.yaml"))
+    assert examples
+    for example in examples:
+        assert load_spec_file(str(example)).task.dataset.endswith(".jsonl")

@@ -1,0 +1,105 @@
+"""The engine runs RL on Hugging Face models of several architectures, each with its own
+tokenizer (byte-level BPE or Unigram), chat template and end-of-turn ids: async RL with
+in-flight (`keep`) updates, end to end, on models built locally (workers/modelzoo.py)."""
+import asyncio
+import json
+
+import pytest
+import torch
+
+from workers.controller import Controller
+from workers.hf_eval import greedy_accuracy
+from workers.modelzoo import ensure_zoo_model, write_chat_dataset
+from workers.spec import validate_spec
+from workers.tasks import load_rows
+
+ARCHS = ["qwen2", "llama", "gpt2"]
+STEPS = 40
+
+
+class RecordingController(Controller):
+    """Keeps every completion with the temperature it was sampled at, and every text scored."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.generated, self.scored = [], []
+
+    async def _generate(self, engine, row, temperature):
+        comp = await super()._generate(engine, row, temperature)
+        self.generated.append((row, temperature, comp))
+        return comp
+
+    async def _score(self, row, comp):
+        sample = await super()._score(row, comp)
+        self.scored.append((comp.token_ids, sample.text))
+        return sample
+
+
+def _spec(model, data):
+    return validate_spec({
+        "name": "zoo", "model": {"path": str(model)},
+        "task": {"dataset": str(data), "eval_size": 100},
+        "reward": {"function": "numeric_match"},
+        "algorithm": {"loss": "ppo", "group_size": 8, "lr": 3e-4, "warmup_steps": 2},
+        "rollout": {"max_tokens": 16, "temperature": 1.0, "update_mode": "keep"},
+        "schedule": {"mode": "async", "max_staleness": 2, "batch_prompts": 8},
+        "stop": {"max_steps": STEPS, "max_minutes": 8},
+        "eval": {"every_steps": 0, "prompts": 100},
+    })
+
+
+def _hf_logprobs(model, prompt_ids, token_ids, temperature):
+    ids = torch.tensor([prompt_ids + token_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(token_ids)[:, None]).squeeze(-1)
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_async_keep_trains_a_chat_model_of_this_architecture(arch, tmp_path):
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model_dir = ensure_zoo_model(arch)
+    data = write_chat_dataset(tmp_path / "chat.jsonl", 1500, seed=7)
+    spec = _spec(model_dir, data)
+    controller = RecordingController(spec, tmp_path / "out", progress=False)
+    result = asyncio.run(controller.run())
+    assert result.steps == STEPS and result.staleness_max <= 2
+
+    # The ids vLLM generated decode to the text that was scored, by the tokenizer file
+    # itself (not the engine's tokenizer object), and end on one of the model's stop ids.
+    saved = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    stops = json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"]
+    stops = stops if isinstance(stops, list) else [stops]
+    assert len(stops) >= 2
+    for token_ids, text in controller.scored:
+        assert saved.decode(token_ids, skip_special_tokens=True) == text
+    finished = [c for _, _, c in controller.generated if c.finish_reason == "stop"]
+    assert finished and all(c.token_ids[-1] in stops for c in finished)
+
+    # Prompts are the chat template's rendering, encoded by the same tokenizer file.
+    row, _, comp = controller.generated[-1]
+    rendered = controller.prompts.tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True,
+                                                               tokenize=False)
+    assert comp.prompt_ids == saved.encode(rendered, add_special_tokens=False).ids
+
+    # Behaviour log-probs (vLLM, at sampling temperature) match the HF model's within 1e-3
+    # for sequences produced entirely by the starting weights.
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    first = [c for _, t, c in controller.generated if t > 0 and c.versions.runs == [[0, c.length]]][:16]
+    assert len(first) >= 8
+    for c in first:
+        hf_lp = _hf_logprobs(hf, c.prompt_ids, c.token_ids, spec.rollout.temperature)
+        assert torch.allclose(hf_lp, torch.tensor(c.logprobs), atol=1e-3), (hf_lp, c.logprobs)
+
+    # An HF greedy evaluation of final_model agrees with the engine's held-out figure
+    # (same tokenizer, template and answer rule). Whether RL raises it reliably on these
+    # warm starts is not asserted yet (issue 14: the recipes are still being tuned).
+    assert result.accuracy_before > 0.2, result.accuracy_before  # the warm start answers some prompts
+    _, held_out = load_rows(str(data), eval_size=100)
+    independent = greedy_accuracy(result.final_model, spec, held_out)
+    assert independent == pytest.approx(result.accuracy_after, abs=0.031), (independent, result.accuracy_after)
