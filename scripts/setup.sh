@@ -17,7 +17,17 @@ pip install -q --upgrade "pip<26.2" "setuptools==78.1.1" wheel
 ENGINE=${FLUXRL_ENGINE:-cpu}
 [ -n "${FLUXRL_NO_ENGINE:-}" ] && ENGINE=none
 if [ "$ENGINE" = gpu ]; then
-  pip install -q -e ".[gpu]"
+  # Same order as the CPU engine: torch first, here PyPI's Linux wheel, a CUDA build, at the
+  # version vllm 0.32.0 (pyproject's gpu extra: vllm>=0.32) pins; FLUXRL_TORCH_INDEX_URL takes
+  # another CUDA variant (e.g. https://download.pytorch.org/whl/cu128).
+  TORCH="torch==2.13.0"
+  pip install -q ${FLUXRL_TORCH_INDEX_URL:+--index-url "$FLUXRL_TORCH_INDEX_URL"} "$TORCH"
+  "$VENV/bin/python" -c 'import sys, torch; sys.exit(None if torch.version.cuda else
+    f"setup: torch {torch.__version__} is not a CUDA build (a local CPU wheel? set FLUXRL_TORCH_INDEX_URL)")'
+  pip install -q "vllm==0.32.0" "$TORCH"
+  # DeepSpeed ships an sdist whose build imports torch: build against the torch we have.
+  pip install -q --no-build-isolation "deepspeed==0.19.8" "$TORCH"
+  pip install -q -e ".[gpu]" "$TORCH"  # the rest of the extra (transformers), nothing rebuilt
 elif [ "$ENGINE" = cpu ]; then
   # torch first, from the CPU wheel (a bare `torch` requirement would pull a CUDA build).
   pip install -q "torch==2.13.0"

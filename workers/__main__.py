@@ -138,7 +138,8 @@ def cmd_run(args) -> int:
     summary = {
         "steps": result.steps, "trained_samples": result.trained_samples, "seconds": round(result.seconds, 1),
         "samples_per_s": round(result.samples_per_s, 3), "accuracy_before": result.accuracy_before,
-        "accuracy_after": result.accuracy_after, "staleness_max": result.staleness_max,
+        "accuracy_after": result.accuracy_after, "sampled_reward_before": result.sampled_reward_before,
+        "sampled_reward_after": result.sampled_reward_after, "staleness_max": result.staleness_max,
         "dropped_stale": result.dropped_stale, "final_model": result.final_model,
         "idle_generation": round(result.idle_generation, 3), "idle_training": round(result.idle_training, 3),
         "skipped_prompts": result.skipped_prompts,
@@ -207,8 +208,8 @@ def main(argv=None) -> int:
         print(f"{args.arch}: {built['params']:,} parameters, {built['len_tokenizer']} tokens, held-out greedy "
               f"accuracy {built['held_out_accuracy']:.3f} after the warm start", file=sys.stderr)
         if args.dataset:
-            write_chat_dataset(args.dataset, args.rows, seed=7)
-            print(f"dataset: {args.dataset} ({args.rows} chat rows)", file=sys.stderr)
+            write_chat_dataset(args.dataset, args.rows, seed=7, two_digit=True)
+            print(f"dataset: {args.dataset} ({args.rows} chat rows of sums with a 2-digit operand)", file=sys.stderr)
         print(folder)
         return 0
     if args.cmd == "evaluate":

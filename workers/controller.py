@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import os
 import random
@@ -38,7 +39,10 @@ from .spec import RunSpec
 from .staleness import StalenessGate
 from .tasks import load_rows
 from .trainer import TrainSample, Trainer
+from .weight_broadcast import WeightBroadcaster, WeightBroadcastError
 from .weight_sync import serialize_state_dict, tensors_checksum
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -66,6 +70,8 @@ class RunResult:
     seconds: float = 0.0
     accuracy_before: Optional[float] = None
     accuracy_after: Optional[float] = None
+    sampled_reward_before: Optional[float] = None  # eval.samples > 0: expected held-out reward
+    sampled_reward_after: Optional[float] = None
     staleness_max: int = 0
     dropped_stale: int = 0
     update_sync_ms: list[float] = field(default_factory=list)
@@ -125,23 +131,25 @@ class Controller:
         # continue on a live engine. (Restarting one in the same process is not done: a
         # restart attempt hung, see issue #7.)
         self.engine_deaths = 0
+        self.last_sampled_reward: Optional[float] = None  # of the latest evaluation (eval.samples)
         self._dead: list[RolloutEngine] = []
         self._retired_tokens, self._retired_busy = 0, 0.0  # counters of dead engines
+        self.broadcaster: Optional[WeightBroadcaster] = None  # rollout.weight_transport: collective
 
     # -- set-up -------------------------------------------------------------------
     def _cpu_split(self) -> tuple[Optional[str], Optional[int]]:
         """CPU only: in async mode generation and training run at once, so they get one
-        half of the cores each; in sync mode each phase has the whole machine."""
+        half of the cores each; in sync mode each phase has the whole machine. Returns the
+        engines' core binding and the trainer's thread count (workers/placement.py plans them)."""
         import torch
+
+        from .placement import Machine, plan_cpu
 
         if torch.cuda.is_available():
             return None, None
-        cores = os.cpu_count() or 1
-        overlapped = self.spec.schedule.mode == "async" or self.spec.schedule.stream_train
-        if not overlapped or cores < 2:
-            return f"0-{cores - 1}" if cores > 1 else "0", cores
-        half = max(1, cores // 2)
-        return (f"0-{half - 1}" if half > 1 else "0"), cores - half
+        plan = plan_cpu(self.spec, Machine(cpu_cores=os.cpu_count() or 1))
+        # This process runs every engine and the trainer: node 0's shares, between them.
+        return plan.cpu_bind("engine"), plan.threads("trainer")
 
     async def setup(self) -> None:
         spec = self.spec
@@ -157,11 +165,20 @@ class Controller:
         self.rewards = RewardService(spec.reward)
         bind, threads = self._cpu_split()
         configure_cpu_environment(bind, spec.rollout.kv_cache_gb)
-        self.trainer = await asyncio.to_thread(Trainer, spec, spec.model.path, threads, checked.pad_id)
+        ranks = spec.resources.trainer_ranks
+        if ranks > 1:  # data-parallel DeepSpeed ranks, each a process of its own
+            from .trainer_ranks import TrainerGroup
+
+            self.trainer = await asyncio.to_thread(TrainerGroup, spec, spec.model.path, ranks,
+                                                   max(1, (threads or ranks) // ranks), checked.pad_id)
+        else:
+            self.trainer = await asyncio.to_thread(Trainer, spec, spec.model.path, threads, checked.pad_id)
         if self.resume is not None:
             await asyncio.to_thread(self._restore, self.resume)
-        blob = serialize_state_dict(self.trainer.state_dict())
         ro = spec.rollout
+        collective = ro.weight_transport == "collective"
+        # the collective path needs the blob only for the resume check
+        blob = serialize_state_dict(self.trainer.state_dict()) if not collective or self.resume is not None else None
         sampling = SamplingOptions(ro.top_p, ro.top_k, tuple(ro.stop), tuple(checked.stop_ids))
         self.engines = [
             RolloutEngine(spec.model.path, index=i, update_mode=spec.rollout.update_mode, sampling=sampling,
@@ -171,12 +188,19 @@ class Controller:
         ]
         for engine in self.engines:  # one at a time: start-up is CPU-heavy
             # warm_blob is the first update: on resume, the checkpoint's weights and version
-            await engine.start(warm_blob=blob, version=self.trainer.version)
+            await engine.start(warm_blob=None if collective else blob,
+                               version=0 if collective else self.trainer.version)
             self._load[engine.index] = 0.0
+        if collective:  # the first weights (and version label) come through the group
+            self.broadcaster = WeightBroadcaster(timeout_s=ro.rpc_timeout_s)
+            await self.broadcaster.open(self.engines)
+            await self._send_weights(self.trainer.version)
         if self.resume is not None:
             await self._note_resume(blob)
 
     async def close(self) -> None:
+        if self.broadcaster is not None:
+            self.broadcaster.close()
         for engine in self.engines + self._dead:
             try:
                 engine.shutdown()
@@ -184,6 +208,8 @@ class Controller:
                 pass
         if hasattr(self, "rewards"):
             self.rewards.close()
+        if hasattr(getattr(self, "trainer", None), "close"):  # trainer rank processes
+            self.trainer.close()
 
     # -- roles ---------------------------------------------------------------------
     def _plan(self, rows: list[dict]) -> list[tuple[dict, RolloutEngine, float]]:
@@ -235,8 +261,9 @@ class Controller:
               f"{len(self.engines)} engine(s) live", file=sys.stderr)
         self._dead.append(engine)  # shut down at close
 
-    async def _update(self, engine: RolloutEngine, blob: bytes, version: int):
-        """Push weights to one engine; None if it died (it is retired; the others go on)."""
+    async def _update(self, engine: RolloutEngine, blob, version: int):
+        """Push weights (a blob, or a collective's share) to one engine; None if it died
+        (it is retired; the others go on)."""
         try:
             return await engine.update_weights(blob, version)
         except Exception:
@@ -244,6 +271,30 @@ class Controller:
                 raise
             self._retire(engine, "weight updates skip it")
             return None
+
+    async def _send_weights(self, version: int) -> list:
+        """The trainer's weights to every live engine by ``rollout.weight_transport``; the
+        timings of the engines that took them."""
+        if self.broadcaster is None:
+            blob = await asyncio.to_thread(serialize_state_dict, self.trainer.state_dict())
+            results = await asyncio.gather(*(self._update(e, blob, version) for e in list(self.engines)))
+            return [t for t in results if t is not None]
+        state = await asyncio.to_thread(self.trainer.state_dict)  # a collective of the ranks under ZeRO-3
+        while True:
+            if self.broadcaster.engines != self.engines:
+                # A member died (retired) and broke the group: form it again with the live
+                # engines (those that got this version already reload the same weights).
+                if not self.engines:
+                    return []  # every engine died: the run fails where it next needs one
+                logger.warning("weight group formed again with %d live engine(s)", len(self.engines))
+                await self.broadcaster.open(self.engines)
+            members = list(self.broadcaster.engines)
+            try:
+                results = await self.broadcaster.broadcast(state, version, update=self._update)
+                return [t for t in results if t is not None]
+            except WeightBroadcastError:
+                if not any(e.dead for e in members):
+                    raise
 
     async def _migrate_tail(self) -> None:
         """During a synchronous step's generation: when few requests remain, move some
@@ -409,7 +460,9 @@ class Controller:
             raise RuntimeError(f"the weights loaded from {info.path} do not match its checksum")
 
     async def evaluate(self, step: int) -> float:
-        """Greedy accuracy (mean reward) on the held-out rows."""
+        """Greedy accuracy (mean reward) on the held-out rows; with ``eval.samples`` also the
+        policy's expected held-out reward: the mean reward of that many completions per row
+        sampled at the rollout temperature (what RL raises first, before the argmax moves)."""
         if not self.eval_rows:
             return float("nan")
         self._live_engine()  # fails clearly if every engine is dead
@@ -417,7 +470,15 @@ class Controller:
         samples = await asyncio.gather(*(self._sample(engines[i % len(engines)], r, 0.0)
                                          for i, r in enumerate(self.eval_rows)))
         accuracy = sum(s.reward for s in samples) / len(samples)
-        self.reporter.log(step, {"eval/accuracy": accuracy})
+        metrics = {"eval/accuracy": accuracy}
+        k = self.spec.eval.samples
+        if k:
+            temperature = self.spec.rollout.temperature
+            sampled = await asyncio.gather(*(self._sample(engines[i % len(engines)], r, temperature)
+                                             for i, r in enumerate(self.eval_rows) for _ in range(k)))
+            self.last_sampled_reward = sum(s.reward for s in sampled) / len(sampled)
+            metrics["eval/sampled_reward"] = self.last_sampled_reward
+        self.reporter.log(step, metrics)
         return accuracy
 
     # -- training step ----------------------------------------------------------------
@@ -433,9 +494,7 @@ class Controller:
         if stats is None:
             batch = [t for g in groups for t in self._train_samples(g)]
             stats = await self._in_trainer(self.trainer.train_step, batch)
-        blob = await asyncio.to_thread(serialize_state_dict, self.trainer.state_dict())
-        timings = [t for t in await asyncio.gather(*(self._update(e, blob, self.trainer.version)
-                                                     for e in list(self.engines))) if t is not None]
+        timings = await self._send_weights(self.trainer.version)
         self.gate.advance(self.trainer.version)
 
         r = self.result
@@ -652,6 +711,7 @@ class Controller:
             if self.resume is None:  # a resumed run has it (and the step-0 points) already
                 self.reporter.log(0, {"data/skipped_prompts": self.result.skipped_prompts})
                 self.result.accuracy_before = await self.evaluate(0)
+                self.result.sampled_reward_before = self.last_sampled_reward
             self.gate = StalenessGate(spec.schedule.batch_prompts,
                                       0 if spec.schedule.mode == "sync" else spec.schedule.max_staleness)
             # Resumed: the checkpoint's batches count as trained, so admission starts where it was.
@@ -678,6 +738,7 @@ class Controller:
                 raise self._failure
             self._collect_stalls()
             self.result.accuracy_after = await self.evaluate(self.result.steps)
+            self.result.sampled_reward_after = self.last_sampled_reward
             final = self.out / "final_model"
             await asyncio.to_thread(self.trainer.save, str(final))
             self.result.final_model = str(final)

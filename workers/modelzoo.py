@@ -19,7 +19,9 @@ seed), saved as a ``PreTrainedTokenizerFast`` with its ``chat_template``; each
 ``generation_config.json`` lists an end-of-turn and an end-of-text id, as real chat
 models do. The model is warm-started by a short SFT on chat-formatted 2-digit additions
 (loss on the assistant's tokens and its end-of-turn token), stopped while it is still
-learning: held-out greedy accuracy is left in the middle, so that RL has room to raise it.
+learning (once greedy accuracy on dev prompts reaches 0.35): held-out greedy accuracy is
+left in the middle, so that RL has room to raise it. Single-threaded and deterministic
+on a given CPU; vLLM's greedy output on the CPU matches transformers' token for token.
 
     build_zoo_model("qwen2", "out/qwen2")   # a complete HF folder
     ensure_zoo_model("llama")                # built once, cached under $FLUXRL_MODEL_CACHE
@@ -39,14 +41,13 @@ from pathlib import Path
 
 import torch
 
-from .tinymodel import _cpu_model, default_cache, file_sha256, install_folder, recipe_id, sft_lr_factor, \
+from .tinymodel import WEIGHTS, _cpu_model, default_cache, file_sha256, install_folder, recipe_id, sft_lr_factor, \
     verify_model_folder
 
 logger = logging.getLogger(__name__)
 
 ARCHS = ("qwen2", "llama", "gpt2")
 MANIFEST = "fluxrl_zoo.json"  # recipe, held-out accuracy, checksum
-WEIGHTS = "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -189,20 +190,24 @@ def _held_out_key(row: dict):
     return (a, b) if max(a, b) >= 10 else json.dumps(row["messages"])
 
 
-def chat_arithmetic_rows(n: int, seed: int = 0, system_share: float = 0.3) -> list[dict]:
+def chat_arithmetic_rows(n: int, seed: int = 0, system_share: float = 0.3, two_digit: bool = False) -> list[dict]:
     """JSONL-ready chat rows of 2-digit additions (a FluxRL chat dataset):
     ``{"messages": [{"role": "user", "content": "What is 23 + 45?"}], "answer": "68"}``,
-    a share of them with a system message first. Deterministic in ``seed``."""
-    rows = _arith_rows(n, random.Random(seed), system_share)
+    a share of them with a system message first. Deterministic in ``seed``. With
+    ``two_digit``, only sums with a 2-digit operand: the 100 one-digit sums are facts the
+    warm start knows, and as held-out prompts they would keep their questions out of training."""
+    rng, rows = random.Random(seed), []
+    while len(rows) < n:
+        rows += [r for r in _arith_rows(n - len(rows), rng, system_share) if not two_digit or max(r["operands"]) >= 10]
     return [{"messages": r["messages"], "answer": r["answer"]} for r in rows]
 
 
-def write_chat_dataset(path, n: int, seed: int = 0) -> Path:
-    """``chat_arithmetic_rows(n, seed)`` as a JSONL file; returns its path."""
+def write_chat_dataset(path, n: int, seed: int = 0, two_digit: bool = False) -> Path:
+    """``chat_arithmetic_rows(n, seed, two_digit=two_digit)`` as a JSONL file; returns its path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as fh:
-        for row in chat_arithmetic_rows(n, seed):
+        for row in chat_arithmetic_rows(n, seed, two_digit=two_digit):
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
     return path
 
@@ -428,13 +433,16 @@ def build_tokenizer(recipe: dict):
 
 
 def save_tokenizer(tokenizer, folder: Path) -> None:
-    """tokenizer.json and tokenizer_config.json, the chat template inside the latter (as
-    transformers 4 wrote it, and as other tools read it), under the class name every
-    transformers version knows."""
+    """tokenizer.json and tokenizer_config.json, written as transformers 4 wrote them
+    (which transformers 5 reads too, and other tools expect): the chat template inside
+    the config, the class name every version knows, the other special tokens under
+    their old key (transformers 4 takes ``extra_special_tokens`` for a dict)."""
     tokenizer.save_pretrained(folder, save_jinja_files=False)
     path = Path(folder) / "tokenizer_config.json"
     config = json.loads(path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if isinstance(config.get("extra_special_tokens"), list):
+        config["additional_special_tokens"] = config.pop("extra_special_tokens")
     path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
@@ -459,6 +467,8 @@ def build_model(recipe: dict, tokenizer):
                   eos_token_id=ids["eos"], pad_token_id=ids["pad"], dtype="float32")
     h, heads, hd = recipe["hidden"], recipe["heads"], recipe["head_dim"]
     if arch == "qwen2":
+        if heads * hd != h:  # vLLM's Qwen2 takes the head size to be hidden / heads
+            raise ValueError(f"qwen2 needs heads * head_dim == hidden, not {heads} * {hd} != {h}")
         cfg = transformers.Qwen2Config(hidden_size=h, intermediate_size=3 * h, num_hidden_layers=recipe["layers"],
                                        num_attention_heads=heads, num_key_value_heads=recipe["kv_heads"],
                                        head_dim=hd, max_position_embeddings=recipe["max_positions"], **common)

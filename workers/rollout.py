@@ -17,15 +17,19 @@ step with the engine's weight version), so labels are exact across an update.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from .staleness import VersionTrack
+
+if TYPE_CHECKING:
+    from .weight_broadcast import CollectiveWeights
 
 _ids = itertools.count()
 
@@ -281,13 +285,48 @@ class RolloutEngine:
         return len(victims)
 
     # -- weight updates ------------------------------------------------------------
-    async def update_weights(self, blob: bytes, version: int) -> UpdateTiming:
+    @property
+    def worker_count(self) -> int:
+        """Its vLLM workers (ranks it takes in a weight group): 1 with the uni executor."""
+        parallel = getattr(getattr(self.engine, "vllm_config", None), "parallel_config", None)
+        return int(getattr(parallel, "world_size", 1) or 1)
+
+    async def join_weight_group(self, info: dict) -> list[int]:
+        """Join the trainer's weight group (workers/weight_broadcast.py); returns the ranks
+        of its workers. Blocks until every member has joined, so the trainer's side must
+        run meanwhile."""
+        return await self._call("joining the weight group",
+                                self.engine.collective_rpc("fluxrl_join_weight_group", kwargs=info))
+
+    def _load(self, weights: "bytes | CollectiveWeights"):
+        if isinstance(weights, (bytes, bytearray, memoryview)):
+            return self.engine.collective_rpc("fluxrl_load_weights", args=(weights,))
+        return self.engine.collective_rpc("fluxrl_receive_weights", args=(weights.meta,))
+
+    async def update_weights(self, weights: "bytes | CollectiveWeights", version: int) -> UpdateTiming:
+        """Load new weights, labelled ``version``, with the engine's update mode: ``weights``
+        is a safetensors blob (sent through the RPC) or a ``CollectiveWeights`` (the
+        metadata of a broadcast the trainer runs meanwhile: weight_broadcast.py)."""
         core = self.engine.engine_core
         t0 = time.perf_counter()
-        if self.update_mode == "keep":
+        collective = not isinstance(weights, (bytes, bytearray, memoryview))
+        if collective and self.update_mode != "drain":
+            await weights.arrive()  # every engine is about to receive: the trainer sends now
+        if self.update_mode == "keep" and collective:
+            # The version is set only once the receive succeeded (one more round trip while
+            # paused): a broken broadcast leaves the old weights, which keep their label.
+            try:
+                _, loaded = await self._call("a weight update", asyncio.gather(
+                    core.pause_scheduler_async(mode="keep", clear_cache=False), self._load(weights)))
+            except Exception as exc:
+                await self._resume_after(exc)
+                raise
+            await self._call("a weight version", asyncio.gather(core.set_weight_version_async(str(version)),
+                                                                 core.resume_scheduler_async()))
+        elif self.update_mode == "keep":
             _, loaded, _, _ = await self._call("a weight update", asyncio.gather(
                 core.pause_scheduler_async(mode="keep", clear_cache=False),
-                self.engine.collective_rpc("fluxrl_load_weights", args=(blob,)),
+                self.engine.collective_rpc("fluxrl_load_weights", args=(weights,)),
                 core.set_weight_version_async(str(version)),
                 core.resume_scheduler_async(),
             ))
@@ -297,16 +336,22 @@ class RolloutEngine:
                 victims = list(self.active)
                 self._interrupted.update(victims)
                 await self._call("an abort", self.engine.abort(victims))
-                loaded = await self._call("a weight load", self.engine.collective_rpc("fluxrl_load_weights",
-                                                                                        args=(blob,)))
+                loaded = await self._call("a weight load", self._load(weights))
                 await self._call("a weight version", core.set_weight_version_async(str(version)))
             finally:
                 self._resume.set()
         elif self.update_mode == "drain":
             # waits for the running requests: as long as they take, but not past a death
             await self._call("a drain", core.pause_scheduler_async(mode="wait", clear_cache=False), timed=False)
-            loaded = await self._call("a weight load", self.engine.collective_rpc("fluxrl_load_weights", args=(blob,)))
-            await self._call("a weight version", core.set_weight_version_async(str(version)))
+            try:
+                if collective:  # the other engines may still be draining: wait for them untimed
+                    await weights.arrive()
+                loaded = await self._call("a weight load", self._load(weights))
+                await self._call("a weight version", core.set_weight_version_async(str(version)))
+            except Exception as exc:
+                if collective:
+                    await self._resume_after(exc)
+                raise
             await self._call("a resume", core.resume_scheduler_async())
         else:
             raise ValueError(f"unknown update mode {self.update_mode!r}")
@@ -317,6 +362,13 @@ class RolloutEngine:
             # Stall as the requests see it: the gap across the update minus a usual gap.
             self._pending_stall = (timing, time.perf_counter(), {r: t for r, t in self.active.items()})
         return timing
+
+    async def _resume_after(self, exc: Exception) -> None:
+        """After a failed broadcast the engine is fine and must not stay paused; a dead or
+        wedged one is not worth another call."""
+        if not isinstance(exc, (EngineDied, EngineRPCTimeout)) and not self.dead:
+            with contextlib.suppress(Exception):
+                await self._call("a resume", self.engine.engine_core.resume_scheduler_async())
 
     def _note_output(self, rid: str) -> None:
         now = time.perf_counter()

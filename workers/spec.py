@@ -194,6 +194,9 @@ class AlgorithmSpec(_Strict):
     adv_std_norm: bool = False
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
+    minibatches: int = Field(1, ge=1, le=1024, description="optimiser steps per batch (its samples split "
+                             "evenly); π_prox of decoupled PPO stays fixed at the start of the batch")
+    ppo_epochs: int = Field(1, ge=1, le=64, description="passes over each batch, each split into minibatches")
 
 
 class RolloutSpec(_Strict):
@@ -219,6 +222,10 @@ class RolloutSpec(_Strict):
     kv_cache_gb: float = Field(1.0, gt=0)
     rpc_timeout_s: float = Field(60.0, gt=0, description="a weight update an engine has not acknowledged after this "
                                  "long fails the run (a wedged engine) instead of hanging it")
+    # rpc: the state dict as safetensors bytes through each engine's RPC; collective: a
+    # torch.distributed broadcast from the trainer to every engine (gloo on CPU, NCCL
+    # between GPUs; workers/weight_broadcast.py)
+    weight_transport: Literal["collective", "rpc"] = "rpc"
 
 
 class ScheduleSpec(_Strict):
@@ -247,11 +254,50 @@ class StopSpec(_Strict):
 class EvalSpec(_Strict):
     every_steps: int = Field(20, ge=0, description="0 = only before and after")
     prompts: int = Field(200, ge=0)
+    samples: int = Field(0, ge=0, le=64, description="also sample this many completions per held-out prompt at "
+                         "rollout.temperature: their mean reward is eval/sampled_reward (0 = greedy only)")
 
 
 class ResourcesSpec(_Strict):
+    """Where the run's processes go; workers/placement.py turns this and the machine into a
+    plan (GPUs, memory share and CPU cores per process). The engine count stays
+    ``rollout.engines``. ``gpus: N`` alone (older specs) means one node with N GPUs."""
     queue: Literal["cpu", "gpu"] = "cpu"
-    gpus: int = Field(0, ge=0)
+    gpus: int = Field(0, ge=0, description="GPUs for the run in all (nodes x gpus_per_node); 0 = what the "
+                      "worker has")
+    nodes: int = Field(1, ge=1, le=1024, description="machines the run spans; trainer ranks split evenly over them")
+    gpus_per_node: Optional[int] = Field(None, ge=1, le=64, description="default: gpus / nodes, or all of the "
+                                         "worker's")
+    trainer_ranks: int = Field(1, ge=1, le=4096, description="trainer processes (DeepSpeed ranks), one GPU each")
+    tensor_parallel: int = Field(1, ge=1, le=64, description="GPUs per rollout engine (one node's); the number "
+                                 "of engines is rollout.engines")
+    gpu_memory_utilization: Optional[float] = Field(None, gt=0, le=1, description="share of an engine GPU's "
+                                                    "memory vLLM takes; default 0.9, 0.5 with colocate")
+    colocate: bool = Field(False, description="engines share the trainer's GPUs and sleep while it steps "
+                           "(schedule.mode sync)")
+
+    @field_validator("nodes")
+    @classmethod
+    def _gpus_split_over_nodes(cls, nodes: int, info) -> int:
+        from pydantic_core import PydanticCustomError
+
+        gpus = info.data.get("gpus")
+        if gpus and gpus % nodes:
+            raise PydanticCustomError("resources_nodes", "resources.gpus ({gpus}) do not split evenly over {nodes} "
+                                      "nodes", {"gpus": gpus, "nodes": nodes})
+        return nodes
+
+    @field_validator("gpus_per_node")
+    @classmethod
+    def _gpus_agree(cls, per_node: Optional[int], info) -> Optional[int]:
+        from pydantic_core import PydanticCustomError
+
+        gpus, nodes = info.data.get("gpus"), info.data.get("nodes")
+        if per_node is not None and gpus and nodes and gpus != nodes * per_node:
+            raise PydanticCustomError("resources_gpus", "resources.gpus is {gpus} but nodes x gpus_per_node is "
+                                      "{nodes} x {per_node} = {total}: give one of them, or make them agree",
+                                      {"gpus": gpus, "nodes": nodes, "per_node": per_node, "total": nodes * per_node})
+        return per_node
 
 
 class RunSpec(_Strict):
@@ -276,6 +322,16 @@ class RunSpec(_Strict):
             # the step's token count is known only at the end; gradients are rescaled then,
             # which needs them unpartitioned
             raise ValueError("schedule.stream_train needs trainer.zero_stage 0")
+        if self.schedule.stream_train and (self.algorithm.minibatches > 1 or self.algorithm.ppo_epochs > 1):
+            raise ValueError("schedule.stream_train trains each batch in one optimiser step: "
+                             "algorithm.minibatches and ppo_epochs must be 1")
+        return self
+
+    @model_validator(mode="after")
+    def _colocated_engines_sleep_while_training(self):
+        if self.resources.colocate and (self.schedule.mode != "sync" or self.schedule.stream_train):
+            raise ValueError("resources.colocate needs schedule.mode 'sync' without stream_train: colocated engines "
+                             "sleep while the trainer steps, so generation and training cannot overlap")
         return self
 
     def to_dict(self) -> dict[str, Any]:

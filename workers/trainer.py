@@ -1,9 +1,12 @@
 """Trainer: a DeepSpeed engine over the policy (gloo on CPU, NCCL on GPU), the RL
 losses, token-budget packing and the weights handed to the rollout engines.
 
-One optimiser step per call of ``train_step``: the batch is packed into micro-batches
-(first-fit-decreasing by padded tokens), gradients accumulate over them, and the loss
-denominator is fixed for the whole step so packing does not change the objective.
+``train_step`` trains one batch: by default one optimiser step, the batch packed into
+micro-batches (first-fit-decreasing by padded tokens) whose gradients accumulate, the
+loss denominator fixed for the whole step so packing does not change the objective.
+With ``algorithm.minibatches`` / ``ppo_epochs``, the batch is split into several
+optimiser steps, with the proximal policy of decoupled PPO fixed at the start of the
+batch (AReaL): only then does π_θ drift from π_prox, and the clip bind.
 """
 from __future__ import annotations
 
@@ -24,6 +27,24 @@ class TrainSample:
     token_ids: list[int]
     behav_logprobs: list[float]
     advantage: float
+    prox_logprobs: Optional[list[float]] = None  # π_prox per token; None: the current weights
+
+
+def step_denominator(batch: list[TrainSample], normalize: str) -> float:
+    """The loss denominator of one optimiser step over ``batch``: its trained tokens or sequences."""
+    return max(1.0, float(sum(len(s.token_ids) for s in batch) if normalize == "tokens" else len(batch)))
+
+
+def minibatch_parts(n: int, minibatches: int, ppo_epochs: int, seed: int, version: int) -> list[list[int]]:
+    """The optimiser steps of one batch of ``n`` samples: indices per step, each epoch a
+    fresh shuffle dealt round-robin into ``minibatches``. Shared with the data-parallel
+    trainer (workers/trainer_ranks.py), whose ranks must step on the same minibatches."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + version)
+    parts = []
+    for _ in range(ppo_epochs):
+        order = torch.randperm(n, generator=gen).tolist()
+        parts.extend(p for p in (order[k::minibatches] for k in range(minibatches)) if p)
+    return parts
 
 
 def _init_distributed() -> None:
@@ -41,10 +62,11 @@ def _init_distributed() -> None:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if not torch.cuda.is_available() and os.environ["WORLD_SIZE"] == "1":
-        # One CPU process needs no shared-memory all-reduce. DeepSpeed would otherwise JIT-build
-        # that op under a lock file in ~/.cache/torch_extensions, and a process killed during
-        # the build leaves the lock behind: every later run then waits on it forever.
+    if not torch.cuda.is_available():
+        # No shared-memory all-reduce on gloo ranks: DeepSpeed uses it only for inference
+        # all-reduce (training goes through torch.distributed either way), and it would JIT-build
+        # the op under a lock file in ~/.cache/torch_extensions; a process killed during the
+        # build leaves the lock behind, and every later run then waits on it forever.
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -85,18 +107,32 @@ class Trainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                                     lr_scheduler=scheduler)
+        if self.reference is not None:
+            # The reference's log-probs meet the policy's input ids, on the engine's device
+            # (cuda:LOCAL_RANK on a GPU; DeepSpeed moved only the policy there).
+            self.reference.to(self.engine.device)
         self.version = 0
         self.temperature = max(spec.rollout.temperature, 1e-5)
 
     # -- weights -----------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.engine.module.state_dict()
+        """Full tensors, on the CPU, whatever the ZeRO stage: under ZeRO-3 each rank holds
+        only its shard (the module's parameters are empty placeholders), so they are
+        gathered first. Every rank must call this (the gather is a collective)."""
+        module = self.engine.module
+        if self.spec.trainer.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+        return {k: v.detach().cpu() for k, v in module.state_dict().items()}
 
     def save(self, path: str) -> None:
         """A complete HF folder (weights + the tokenizer files) that vLLM can load."""
         import shutil
 
-        self.engine.module.save_pretrained(path, safe_serialization=True)
+        state = self.state_dict()
+        self.engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
         for name in os.listdir(self.model_path):
             if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template", "added_tokens",
                                 "spiece", "sentencepiece")):
@@ -126,6 +162,7 @@ class Trainer:
         att = torch.zeros((n, width), dtype=torch.long)
         mask = torch.zeros((n, width - 1))
         behav = torch.zeros((n, width - 1))
+        prox = torch.zeros((n, width - 1)) if batch[0].prox_logprobs is not None else None
         for i, s in enumerate(batch):
             seq = s.prompt_ids + s.token_ids
             ids[i, : len(seq)] = torch.tensor(seq)
@@ -134,8 +171,11 @@ class Trainer:
             # position t predicts token t+1: generated tokens sit at p..p+len-1
             mask[i, p - 1 : p - 1 + len(s.token_ids)] = 1
             behav[i, p - 1 : p - 1 + len(s.token_ids)] = torch.tensor(s.behav_logprobs, dtype=torch.float32)
+            if prox is not None:
+                prox[i, p - 1 : p - 1 + len(s.token_ids)] = torch.tensor(s.prox_logprobs, dtype=torch.float32)
         adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32)
-        return ids.to(device), att.to(device), mask.to(device), behav.to(device), adv.to(device)
+        prox = prox.to(device) if prox is not None else None
+        return ids.to(device), att.to(device), mask.to(device), behav.to(device), adv.to(device), prox
 
     def _logprobs(self, model, ids, att, with_entropy: bool = False):
         logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float() / self.temperature
@@ -145,12 +185,65 @@ class Trainer:
         return logp, entropy
 
     def train_step(self, batch: list[TrainSample]) -> dict[str, float]:
-        """One optimiser step on a whole batch (the denominator is known up front)."""
-        mask_tokens = sum(len(s.token_ids) for s in batch)
-        denominator = mask_tokens if self.spec.algorithm.normalize == "tokens" else len(batch)
-        self.begin_step()
-        self.accumulate(batch, denominator=max(1.0, float(denominator)), last=True)
-        return self.finish_step(len(batch))
+        """Train on a whole batch: one optimiser step, or ``minibatches`` × ``ppo_epochs``
+        of them; the policy version advances once either way."""
+        algo = self.spec.algorithm
+        if algo.minibatches == 1 and algo.ppo_epochs == 1:
+            self.begin_step()
+            self.accumulate(batch, denominator=self._denominator(batch), last=True)
+            return self.finish_step(len(batch))
+        t0 = time.perf_counter()
+        prox = self.proximal_logprobs(batch)
+        batch = [TrainSample(s.prompt_ids, s.token_ids, s.behav_logprobs, s.advantage, p) for s, p in zip(batch, prox)]
+        steps = []
+        for part in minibatch_parts(len(batch), algo.minibatches, algo.ppo_epochs, self.spec.seed, self.version):
+            minibatch = [batch[i] for i in part]
+            self.begin_step()
+            self.accumulate(minibatch, denominator=self._denominator(minibatch), last=True)
+            steps.append(self._optimizer_step())
+        self.version += 1
+        tokens = sum(st["tokens"] for st in steps) or 1
+        return {
+            "loss/policy": sum(st["loss"] for st in steps) / len(steps),
+            "loss/kl": sum(st["kl"] for st in steps) / len(steps),
+            "policy/clip_frac": sum(st["clip"] for st in steps) / tokens,
+            "policy/entropy": sum(st["entropy"] for st in steps) / tokens,
+            "trainer/tokens_per_s": sum(st["padded"] for st in steps) / (time.perf_counter() - t0),
+            "trainer/micro_batches": sum(st["micro"] for st in steps),
+            "trainer/optimizer_steps": len(steps),
+            "trainer/step_s": time.perf_counter() - t0,
+        }
+
+    def _denominator(self, batch: list[TrainSample]) -> float:
+        return step_denominator(batch, self.spec.algorithm.normalize)
+
+    def _idle_pass(self, model) -> torch.Tensor:
+        """A forward of two padding tokens, its output multiplied by zero: a data-parallel
+        rank with fewer micro-batches than its peers runs these so that every rank enters
+        the same per-forward (ZeRO-3 gathers) and per-backward (ZeRO-2/3 reduces) collectives."""
+        ids = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.engine.device)
+        logp, _ = self._logprobs(model, ids, torch.ones_like(ids))
+        return logp.sum() * 0.0
+
+    def proximal_logprobs(self, batch: list[TrainSample], min_micro_batches: int = 0) -> list[list[float]]:
+        """π_prox: each sampled token's log-prob under the weights at the start of the batch
+        (a no-grad forward, packed like training). ``min_micro_batches``: forwards to run
+        at least (idle ones after the real ones), the same number on every rank."""
+        self.engine.module.eval()
+        lengths = [len(s.prompt_ids) + len(s.token_ids) for s in batch]
+        out: list[list[float]] = [[] for _ in batch]
+        micro = algorithms.pack_first_fit_decreasing(lengths, self.spec.trainer.micro_batch_tokens)
+        with torch.no_grad():
+            for mb in micro:
+                part = [batch[i] for i in mb]
+                ids, att, mask, _, _, _ = self._tensors(part, self.engine.device)
+                logp, _ = self._logprobs(self.engine.module, ids, att)
+                for row, (i, s) in enumerate(zip(mb, part)):
+                    p = len(s.prompt_ids)
+                    out[i] = logp[row, p - 1 : p - 1 + len(s.token_ids)].float().cpu().tolist()
+            for _ in range(len(micro), min_micro_batches):
+                self._idle_pass(self.engine.module)
+        return out
 
     # A step in pieces, so micro-batches can start while the batch is still arriving
     # (stream training): accumulate() with denominator 1 sums the losses, and
@@ -161,22 +254,32 @@ class Trainer:
                      "padded": 0, "micro": 0, "seconds": 0.0}
         self.engine.module.train()
 
-    def accumulate(self, batch: list[TrainSample], denominator: float = 1.0, last: bool = False) -> None:
+    def accumulate(self, batch: list[TrainSample], denominator: float = 1.0, last: bool = False,
+                   grad_scale: float = 1.0, min_micro_batches: int = 0) -> None:
+        """Forward and backward ``batch`` in packed micro-batches, the loss divided by
+        ``denominator``. Data parallel (workers/trainer_ranks.py): ``denominator`` is the
+        whole step's over all ranks, ``grad_scale`` the world size (DeepSpeed *averages*
+        gradients over ranks, so each rank's share of the sum is scaled up before), and
+        ``min_micro_batches`` the most any rank packs (idle passes fill up the rest)."""
         algo, t0, acc = self.spec.algorithm, time.perf_counter(), self._acc
         lengths = [len(s.prompt_ids) + len(s.token_ids) for s in batch]
         micro = algorithms.pack_first_fit_decreasing(lengths, self.spec.trainer.micro_batch_tokens)
-        for k, mb in enumerate(micro):
-            ids, att, mask, behav, adv = self._tensors([batch[i] for i in mb], self.engine.device)
-            self.engine.set_gradient_accumulation_boundary(last and k == len(micro) - 1)
+        passes = max(len(micro), min_micro_batches)
+        for k in range(passes):
+            self.engine.set_gradient_accumulation_boundary(last and k == passes - 1)
+            if k >= len(micro):
+                self.engine.backward(self._idle_pass(self.engine))
+                continue
+            mb = micro[k]
+            ids, att, mask, behav, adv, prox = self._tensors([batch[i] for i in mb], self.engine.device)
             logp, entropy = self._logprobs(self.engine, ids, att, with_entropy=True)
-            # Decoupled PPO's proximal policy is the policy at the start of this step. All
-            # micro-batches accumulate into one optimiser step, so during these forwards the
-            # current weights *are* the proximal ones: π_prox = π_θ.detach(), exactly; the
-            # extra no-grad forward AReaL needs for several minibatch updates per batch
-            # would recompute the same numbers.
+            # Decoupled PPO's proximal policy is the policy at the start of the batch. With
+            # one optimiser step per batch the current weights *are* the proximal ones
+            # (π_prox = π_θ.detach(), exactly, no extra forward); with several, train_step
+            # computed π_prox before the first.
             if algo.loss == "ppo":
-                out = algorithms.ppo_decoupled_loss(logp, logp.detach(), behav, adv, mask, algo.clip,
-                                                    algo.behav_weight_cap, denominator)
+                out = algorithms.ppo_decoupled_loss(logp, logp.detach() if prox is None else prox, behav, adv, mask,
+                                                    algo.clip, algo.behav_weight_cap, denominator)
             else:
                 out = algorithms.reinforce_tis_loss(logp, behav, adv, mask, algo.behav_weight_cap, denominator)
             loss = out.loss
@@ -186,7 +289,7 @@ class Trainer:
                 kl = algorithms.kl_penalty(logp, ref, mask, denominator)
                 loss = loss + algo.kl_coef * kl
                 acc["kl"] += float(kl.detach())
-            self.engine.backward(loss)
+            self.engine.backward(loss * grad_scale if grad_scale != 1.0 else loss)
             acc["loss"] += float(out.loss.detach())
             acc["clip"] += out.clip_frac * out.tokens
             acc["entropy"] += float((entropy.detach() * mask).sum())
@@ -196,11 +299,19 @@ class Trainer:
         acc["seqs"] += len(batch)
         acc["seconds"] += time.perf_counter() - t0
 
-    def finish_step(self, sequences: int, rescale: bool = False) -> dict[str, float]:
+    def _optimizer_step(self) -> dict:
+        self.engine.step()
+        return self._acc
+
+    def finish_step(self, sequences: int, rescale: bool = False,
+                    denominator: Optional[float] = None) -> dict[str, float]:
+        """``denominator``: of the whole streamed step over all data-parallel ranks (default:
+        this trainer's own tokens or ``sequences``)."""
         acc, t0 = self._acc, time.perf_counter()
         how = self.spec.algorithm.normalize
         if rescale:  # streamed step: losses were sums, divide by the now-known denominator
-            denominator = max(1.0, float(acc["tokens"]) if how == "tokens" else float(sequences))
+            if denominator is None:
+                denominator = max(1.0, float(acc["tokens"]) if how == "tokens" else float(sequences))
             with torch.no_grad():
                 for p in self.engine.module.parameters():
                     if p.grad is not None:
@@ -210,7 +321,7 @@ class Trainer:
                 self.engine.allreduce_gradients()
             acc["loss"] /= denominator
             acc["kl"] /= denominator
-        self.engine.step()
+        self._optimizer_step()
         self.version += 1
         acc["seconds"] += time.perf_counter() - t0
         tokens = max(acc["tokens"], 1)

@@ -44,7 +44,37 @@ class WeightSyncExtension:
 
     def fluxrl_load_weights(self, blob: bytes, force_reload: bool = False) -> dict:
         t0 = time.perf_counter()
-        tensors = st_load(blob)
+        return self._fluxrl_apply(st_load(blob), force_reload, t0)
+
+    # -- the collective transport (workers/weight_broadcast.py) ------------------------
+    def fluxrl_join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
+                                 backend: str = "gloo", timeout_s: float = 60.0) -> int:
+        """Join the trainer's weight group (blocks until every member has); returns this
+        worker's rank in it. A previous group is dropped (it is broken, or replaced)."""
+        from .weight_broadcast import WeightGroup
+
+        old = getattr(self, "_fluxrl_group", None)
+        self._fluxrl_group = None
+        if old is not None:
+            old.close()
+        rank = rank_offset + int(getattr(self, "rank", 0) or 0)
+        self._fluxrl_group = WeightGroup(host, port, rank, world_size, backend, timeout_s,
+                                         device=getattr(self, "device", None))
+        return rank
+
+    def fluxrl_receive_weights(self, meta: dict, force_reload: bool = False) -> dict:
+        """Receive the state dict ``meta`` describes from the trainer's broadcast, then load
+        it exactly as ``fluxrl_load_weights`` loads a blob. ``load_ms`` includes the receive
+        (generation cannot run during either)."""
+        group = getattr(self, "_fluxrl_group", None)
+        if group is None:
+            raise RuntimeError("this engine is not in a weight group (fluxrl_join_weight_group first)")
+        t0 = time.perf_counter()
+        tensors = group.receive(meta)
+        recv_ms = (time.perf_counter() - t0) * 1000
+        return {**self._fluxrl_apply(tensors, force_reload, t0), "recv_ms": recv_ms}
+
+    def _fluxrl_apply(self, tensors: dict[str, torch.Tensor], force_reload: bool, t0: float) -> dict:
         path = "direct" if getattr(self, "_fluxrl_inplace", False) and not force_reload else "reload"
         if path == "direct":
             self._fluxrl_load_inplace(tensors)

@@ -172,9 +172,10 @@ CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "cpu"
-# Tasks named gpu_* (e.g. fluxrl.runs.tasks.gpu_execute_run) go to GPU hosts; the
-# dispatcher may also pick the queue per run: apply_async(queue=spec.resources.queue).
-CELERY_TASK_ROUTES = {"fluxrl.*.tasks.gpu_*": {"queue": "gpu"}, "fluxrl.*": {"queue": "cpu"}}
+# A run goes to the queue its spec names (cpu | gpu): runs.services.enqueue_run calls
+# execute_run.apply_async(queue=resources.queue), and a queue given there wins over these
+# routes. Every other task (the stale-run reaper) goes to cpu.
+CELERY_TASK_ROUTES = {"fluxrl.*": {"queue": "cpu"}}
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 # The reaper fails runs whose watcher stopped heart-beating. Workers reap when they start
 # and while they watch a run; this beat entry (`celery -A fluxrl worker -B`, or a

@@ -47,7 +47,11 @@ def test_celery_is_configured_for_long_runs_on_cpu_and_gpu_queues():
     assert conf.task_acks_late is True and conf.worker_prefetch_multiplier == 1
     assert conf.broker_transport_options["visibility_timeout"] == 24 * 3600
     assert conf.task_default_queue == "cpu"
-    assert app.amqp.router.route({}, "fluxrl.runs.tasks.gpu_execute_run")["queue"].name == "gpu"
+    router = app.amqp.router
+    assert router.route({}, "fluxrl.runs.tasks.reap_stale_runs")["queue"].name == "cpu"
+    # a run's queue is its spec's (runs.services.enqueue_run passes it), over the routes
+    assert router.route({"queue": "gpu"}, "fluxrl.runs.tasks.execute_run")["queue"].name == "gpu"
+    assert router.route({"queue": "cpu"}, "fluxrl.runs.tasks.execute_run")["queue"].name == "cpu"
     assert settings.CHANNEL_LAYERS["default"]["BACKEND"].startswith("channels")
 
 

@@ -5,31 +5,11 @@ import asyncio
 import pytest
 import torch
 
-from workers.rollout import RolloutEngine, configure_cpu_environment, continue_on
+from workers.rollout import RolloutEngine, continue_on
 from workers.tinymodel import encode
 from workers.weight_sync import serialize_state_dict, tensors_checksum
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    pending = asyncio.all_tasks(loop)
-    for task in pending:  # the engine's output handler outlives its shutdown
-        task.cancel()
-    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def engine(loop, tiny_model_path):
-    configure_cpu_environment(None, 1.0)
-    eng = RolloutEngine(tiny_model_path, update_mode="keep", max_model_len=256)
-    loop.run_until_complete(eng.start())
-    yield eng
-    eng.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ from workers.spec import validate_spec
 from workers.tasks import load_rows
 
 ARCHS = ["qwen2", "llama", "gpt2"]
-STEPS = 40
+STEPS = 150
+RISE = 0.03  # 3200 samples before and after: the difference's standard error is about 0.01
 
 
 class RecordingController(Controller):
@@ -38,13 +39,13 @@ class RecordingController(Controller):
 def _spec(model, data):
     return validate_spec({
         "name": "zoo", "model": {"path": str(model)},
-        "task": {"dataset": str(data), "eval_size": 100},
+        "task": {"dataset": str(data), "eval_size": 200},
         "reward": {"function": "numeric_match"},
-        "algorithm": {"loss": "ppo", "group_size": 8, "lr": 3e-4, "warmup_steps": 2},
+        "algorithm": {"loss": "ppo", "group_size": 8, "lr": 1e-4, "warmup_steps": 2, "adv_std_norm": True},
         "rollout": {"max_tokens": 16, "temperature": 1.0, "update_mode": "keep"},
-        "schedule": {"mode": "async", "max_staleness": 2, "batch_prompts": 8},
-        "stop": {"max_steps": STEPS, "max_minutes": 8},
-        "eval": {"every_steps": 0, "prompts": 100},
+        "schedule": {"mode": "async", "max_staleness": 2, "batch_prompts": 16},
+        "stop": {"max_steps": STEPS, "max_minutes": 12},
+        "eval": {"every_steps": 0, "prompts": 200, "samples": 16},
     })
 
 
@@ -64,7 +65,7 @@ def test_async_keep_trains_a_chat_model_of_this_architecture(arch, tmp_path):
 
     torch.set_num_threads(1)
     model_dir = ensure_zoo_model(arch)
-    data = write_chat_dataset(tmp_path / "chat.jsonl", 1500, seed=7)
+    data = write_chat_dataset(tmp_path / "chat.jsonl", 1500, seed=7, two_digit=True)
     spec = _spec(model_dir, data)
     controller = RecordingController(spec, tmp_path / "out", progress=False)
     result = asyncio.run(controller.run())
@@ -96,10 +97,17 @@ def test_async_keep_trains_a_chat_model_of_this_architecture(arch, tmp_path):
         hf_lp = _hf_logprobs(hf, c.prompt_ids, c.token_ids, spec.rollout.temperature)
         assert torch.allclose(hf_lp, torch.tensor(c.logprobs), atol=1e-3), (hf_lp, c.logprobs)
 
-    # An HF greedy evaluation of final_model agrees with the engine's held-out figure
-    # (same tokenizer, template and answer rule). Whether RL raises it reliably on these
-    # warm starts is not asserted yet (issue 14: the recipes are still being tuned).
+    # RL raises the held-out reward: the mean reward of 16 samples per held-out prompt at
+    # the training temperature, 3200 in all (what RL optimises; on these warm starts the
+    # greedy argmax moves later, on Qwen2 first).
+    print(f"{arch}: held-out sampled reward {result.sampled_reward_before:.3f} -> {result.sampled_reward_after:.3f}, "
+          f"greedy accuracy {result.accuracy_before:.3f} -> {result.accuracy_after:.3f}")
     assert result.accuracy_before > 0.2, result.accuracy_before  # the warm start answers some prompts
-    _, held_out = load_rows(str(data), eval_size=100)
+    assert result.sampled_reward_after > result.sampled_reward_before + RISE, (
+        result.sampled_reward_before, result.sampled_reward_after)
+
+    # An HF greedy evaluation of final_model agrees with the engine's held-out figure
+    # (same tokenizer, template and answer rule).
+    _, held_out = load_rows(str(data), eval_size=200)
     independent = greedy_accuracy(result.final_model, spec, held_out)
-    assert independent == pytest.approx(result.accuracy_after, abs=0.031), (independent, result.accuracy_after)
+    assert independent == pytest.approx(result.accuracy_after, abs=0.0251), (independent, result.accuracy_after)

@@ -15,6 +15,17 @@ MESSAGES = [{"role": "system", "content": "You are a careful calculator."},
             {"role": "user", "content": "What is 23 + 45?"}]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """As the builder itself: one thread (on a busy 2-core machine, two are 8x slower)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """Each architecture built once with a 5-step warm start (folders, by arch)."""
@@ -119,16 +130,28 @@ def test_sft_targets_are_the_whole_equation_then_the_end_of_turn_token(tokenizer
             assert ids[:prompt_len] == tok.encode(prompt, add_special_tokens=False)
 
 
-def test_held_out_sums_with_a_two_digit_operand_are_never_trained_on():
+def test_held_out_and_dev_sums_with_a_two_digit_operand_are_never_trained_on():
     import random
 
     recipe = modelzoo.zoo_recipe("qwen2")
-    held = modelzoo.held_out_rows(recipe)
-    keys = {modelzoo._held_out_key(r) for r in held}
+    watched = modelzoo.held_out_rows(recipe) + modelzoo.dev_rows(recipe)
+    keys = {modelzoo._held_out_key(r) for r in watched}
     train = modelzoo._arith_rows(5000, random.Random(1), recipe["system_share"], frozenset(keys))
     assert not any(modelzoo._held_out_key(r) in keys for r in train)
-    pairs = {r["operands"] for r in held if max(r["operands"]) >= 10}
+    pairs = {r["operands"] for r in watched if max(r["operands"]) >= 10}
     assert pairs and not pairs & {r["operands"] for r in train}
+
+
+def test_the_warm_start_stops_once_dev_accuracy_reaches_its_target(monkeypatch):
+    """A stop on accuracy, checked every `check_every` steps; an explicit step count runs exactly."""
+    recipe = {**modelzoo.zoo_recipe("gpt2"), "steps": 40, "check_from": 10, "check_every": 10, "dev": 4,
+              "held_out": 4}
+    checks = iter([0.1, 0.2, 0.5, 0.9])
+    monkeypatch.setattr(modelzoo, "greedy_accuracy", lambda *a, **k: next(checks, 0.0))
+    tok = modelzoo.build_tokenizer(recipe)
+    report = modelzoo._sft(modelzoo.build_model(recipe, tok), tok, recipe, progress=False)
+    assert report["sft_steps"] == 30 and report["dev_accuracy"] == 0.5 >= recipe["stop_at_accuracy"]
+    assert modelzoo.zoo_recipe("gpt2", steps=5)["stop_at_accuracy"] is None
 
 
 def test_chat_rows_are_deterministic_jsonl_rows_with_the_sum_as_answer(tmp_path):
@@ -142,6 +165,15 @@ def test_chat_rows_are_deterministic_jsonl_rows_with_the_sum_as_answer(tmp_path)
     assert 0.15 < len(with_system) / len(rows) < 0.45
     path = write_chat_dataset(tmp_path / "add.jsonl", 50, seed=3)
     assert [json.loads(line) for line in path.read_text().splitlines()] == chat_arithmetic_rows(50, seed=3)
+
+
+def test_two_digit_chat_rows_have_a_two_digit_operand_in_every_row():
+    rows = chat_arithmetic_rows(300, seed=7, two_digit=True)
+    assert len(rows) == 300 and rows == chat_arithmetic_rows(300, seed=7, two_digit=True)
+    operands = [tuple(map(int, r["messages"][-1]["content"].removeprefix("What is ").rstrip("?").split(" + ")))
+                for r in rows]
+    assert all(max(pair) >= 10 for pair in operands)
+    assert any(min(pair) < 10 for pair in operands)  # one operand may still have one digit
 
 
 def test_a_chat_dataset_file_loads_as_a_fluxrl_dataset(tmp_path):

@@ -1,0 +1,28 @@
+"""Fixtures shared by the engine tests."""
+import asyncio
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop per module, for an engine started once and used by every test in it."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    pending = asyncio.all_tasks(loop)
+    for task in pending:  # the engine's output handler outlives its shutdown
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def engine(loop, tiny_model_path):
+    """A warm vLLM engine on the tiny model (keep updates), for the module."""
+    from workers.rollout import RolloutEngine, configure_cpu_environment
+
+    configure_cpu_environment(None, 1.0)
+    eng = RolloutEngine(tiny_model_path, update_mode="keep", max_model_len=256)
+    loop.run_until_complete(eng.start())
+    yield eng
+    eng.shutdown()

@@ -1,0 +1,53 @@
+"""A run whose trainer is two DeepSpeed rank processes (data parallel, ZeRO 2 and 3, gloo),
+its weights sent over vLLM's RPC or broadcast over a gloo group: the engine trains through
+them, keeps staleness within η, and after every update the weights the rollout engine
+holds are the trainer's, checksum for checksum."""
+import asyncio
+
+import pytest
+
+from workers.controller import Controller
+from workers.spec import validate_spec
+from workers.weight_sync import tensors_checksum
+
+pytestmark = [pytest.mark.engine, pytest.mark.distributed, pytest.mark.timeout(600)]
+
+
+class CheckingController(Controller):
+    """After every weight update, the engines' checksum against the trainer's full weights."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.checks: list[tuple[int, bool]] = []
+
+    async def _send_weights(self, version):
+        timings = await super()._send_weights(version)
+        trainer = tensors_checksum(await asyncio.to_thread(self.trainer.state_dict))
+        engines = [await e.weights_checksum() for e in self.engines]
+        self.checks.append((version, all(c == trainer for c in engines)))
+        return timings
+
+
+@pytest.mark.parametrize("stage, transport", [(2, "rpc"), (3, "collective")])
+def test_two_trainer_ranks_train_an_async_run_and_the_engine_holds_their_weights(stage, transport, tmp_path):
+    steps = 6
+    spec = validate_spec({
+        "name": f"ranks-zero{stage}", "model": {"path": "builtin:tiny"},
+        "task": {"dataset": "gen:add?max_digits=2", "size": 400, "eval_size": 20},
+        "algorithm": {"lr": 3e-4, "group_size": 4, "warmup_steps": 0},
+        "rollout": {"max_tokens": 8, "update_mode": "keep", "weight_transport": transport},
+        "schedule": {"mode": "async", "max_staleness": 1, "batch_prompts": 4},
+        "trainer": {"zero_stage": stage},
+        "resources": {"trainer_ranks": 2},
+        "stop": {"max_steps": steps, "max_minutes": 6},
+        "eval": {"every_steps": 0, "prompts": 20},
+    })
+    controller = CheckingController(spec, tmp_path / "out", progress=False)
+    result = asyncio.run(controller.run())
+    assert result.steps == steps and result.staleness_max <= 1
+    assert len(controller.checks) >= steps and all(ok for _, ok in controller.checks), controller.checks
+    pids = controller.trainer.pids
+    assert len(pids) == 2
+    import os
+    assert not any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+                   for pid in pids)  # the rank processes are gone with the run

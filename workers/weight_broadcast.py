@@ -1,0 +1,422 @@
+"""Weights from the trainer to the rollout engines over a torch.distributed collective
+(``rollout.weight_transport: collective``), the way PipelineRL / OpenRLHF / vLLM's RL
+examples do it, instead of safetensors bytes through the engine's RPC.
+
+The trainer (rank 0) and every engine worker (ranks 1..N) form a group of their own,
+rendezvoused on a ``TCPStore`` the trainer serves, so neither side's default
+torch.distributed group (DeepSpeed's world, vLLM's) is touched: gloo through host
+memory on CPU, NCCL (vLLM's ``PyNcclCommunicator`` over a ``StatelessProcessGroup``)
+between GPUs. Per update the metadata (names, dtypes, shapes, version) travels with the
+engine's receive RPC; the bytes go by broadcast from rank 0, packed into buckets of
+consecutive tensors (one collective per tensor costs ~0.3 ms with gloo, more than the
+whole tiny model takes to move). The engine side is ``WeightSyncExtension.
+fluxrl_join_weight_group`` / ``fluxrl_receive_weights`` (workers/weight_sync.py).
+
+Failure: every wait is cut in slices so that a member that fails makes the others
+fail within a fraction of a second (an abort key in the store) instead of at the
+group's timeout; the timeout itself catches a member that is alive but never joins the
+broadcast. A failed group is broken for good: ``open`` it again with the live engines.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Optional, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ABORT_KEY = "fluxrl/weights/abort"
+_SLICE = datetime.timedelta(milliseconds=100)
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_ALIGN = 64  # bytes: every tensor's offset in a bucket, so a byte slice can be viewed as its dtype
+
+
+class WeightBroadcastError(RuntimeError):
+    """A weight broadcast (or joining the group) failed: a member died, did not take
+    part in time, or another member's failure aborted it. The group is then unusable."""
+
+
+def default_backend() -> str:
+    # NCCL needs one device per rank: with a single GPU the trainer and the engine share
+    # it and NCCL refuses the duplicate device, so bytes go through host memory (gloo).
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 1 else "gloo"
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.rsplit(".", 1)[-1])
+
+
+def describe_state_dict(state: dict[str, torch.Tensor], version: int,
+                        bucket_bytes: int) -> tuple[dict, list[torch.Tensor]]:
+    """The receive RPC's metadata and the tensors to send, in order. A tensor that is
+    another one (tied embeddings) is sent once and named an alias of it."""
+    entries, sources, first = [], [], {}
+    for name, t in state.items():
+        t = t.detach()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), tuple(t.stride()), t.device)
+        alias = first.get(key) if t.numel() else None
+        entries.append([name, str(t.dtype), list(t.shape), alias])
+        if alias is None:
+            first[key] = name
+            sources.append(t)
+    return {"version": int(version), "bucket_bytes": int(bucket_bytes), "tensors": entries}, sources
+
+
+def bucket_layout(meta: dict) -> list[list[tuple[int, int, int]]]:
+    """Per bucket, (index among the sent tensors, byte offset, bytes): consecutive tensors
+    up to ``bucket_bytes`` (a larger one alone). Trainer and engines both derive it from
+    the metadata, so it never travels."""
+    buckets, current, size = [], [], 0
+    sent = [e for e in meta["tensors"] if e[3] is None]
+    for i, (_, dtype, shape, _) in enumerate(sent):
+        nbytes = _dtype(dtype).itemsize * int(torch.Size(shape).numel())
+        offset = -(-size // _ALIGN) * _ALIGN
+        if current and offset + nbytes > meta["bucket_bytes"]:
+            buckets.append(current)
+            current, offset = [], 0
+        current.append((i, offset, nbytes))
+        size = offset + nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _bucket_bytes(bucket: list[tuple[int, int, int]]) -> int:
+    return max(1, bucket[-1][1] + bucket[-1][2])  # an empty tensor alone still moves a byte
+
+
+def _dispose(box: list) -> None:
+    """Drop the group in ``box`` (its only reference) in a thread of its own: gloo's
+    destructor waits for pending operations (a receive abandoned after an abort) until
+    its timeout."""
+    threading.Thread(target=box.clear, daemon=True, name="fluxrl-weight-group-dispose").start()
+
+
+class WeightGroup:
+    """This process's membership of the trainer↔engine weight group (rank 0 = trainer).
+    Construction blocks until every member has joined."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
+                 timeout_s: float = 60.0, device: Optional[torch.device] = None, *, store=None,
+                 listen_socket: Optional[socket.socket] = None):
+        import torch.distributed as dist
+
+        self.rank, self.world_size, self.backend, self.timeout_s = rank, world_size, backend, timeout_s
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self._pg = self._comm = None
+        self._broken = False  # a transfer failed: operations may still be pending, and destroying waits for them
+        if backend == "gloo":
+            self.device = torch.device("cpu")
+            self.store = store if store is not None else dist.TCPStore(host, port, world_size, is_master=False,
+                                                                       timeout=timeout)
+            prefixed = dist.PrefixStore("fluxrl/weights", self.store)
+            try:
+                opts = dist.ProcessGroupGloo._Options()
+                opts._timeout = timeout
+                # a loopback rendezvous means one machine: pin gloo to loopback rather than
+                # whatever the hostname resolves to
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if host in _LOOPBACK
+                                 else dist.ProcessGroupGloo.create_default_device()]
+                self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
+            except AttributeError:  # private options gone in some torch: the public constructor
+                self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        elif backend == "nccl":
+            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+            from vllm.distributed.utils import StatelessProcessGroup
+
+            spg = StatelessProcessGroup.create(host, port, rank, world_size, store_timeout=max(1, int(timeout_s)),
+                                               listen_socket=listen_socket)
+            self.store = spg.store
+            self.device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
+            try:  # the engine process pins NCCL settings for its own groups; this one is shared
+                from vllm.utils.nccl import unpinned_nccl_env
+            except ImportError:
+                import contextlib
+
+                unpinned_nccl_env = contextlib.nullcontext
+            with unpinned_nccl_env():
+                self._comm = PyNcclCommunicator(spg, device=self.device)
+        else:
+            raise ValueError(f"unknown weight broadcast backend {backend!r} (gloo or nccl)")
+
+    # -- one collective ------------------------------------------------------------
+    def _post(self, tensor: torch.Tensor):
+        if self._comm is not None:  # NCCL: queued on the stream, waited for at the end
+            self._comm.broadcast(tensor, src=0, stream=torch.cuda.current_stream(self.device))
+            return None
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        return self._pg.broadcast([tensor], opts)
+
+    def _wait(self, work, aborted: Callable[[], bool]) -> None:
+        if work is None:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                work.wait(_SLICE)
+                return
+            except RuntimeError as exc:
+                if work.is_completed():  # the operation itself failed (a peer crashed, gloo's timeout)
+                    raise WeightBroadcastError(f"weight broadcast failed on rank {self.rank}: {exc}") from exc
+            if aborted():
+                raise WeightBroadcastError(f"weight broadcast aborted on rank {self.rank}: another member failed")
+            if time.monotonic() >= deadline:
+                raise WeightBroadcastError(f"weight broadcast: rank {self.rank} saw no progress within "
+                                           f"{self.timeout_s:g} s (a member alive but not taking part?)")
+
+    def _sync(self) -> None:
+        if self._comm is not None:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def abort_requested(self) -> bool:
+        try:
+            return bool(self.store.check([ABORT_KEY]))
+        except Exception:  # noqa: BLE001 - the trainer's store is gone: so is the trainer
+            return True
+
+    # -- a whole state dict ----------------------------------------------------------
+    def send(self, meta: dict, sources: Sequence[torch.Tensor], aborted: Callable[[], bool]) -> None:
+        """Rank 0: the header, then the buckets, packing one while the previous ones are on
+        the wire (at most two in flight, so the trainer holds one extra bucket, not a copy
+        of the model)."""
+        try:
+            self._send(meta, sources, aborted)
+        except BaseException:
+            self._broken = True
+            raise
+
+    def _send(self, meta: dict, sources: Sequence[torch.Tensor], aborted: Callable[[], bool]) -> None:
+        layout = bucket_layout(meta)
+        header = torch.tensor([meta["version"], len(meta["tensors"]), len(layout)], dtype=torch.int64,
+                              device=self.device)
+        self._wait(self._post(header), aborted)
+        inflight: deque = deque()
+        for bucket in layout:
+            first = sources[bucket[0][0]]
+            if len(bucket) == 1 and first.is_contiguous() and first.device == self.device and first.numel():
+                buf = first.reshape(-1).view(torch.uint8)  # alone in its bucket: sent as it is
+            else:
+                buf = torch.empty(_bucket_bytes(bucket), dtype=torch.uint8, device=self.device)
+                for i, offset, nbytes in bucket:
+                    if nbytes:
+                        buf[offset: offset + nbytes].copy_(sources[i].contiguous().reshape(-1).view(torch.uint8))
+            inflight.append((self._post(buf), buf))
+            while len(inflight) > 2:
+                self._wait(inflight.popleft()[0], aborted)
+        while inflight:
+            self._wait(inflight.popleft()[0], aborted)
+        self._sync()
+
+    def receive(self, meta: dict) -> dict[str, torch.Tensor]:
+        """Ranks > 0: the tensors ``meta`` names, in its order (aliases share storage)."""
+        try:
+            return self._receive(meta)
+        except BaseException:
+            self._broken = True
+            raise
+
+    def _receive(self, meta: dict) -> dict[str, torch.Tensor]:
+        layout = bucket_layout(meta)
+        header = torch.zeros(3, dtype=torch.int64, device=self.device)
+        self._wait(self._post(header), self.abort_requested)
+        expected = [meta["version"], len(meta["tensors"]), len(layout)]
+        if header.tolist() != expected:
+            raise WeightBroadcastError(f"weight broadcast out of step: the trainer sent {header.tolist()} "
+                                       f"(version, tensors, buckets), this engine expected {expected}")
+        buffers = [torch.empty(_bucket_bytes(b), dtype=torch.uint8, device=self.device) for b in layout]
+        works = [self._post(buf) for buf in buffers]  # all posted: gloo runs them as the bytes come
+        for work in works:
+            self._wait(work, self.abort_requested)
+        self._sync()
+        sent = [e for e in meta["tensors"] if e[3] is None]
+        received = {}
+        for bucket, buf in zip(layout, buffers):
+            for i, offset, nbytes in bucket:
+                name, dtype, shape, _ = sent[i]
+                received[name] = buf[offset: offset + nbytes].view(_dtype(dtype)).view(shape)
+        return {name: received[name if alias is None else alias] for name, _, _, alias in meta["tensors"]}
+
+    def close(self) -> None:
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            try:
+                comm.destroy()
+            except Exception:  # noqa: BLE001 - best effort on a broken communicator
+                pass
+        if self._pg is not None:
+            box, self._pg = [self._pg], None
+            if self._broken:
+                _dispose(box)  # in a thread: it waits for the abandoned operations
+            else:
+                box.clear()
+
+
+@dataclass
+class CollectiveWeights:
+    """One broadcast as an engine sees it: the metadata for its receive RPC, and a barrier
+    every engine passes right before sending that RPC. The trainer sends once all have
+    passed, so no receive waits long for the bytes (in drain mode an engine may wait
+    for its requests far longer than the group's timeout)."""
+    meta: dict
+    members: int
+    _arrived: int = 0
+    _open: asyncio.Event = field(default_factory=asyncio.Event)
+    _failed: Optional[BaseException] = None
+    go: threading.Event = field(default_factory=threading.Event)  # for the trainer's sending thread
+
+    async def arrive(self) -> None:
+        self._arrived += 1
+        if self._arrived >= self.members:
+            self._open.set()
+            self.go.set()
+        await self._open.wait()
+        if self._failed is not None:
+            raise WeightBroadcastError(f"weight broadcast abandoned: {self._failed}")
+
+    def fail(self, why: BaseException) -> None:
+        if self._failed is None:
+            self._failed = why
+        self._open.set()
+
+
+class WeightBroadcaster:
+    """The trainer's side: ``await open(engines)`` once (and again after a failure, with
+    the live engines), ``await broadcast(state_dict, version)`` per update, ``close()``."""
+
+    def __init__(self, host: str = "127.0.0.1", backend: Optional[str] = None, timeout_s: float = 60.0,
+                 bucket_mb: float = 32.0, device: Optional[torch.device] = None):
+        self.host, self.backend, self.timeout_s = host, backend or default_backend(), timeout_s
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.device = device
+        self.engines: list = []
+        self.group: Optional[WeightGroup] = None
+        self.last_send_ms: Optional[float] = None  # the trainer's side of the last broadcast
+
+    async def open(self, engines: Sequence) -> None:
+        """Form the group with ``engines`` (RolloutEngine): the trainer's rendezvous in a
+        thread while each engine's workers join through their RPC."""
+        import torch.distributed as dist
+
+        self.close()
+        engines = list(engines)
+        counts = [e.worker_count for e in engines]
+        world = 1 + sum(counts)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        store = sock = None
+        if self.backend == "gloo":
+            store = dist.TCPStore(self.host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+            port = store.port
+        else:  # bound before its port is announced, so no other process can take it meanwhile
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, 0))
+            sock.listen()
+            port = sock.getsockname()[1]
+        trainer = asyncio.ensure_future(asyncio.to_thread(
+            WeightGroup, self.host, port, 0, world, self.backend, self.timeout_s, self.device,
+            store=store, listen_socket=sock))
+        offsets = [1 + sum(counts[:i]) for i in range(len(engines))]
+        joins = await asyncio.gather(*(e.join_weight_group(dict(
+            host=self.host, port=port, rank_offset=off, world_size=world, backend=self.backend,
+            timeout_s=self.timeout_s)) for e, off in zip(engines, offsets)), return_exceptions=True)
+        failed = [(e.index, r) for e, r in zip(engines, joins) if isinstance(r, BaseException)]
+        if failed:
+            # the trainer's rendezvous fails on its own at the timeout; nobody waits for it
+            trainer.add_done_callback(lambda t: t.cancelled() or (t.exception() is None and t.result().close()))
+            raise WeightBroadcastError(f"rollout engine {failed[0][0]} could not join the weight group: "
+                                       f"{type(failed[0][1]).__name__}: {failed[0][1]}") from failed[0][1]
+        try:
+            self.group = await trainer
+        except Exception as exc:
+            raise WeightBroadcastError(f"the trainer could not form the weight group: {exc}") from exc
+        self.engines = engines
+        logger.info("weight group open: %s, %d rank(s) on %s:%d", self.backend, world, self.host, port)
+
+    async def broadcast(self, state_dict: dict[str, torch.Tensor], version: int,
+                        update: Optional[Callable[[Any, CollectiveWeights, int], Awaitable]] = None) -> list:
+        """Send ``state_dict`` to every engine, each loading it with its update mode (keep /
+        interrupt / drain) and labelling it ``version``. ``update(engine, weights, version)``
+        defaults to ``engine.update_weights``; it returns the engine's ``UpdateTiming``, or
+        None for an engine that died (the caller's bookkeeping). Any failure raises
+        ``WeightBroadcastError`` after every member has stopped, and breaks the group."""
+        if self.group is None:
+            raise WeightBroadcastError("the weight group is not open (WeightBroadcaster.open)")
+        update = update or (lambda engine, weights, v: engine.update_weights(weights, v))
+        meta, sources = describe_state_dict(state_dict, version, self.bucket_bytes)
+        weights = CollectiveWeights(meta, members=len(self.engines))
+        aborted = threading.Event()
+        group, loop = self.group, asyncio.get_running_loop()
+
+        def abort(why: BaseException) -> None:  # from the loop's thread or the sending one
+            if not aborted.is_set():
+                aborted.set()
+                try:
+                    group.store.set(ABORT_KEY, "1")
+                except Exception:  # noqa: BLE001 - the engines then stop at their timeout
+                    pass
+            loop.call_soon_threadsafe(weights.fail, why)
+
+        def send() -> float:
+            while not weights.go.wait(0.05):
+                if aborted.is_set():
+                    raise WeightBroadcastError("weight broadcast abandoned before it began")
+            t0 = time.perf_counter()
+            try:
+                group.send(meta, sources, aborted.is_set)
+            except BaseException as exc:
+                abort(exc)
+                raise
+            return (time.perf_counter() - t0) * 1000
+
+        def settled(task: asyncio.Task) -> None:
+            if task.cancelled():
+                abort(RuntimeError("cancelled"))
+            elif task.exception() is not None:
+                abort(task.exception())
+            elif task.result() is None:
+                abort(RuntimeError("a rollout engine died"))
+
+        sender = asyncio.ensure_future(asyncio.to_thread(send))
+        tasks = [asyncio.ensure_future(update(e, weights, version)) for e in self.engines]
+        for task in tasks:
+            task.add_done_callback(settled)
+        try:
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            if any(isinstance(r, BaseException) or r is None for r in results):
+                abort(RuntimeError("an engine failed"))
+            try:
+                # the thread notices the abort within one wait slice (NCCL: never, see close)
+                self.last_send_ms = await asyncio.wait_for(asyncio.shield(sender), timeout=self.timeout_s)
+                send_error = None
+            except BaseException as exc:  # noqa: BLE001 - reported below with the engines' errors
+                send_error = exc
+        except BaseException as exc:  # cancelled: the others must not wait for us
+            abort(exc)
+            raise
+        errors = [(e.index, r) for e, r in zip(self.engines, results) if isinstance(r, BaseException)]
+        dead = [e.index for e, r in zip(self.engines, results) if r is None]
+        if errors or dead or send_error is not None:
+            self.close()
+            parts = ([f"rollout engine(s) {dead} died"] if dead else []) + \
+                    [f"rollout engine {i}: {type(r).__name__}: {r}" for i, r in errors] + \
+                    ([f"trainer: {type(send_error).__name__}: {send_error}"] if send_error is not None else [])
+            first = next((r for _, r in errors), send_error)
+            raise WeightBroadcastError(f"weight broadcast of version {version} failed: " + "; ".join(parts)) from first
+        return results
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self.engines = []
