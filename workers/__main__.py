@@ -140,7 +140,8 @@ def cmd_run(args) -> int:
         "samples_per_s": round(result.samples_per_s, 3), "accuracy_before": result.accuracy_before,
         "accuracy_after": result.accuracy_after, "sampled_reward_before": result.sampled_reward_before,
         "sampled_reward_after": result.sampled_reward_after, "staleness_max": result.staleness_max,
-        "dropped_stale": result.dropped_stale, "final_model": result.final_model,
+        "dropped_stale": result.dropped_stale, "dropped_uniform": result.dropped_uniform,
+        "final_model": result.final_model,
         "idle_generation": round(result.idle_generation, 3), "idle_training": round(result.idle_training, 3),
         "skipped_prompts": result.skipped_prompts,
     }

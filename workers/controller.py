@@ -74,6 +74,8 @@ class RunResult:
     sampled_reward_after: Optional[float] = None
     staleness_max: int = 0
     dropped_stale: int = 0
+    dropped_uniform: int = 0  # algorithm.drop_uniform_groups: groups whose rewards were all equal
+    trained_groups: int = 0
     update_sync_ms: list[float] = field(default_factory=list)
     update_load_ms: list[float] = field(default_factory=list)
     gen_stall_ms: list[float] = field(default_factory=list)
@@ -401,6 +403,7 @@ class Controller:
                     "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
             "result": {"steps": r.steps, "trained_samples": r.trained_samples, "trained_tokens": r.trained_tokens,
                        "staleness_max": r.staleness_max, "dropped_stale": r.dropped_stale,
+                       "dropped_uniform": r.dropped_uniform, "trained_groups": r.trained_groups,
                        "accuracy_before": r.accuracy_before},
             "seconds": time.time() - t_start, "trainer_busy_s": self.trainer_busy_s,
             "gen_busy_s": self._gen_busy() - self._busy_before,
@@ -500,6 +503,7 @@ class Controller:
         r = self.result
         lengths = [s.completion.length for s in samples]
         r.steps, r.trained_samples = step, r.trained_samples + len(samples)
+        r.trained_groups += len(groups)
         r.trained_tokens += sum(lengths)
         r.lengths += lengths
         r.staleness_max = max(r.staleness_max, max(staleness))
@@ -513,6 +517,8 @@ class Controller:
             "reward/mean": mean_r,
             "reward/std": statistics.pstdev(rewards),
             "reward/errors": sum(1 for s in samples if s.error),
+            **({"batch/dropped_uniform_share": r.dropped_uniform / (r.dropped_uniform + r.trained_groups)}
+               if spec.algorithm.drop_uniform_groups else {}),
             **{f"reward/part/{name}": sum(s.parts.get(name, 0.0) for s in samples) / len(samples)
                for name in samples[0].parts},
             "throughput/samples_per_s": r.trained_samples / elapsed,
@@ -684,6 +690,16 @@ class Controller:
                         self.result.dropped_stale += 1  # would break the bound: never train on it
                         self.gate.release()
                         wake.set()
+                        continue
+                    if spec.algorithm.drop_uniform_groups and len({s.reward for s in group.samples}) == 1:
+                        # DAPO's dynamic sampling: equal rewards give every sample a zero
+                        # advantage, so the group would only thin the batch's signal; its
+                        # slot goes back to the generator and another group takes its place.
+                        self.result.dropped_uniform += 1
+                        self.gate.release()
+                        wake.set()
+                        if self._out_of_time(t_start):
+                            break
                         continue
                     batch.append(group)
                 if len(batch) < spec.schedule.batch_prompts:

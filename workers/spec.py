@@ -197,6 +197,8 @@ class AlgorithmSpec(_Strict):
     minibatches: int = Field(1, ge=1, le=1024, description="optimiser steps per batch (its samples split "
                              "evenly); π_prox of decoupled PPO stays fixed at the start of the batch")
     ppo_epochs: int = Field(1, ge=1, le=64, description="passes over each batch, each split into minibatches")
+    drop_uniform_groups: bool = Field(False, description="async: skip prompt groups whose rewards are all equal "
+                                      "(zero advantages) and fill the batch with others (DAPO's dynamic sampling)")
 
 
 class RolloutSpec(_Strict):
@@ -322,6 +324,12 @@ class RunSpec(_Strict):
             # the step's token count is known only at the end; gradients are rescaled then,
             # which needs them unpartitioned
             raise ValueError("schedule.stream_train needs trainer.zero_stage 0")
+        if self.algorithm.drop_uniform_groups and self.schedule.mode != "async":
+            raise ValueError("algorithm.drop_uniform_groups needs schedule.mode 'async' (a synchronous step "
+                             "trains on the batch it generated; there is nothing to fill the gap with)")
+        if self.algorithm.drop_uniform_groups and self.algorithm.group_size < 2:
+            raise ValueError("algorithm.drop_uniform_groups needs algorithm.group_size >= 2 (a group of one "
+                             "is always uniform)")
         if self.schedule.stream_train and (self.algorithm.minibatches > 1 or self.algorithm.ppo_epochs > 1):
             raise ValueError("schedule.stream_train trains each batch in one optimiser step: "
                              "algorithm.minibatches and ppo_epochs must be 1")
