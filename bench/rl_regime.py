@@ -10,7 +10,8 @@ DeepSpeed, so they separate "the regime" from "the engine":
 RL only reinforces answers it samples. A prompt answered wrongly by greedy decoding can
 only be flipped if sampling sometimes gets it right; ``frontier`` counts those prompts.
 ``grpo`` prints sampled reward and held-out greedy accuracy as it trains; the engine
-(``python -m workers run``) reproduces its curves (README, "What RL does").
+(``python -m workers run``) reproduces its curves (README, "What RL does"). Its step,
+``grpo_step``, is also the plain baseline of bench/vs_plain.py.
 """
 from __future__ import annotations
 
@@ -55,38 +56,52 @@ def frontier(model, held: list[dict], args) -> None:
           f"{cells[('wrong', 0.0)]} are out of reach")
 
 
+def grpo_optimizer(model, lr: float, warmup_steps: int = 10):
+    """Adam with a linear warm-up (as the engine's ``algorithm.warmup_steps``): Adam's first
+    steps are sign-like and would move every weight by the full lr."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup_steps))
+
+
+def grpo_step(model, opt, sched, rows: list[dict], n: int, max_new: int, temperature: float,
+              reward=rewards.numeric_match) -> list[float]:
+    """One GRPO step on ``rows`` (``n`` samples each): sample, score, group advantages,
+    token-mean policy-gradient loss, one Adam step. Returns the sampled rewards."""
+    model.eval()
+    comps = complete(model, [r["prompt"] for r in rows], max_new, temperature, n)
+    model.train()
+    rew = score(rows, comps, n, reward)
+    adv = torch.tensor(group_advantages(rew, n))
+    seqs = [tinymodel.encode(rows[i // n]["prompt"]) + c for i, c in enumerate(comps)]
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), PAD)
+    att = torch.zeros_like(ids)
+    mask = torch.zeros((len(seqs), width - 1))
+    for i, s in enumerate(seqs):
+        p = len(seqs[i]) - len(comps[i])
+        ids[i, :len(s)] = torch.tensor(s)
+        att[i, :len(s)] = 1
+        mask[i, p - 1:len(s) - 1] = 1  # position t predicts token t+1
+    logits = model(input_ids=ids, attention_mask=att).logits[:, :-1] / temperature
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    loss = -(adv[:, None] * logp * mask).sum() / mask.sum().clamp(min=1)
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return rew
+
+
 def grpo(model, train: list[dict], held: list[dict], args) -> None:
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    opt, sched = grpo_optimizer(model, args.lr)
     reward = rewards.BUILTIN_REWARDS[args.reward]
-    n, t0, recent = args.group, time.time(), []
+    t0, recent = time.time(), []
     print(f"step 0 greedy {greedy_accuracy(model, held, args.max_new):.3f}", flush=True)
     for step in range(1, args.steps + 1):
-        rows = random.sample(train, args.prompts)
-        model.eval()
-        comps = complete(model, [r["prompt"] for r in rows], args.max_new, args.temperature, n)
-        model.train()
-        rew = score(rows, comps, n, reward)
+        rew = grpo_step(model, opt, sched, random.sample(train, args.prompts), args.group, args.max_new,
+                        args.temperature, reward)
         recent.append(sum(rew) / len(rew))
-        adv = torch.tensor(group_advantages(rew, n))
-        seqs = [tinymodel.encode(rows[i // n]["prompt"]) + c for i, c in enumerate(comps)]
-        width = max(map(len, seqs))
-        ids = torch.full((len(seqs), width), PAD)
-        att = torch.zeros_like(ids)
-        mask = torch.zeros((len(seqs), width - 1))
-        for i, s in enumerate(seqs):
-            p = len(seqs[i]) - len(comps[i])
-            ids[i, :len(s)] = torch.tensor(s)
-            att[i, :len(s)] = 1
-            mask[i, p - 1:len(s) - 1] = 1  # position t predicts token t+1
-        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1] / args.temperature
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
-        loss = -(adv[:, None] * logp * mask).sum() / mask.sum().clamp(min=1)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
         if step % args.eval_every == 0:
             print(f"step {step} sampled reward {sum(recent) / len(recent):.3f} "
                   f"greedy {greedy_accuracy(model, held, args.max_new):.3f} ({time.time() - t0:.0f} s)", flush=True)

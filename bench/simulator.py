@@ -462,7 +462,7 @@ def lognormal_lengths(median: float, sigma: float, cap: int, n: int = 4000, seed
 
 # -- calibration against the CPU runs ------------------------------------------------------
 # bench/sync_vs_async.py's setup. On the CPU, sync gives each phase the whole machine in
-# turn; async gives rollout and trainer half the cores each (Controller._cpu_split).
+# turn; async gives rollout and trainer half the cores each (workers/placement.py).
 CPU_CHAIN = {"max_value": 10, "max_terms": 12}
 CPU_WORKLOAD = {"group_size": 8, "batch_prompts": 8, "micro_batch_tokens": 4096}
 CPU_MAX_TOKENS = 48
@@ -590,6 +590,34 @@ def cluster_costs(params: float, rollout_gpus: int, trainer_gpus: int, work: Wor
     return costs, rollout_gpus // tp
 
 
+GPUS_PER_NODE = 8
+
+
+def planned_resources(params: float, gpus: int, rollout_gpus: int, work: "Workload",
+                      hw: "Hardware" = None, gpus_per_node: int = GPUS_PER_NODE) -> Optional[dict]:
+    """The run spec's ``rollout.engines`` and ``resources`` for a split, if the placement
+    planner (workers/placement.py) can place it on nodes of ``gpus_per_node`` GPUs: whole
+    engines per node, trainer ranks split evenly over the nodes. None otherwise."""
+    from workers.placement import Machine, PlacementError, plan_placement
+    from workers.spec import SpecError, validate_spec
+
+    sized = cluster_costs(params, rollout_gpus, gpus - rollout_gpus, work, hw or Hardware())
+    if sized is None:
+        return None
+    engines = sized[1]
+    tp = rollout_gpus // max(1, engines)
+    nodes = max(1, -(-gpus // gpus_per_node))
+    resources = {"queue": "gpu", "nodes": nodes, "gpus_per_node": min(gpus, gpus_per_node),
+                 "trainer_ranks": gpus - engines * tp, "tensor_parallel": tp}
+    try:
+        spec = validate_spec({"name": "plan", "model": {"path": "m"}, "task": {"dataset": "gen:add"},
+                              "rollout": {"engines": engines}, "resources": resources})
+        plan_placement(spec, Machine(cpu_cores=64, gpus_per_node=min(gpus, gpus_per_node), gpu_memory_gib=80))
+    except (PlacementError, SpecError):
+        return None
+    return {"rollout": {"engines": engines}, "resources": resources}
+
+
 def split_candidates(gpus: int, shares: int = 8) -> list[int]:
     """Rollout GPU counts to try: every 1/shares of the cluster (all of them on small ones)."""
     return sorted({max(1, round(gpus * k / shares)) for k in range(1, shares)} - {gpus})
@@ -608,7 +636,8 @@ def recommend(params: float, gpu_counts: Sequence[int], work: Workload, setup_kw
         def measure(rollouts) -> None:
             for rollout in rollouts:
                 sized = cluster_costs(params, rollout, gpus - rollout, work, hw)
-                if sized is not None:
+                # only splits the placement planner can lay out on 8-GPU nodes
+                if sized is not None and planned_resources(params, gpus, rollout, work, hw) is not None:
                     for mode, result in compare(sized[0], work, sized[1], **setup_kw).items():
                         curves[mode].append((rollout, result))
 
@@ -810,6 +839,10 @@ def main_recommend(args, gpu_counts: list[int]) -> None:
             mode, split, res = "sync colocated", "all GPUs, in turn", row["colocated_sync"]
         print(f"{row['gpus']:>5} {split:>20} {res.samples_per_s:>10.2f}  "
               f"{cells}  {colocated}   ({mode})")
+        planned = planned_resources(args.model_size, row["gpus"], rollout, work)
+        if planned is not None and mode != "sync colocated":
+            print(f"{'':>5} spec: rollout: {json.dumps(planned['rollout'])}, resources: "
+                  f"{json.dumps(planned['resources'])}")
     feasible = [r["gpus"] for r in report if r["best"]]
     if feasible and args.plot:
         focus = feasible[len(feasible) // 2]

@@ -62,6 +62,10 @@ NOT_RUN = [
     (r"\.venv/bin/python -m workers build-model .*",
      "trains a tokenizer and warm-starts a model for minutes; tests/workers/test_modelzoo.py builds every "
      "architecture briefly and tests/workers/test_model_zoo_engine.py runs RL on the full builds"),
+    (r"export FLUXRL_CLUSTER_KEY=.*", "sets the shared key for a run over two machines (the next two commands)"),
+    (r"\.venv/bin/python -m workers node .*",
+     "joins a run on a second machine; tests/workers/test_two_node_run.py runs a node agent in its own process "
+     "tree on loopback"),
     (r"\.venv/bin/python -m workers evaluate .*",
      "needs a finished run's final_model; tests/workers/test_model_zoo_engine.py makes the same evaluation"),
 ]

@@ -119,7 +119,7 @@ def cmd_run(args) -> int:
         if heartbeat:  # a cancel asked for on the platform stops the run like SIGTERM
             heartbeat.on_cancel = lambda: loop.call_soon_threadsafe(on_signal)
         controller = Controller(spec, out, reporter, progress=not args.no_progress, stop_event=stop,
-                                resume=resume, on_checkpoint=on_checkpoint)
+                                resume=resume, on_checkpoint=on_checkpoint, rendezvous=getattr(args, "rendezvous", None))
         result = await controller.run()
         return result, bool(signalled)
 
@@ -182,10 +182,28 @@ def main(argv=None) -> int:
     r.add_argument("--token", default=None, help=f"run-scoped API token (default: ${RUN_TOKEN_ENV}, which keeps it out of ps)")
     r.add_argument("--run-id", default=None)
     r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--rendezvous", default=None, help="resources.nodes > 1: HOST:PORT this node (0) listens on for "
+                   "the other nodes' agents (default: $FLUXRL_RENDEZVOUS); all share $FLUXRL_CLUSTER_KEY")
     r.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --out (from scratch if there is none)")
+    n = sub.add_parser("node", help="join a run over several nodes as node R: start this node's trainer ranks and "
+                       "rollout engines and serve the coordinator (workers/node.py)")
+    n.add_argument("--rendezvous", required=True, help="HOST:PORT of node 0 (its python -m workers run --rendezvous)")
+    n.add_argument("--node-rank", type=int, required=True, help="this node's rank, 1 .. resources.nodes - 1")
+    n.add_argument("--host", default=None, help="this node's address the others reach (default: the one that "
+                   "routes to the rendezvous)")
+    sub.add_parser("engine-server", help="(started by the run) one rollout engine serving the run's coordinator; "
+                   "reads its EngineServerConfig as JSON on stdin (workers/engine_server.py)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.cmd == "node":
+        from .node import run_node
+
+        return run_node(args.rendezvous, args.node_rank, args.host)
+    if args.cmd == "engine-server":
+        from .engine_server import EngineServerConfig, serve
+
+        return serve(EngineServerConfig.model_validate_json(sys.stdin.read()))
     if args.cmd == "bootstrap":
         from .tinymodel import MANIFEST, ensure_tiny_model
 

@@ -39,8 +39,10 @@ from .spec import RunSpec
 from .staleness import StalenessGate
 from .tasks import load_rows
 from .trainer import TrainSample, Trainer
-from .weight_broadcast import WeightBroadcaster, WeightBroadcastError
+from .weight_broadcast import RankZeroSender, WeightBroadcaster, WeightBroadcastError
 from .weight_sync import serialize_state_dict, tensors_checksum
+from . import wire
+from .engine_server import EngineClient, EngineServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +106,10 @@ def _percentile(values: list[float], q: float) -> float:
 class Controller:
     def __init__(self, spec: RunSpec, out_dir: str | Path, reporter: Optional[Reporter] = None,
                  progress: bool = True, stop_event: Optional[asyncio.Event] = None,
-                 resume: Optional[CheckpointInfo] = None, on_checkpoint=None):
+                 resume: Optional[CheckpointInfo] = None, on_checkpoint=None, rendezvous: Optional[str] = None):
         self.spec = spec
+        # several nodes: where the other nodes' agents join (workers/node.py)
+        self.rendezvous = rendezvous or os.environ.get("FLUXRL_RENDEZVOUS")
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.reporter = reporter or Reporter(self.out / "metrics.jsonl")
@@ -139,19 +143,25 @@ class Controller:
         self.broadcaster: Optional[WeightBroadcaster] = None  # rollout.weight_transport: collective
 
     # -- set-up -------------------------------------------------------------------
-    def _cpu_split(self) -> tuple[Optional[str], Optional[int]]:
-        """CPU only: in async mode generation and training run at once, so they get one
-        half of the cores each; in sync mode each phase has the whole machine. Returns the
-        engines' core binding and the trainer's thread count (workers/placement.py plans them)."""
+    def _placement(self):
+        """Where every process runs (workers/placement.py): this machine describes every node."""
         import torch
 
-        from .placement import Machine, plan_cpu
+        from .placement import Machine, detect_machine, plan_cpu, plan_placement
 
         if torch.cuda.is_available():
-            return None, None
-        plan = plan_cpu(self.spec, Machine(cpu_cores=os.cpu_count() or 1))
-        # This process runs every engine and the trainer: node 0's shares, between them.
-        return plan.cpu_bind("engine"), plan.threads("trainer")
+            return plan_placement(self.spec, detect_machine())
+        return plan_cpu(self.spec, Machine(cpu_cores=os.cpu_count() or 1))
+
+    def _engine_config(self, process, checked, host: str = "127.0.0.1") -> EngineServerConfig:
+        """An engine server's configuration, with its placement (devices, cores, memory share)."""
+        spec, ro = self.spec, self.spec.rollout
+        return EngineServerConfig(
+            model_path=spec.model.path, index=process.index, update_mode=ro.update_mode,
+            max_model_len=checked.max_model_len, max_num_seqs=ro.max_num_seqs, dtype=spec.model.dtype,
+            seed=spec.seed + process.index, rpc_timeout_s=ro.rpc_timeout_s, top_p=ro.top_p, top_k=ro.top_k,
+            stop=list(ro.stop), stop_token_ids=list(checked.stop_ids), kv_cache_gb=ro.kv_cache_gb,
+            gpu_memory_utilization=process.gpu_memory_utilization, host=host, env=self.plan.env(process))
 
     async def setup(self) -> None:
         spec = self.spec
@@ -165,40 +175,112 @@ class Controller:
         self.train_rows, self.eval_rows = checked.train_rows, checked.eval_rows
         self.result.skipped_prompts = sum(checked.skipped.values())
         self.rewards = RewardService(spec.reward)
-        bind, threads = self._cpu_split()
-        configure_cpu_environment(bind, spec.rollout.kv_cache_gb)
-        ranks = spec.resources.trainer_ranks
-        if ranks > 1:  # data-parallel DeepSpeed ranks, each a process of its own
+        self.plan = self._placement()
+        on_cpu = self.plan.device == "cpu"
+        # In one process (no engine processes) every engine and the trainer share node 0's cores.
+        configure_cpu_environment(self.plan.cpu_bind("engine") if on_cpu else None, spec.rollout.kv_cache_gb)
+        res = spec.resources
+        separate = res.engine_processes or res.nodes > 1
+        if res.nodes > 1:
+            await self._join_nodes(checked)
+        elif res.trainer_ranks > 1:  # data-parallel DeepSpeed ranks, each a process of its own
             from .trainer_ranks import TrainerGroup
 
-            self.trainer = await asyncio.to_thread(TrainerGroup, spec, spec.model.path, ranks,
-                                                   max(1, (threads or ranks) // ranks), checked.pad_id)
+            self.trainer = await asyncio.to_thread(TrainerGroup, spec, spec.model.path, res.trainer_ranks,
+                                                   self._threads_per_rank(0), checked.pad_id,
+                                                   cuda_devices=self._trainer_devices(0))
         else:
-            self.trainer = await asyncio.to_thread(Trainer, spec, spec.model.path, threads, checked.pad_id)
+            self.trainer = await asyncio.to_thread(Trainer, spec, spec.model.path,
+                                                   self.plan.threads("trainer") if on_cpu else None, checked.pad_id)
         if self.resume is not None:
             await asyncio.to_thread(self._restore, self.resume)
         ro = spec.rollout
         collective = ro.weight_transport == "collective"
         # the collective path needs the blob only for the resume check
         blob = serialize_state_dict(self.trainer.state_dict()) if not collective or self.resume is not None else None
-        sampling = SamplingOptions(ro.top_p, ro.top_k, tuple(ro.stop), tuple(checked.stop_ids))
-        self.engines = [
-            RolloutEngine(spec.model.path, index=i, update_mode=spec.rollout.update_mode, sampling=sampling,
-                          max_model_len=checked.max_model_len, max_num_seqs=spec.rollout.max_num_seqs,
-                          dtype=spec.model.dtype, seed=spec.seed + i, rpc_timeout_s=spec.rollout.rpc_timeout_s)
-            for i in range(spec.rollout.engines)
-        ]
+        if separate:  # each engine a server process of its own (workers/engine_server.py)
+            remote = getattr(self, "_remote_engines", {})
+            self.engines = [EngineClient(self._engine_config(p, checked), *remote.get(p.index, (None, None)))
+                            for p in self.plan.engines]
+        else:
+            sampling = SamplingOptions(ro.top_p, ro.top_k, tuple(ro.stop), tuple(checked.stop_ids))
+            self.engines = [
+                RolloutEngine(spec.model.path, index=i, update_mode=spec.rollout.update_mode, sampling=sampling,
+                              max_model_len=checked.max_model_len, max_num_seqs=spec.rollout.max_num_seqs,
+                              dtype=spec.model.dtype, seed=spec.seed + i, rpc_timeout_s=spec.rollout.rpc_timeout_s,
+                              gpu_memory_utilization=p.gpu_memory_utilization)
+                for i, p in enumerate(self.plan.engines)
+            ]
         for engine in self.engines:  # one at a time: start-up is CPU-heavy
             # warm_blob is the first update: on resume, the checkpoint's weights and version
             await engine.start(warm_blob=None if collective else blob,
                                version=0 if collective else self.trainer.version)
             self._load[engine.index] = 0.0
         if collective:  # the first weights (and version label) come through the group
-            self.broadcaster = WeightBroadcaster(timeout_s=ro.rpc_timeout_s)
+            host = wire.parse_address(self.rendezvous)[0] if res.nodes > 1 else "127.0.0.1"
+            # With trainer rank processes, rank 0 itself sends: the weights never pass through here.
+            sender = RankZeroSender(self.trainer, ro.rpc_timeout_s) if hasattr(self.trainer, "send_weights") else None
+            self.broadcaster = WeightBroadcaster(host=host, timeout_s=ro.rpc_timeout_s, sender=sender)
             await self.broadcaster.open(self.engines)
             await self._send_weights(self.trainer.version)
         if self.resume is not None:
             await self._note_resume(blob)
+
+    def _threads_per_rank(self, node: int) -> Optional[int]:
+        ranks = self.plan.on_node(node, "trainer")
+        return max(1, self.plan.threads("trainer", node) // len(ranks)) if self.plan.device == "cpu" else None
+
+    def _trainer_devices(self, node: int) -> Optional[list[str]]:
+        ranks = self.plan.on_node(node, "trainer")
+        return [str(p.gpus[0]) for p in ranks] if self.plan.device == "gpu" else None
+
+    async def _join_nodes(self, checked) -> None:
+        """Several nodes: wait for every other node's agent at the rendezvous, give each its
+        part (trainer ranks, engine servers), form the trainer world with them."""
+        from .node import Cluster, ClusterTrainer, NodeAssignment, free_port
+        from .trainer_ranks import TrainerGroup
+
+        spec, nodes = self.spec, self.spec.resources.nodes
+        if not self.rendezvous:
+            raise ValueError(f"resources.nodes is {nodes}: a run over several nodes needs a rendezvous address "
+                             "(python -m workers run SPEC --rendezvous HOST:PORT here, and python -m workers node "
+                             "--rendezvous HOST:PORT --node-rank R on each other node)")
+        cluster = await asyncio.to_thread(Cluster, self.rendezvous, nodes)
+        loop = asyncio.get_running_loop()
+
+        def node_failed(error: BaseException) -> None:  # from the cluster's watch thread
+            def fail() -> None:
+                self._failure = self._failure or TrainerError(f"the run lost a node: {error}")
+                self.stop.set()
+            loop.call_soon_threadsafe(fail)
+
+        cluster.on_failure = node_failed
+        try:
+            master_addr = cluster.host if cluster.host not in ("0.0.0.0", "") else "127.0.0.1"
+            master_port = free_port(master_addr)
+            ranks = len(self.plan.on_node(0, "trainer"))
+            for node in range(1, nodes):
+                cluster.assign(node, NodeAssignment(
+                    spec=spec, model_path=spec.model.path, pad_id=checked.pad_id, master_addr=master_addr,
+                    master_port=master_port, ranks=ranks, threads_per_rank=self._threads_per_rank(node),
+                    cuda_devices=self._trainer_devices(node),
+                    engines=[self._engine_config(p, checked) for p in self.plan.on_node(node, "engine")]))
+            local = asyncio.ensure_future(asyncio.to_thread(
+                TrainerGroup, spec, spec.model.path, ranks, self._threads_per_rank(0), checked.pad_id,
+                master_addr=master_addr, master_port=master_port, nnodes=nodes, node_rank=0,
+                cuda_devices=self._trainer_devices(0)))
+            try:
+                ready = [await asyncio.to_thread(cluster.ready, node, 1800.0) for node in range(1, nodes)]
+            except BaseException:
+                local.add_done_callback(lambda t: t.cancelled() or t.exception() or t.result().close())
+                raise
+            self.trainer = ClusterTrainer(await local, cluster)
+        except BaseException:
+            cluster.close()
+            raise
+        self._remote_engines = {e.index: (e.address, e.pid) for r in ready for e in r.engines}
+        self.node_trainer_pids = {r.node_rank: list(r.trainer_pids) for r in ready}
+        logger.info("%d node(s) joined: engines %s", nodes, sorted(self._remote_engines))
 
     async def close(self) -> None:
         if self.broadcaster is not None:
@@ -228,6 +310,11 @@ class Controller:
 
     async def _generate(self, engine: RolloutEngine, row: dict, temperature: float) -> Completion:
         comp = await engine.generate(self.prompts.ids(row), self.spec.rollout.max_tokens, temperature)
+        return await self._finish_elsewhere(engine, comp, temperature)
+
+    async def _finish_elsewhere(self, engine: RolloutEngine, comp: Completion, temperature: float) -> Completion:
+        """A sequence ``engine`` left unfinished (handed off, or the engine died), finished
+        from its prefix by another engine; any other sequence as it is."""
         while comp.finish_reason in ("handed_off", "engine_died"):
             # migrated, or its engine died: finish it from its prefix on the idlest other live engine
             source = engine if comp.finish_reason == "handed_off" else None
@@ -281,7 +368,10 @@ class Controller:
             blob = await asyncio.to_thread(serialize_state_dict, self.trainer.state_dict())
             results = await asyncio.gather(*(self._update(e, blob, version) for e in list(self.engines)))
             return [t for t in results if t is not None]
-        state = await asyncio.to_thread(self.trainer.state_dict)  # a collective of the ranks under ZeRO-3
+        remote = isinstance(self.broadcaster.sender, RankZeroSender)
+        # in this process: the full weights (a collective of the ranks under ZeRO-3); with
+        # rank 0 sending, it gathers them itself
+        state = None if remote else await asyncio.to_thread(self.trainer.state_dict)
         while True:
             if self.broadcaster.engines != self.engines:
                 # A member died (retired) and broke the group: form it again with the live
@@ -337,14 +427,47 @@ class Controller:
         for the caller to score after a barrier (``score=False``)."""
         self._load[engine.index] += predicted
         try:
-            work = self._sample if score else self._generate
-            samples = await asyncio.gather(*(work(engine, row, self.spec.rollout.temperature)
-                                             for _ in range(self.spec.algorithm.group_size)))
+            if self._one_request_per_group(engine):
+                samples = await self._group_request(engine, row, self.spec.rollout.temperature, score)
+            else:
+                work = self._sample if score else self._generate
+                samples = await asyncio.gather(*(work(engine, row, self.spec.rollout.temperature)
+                                                 for _ in range(self.spec.algorithm.group_size)))
         finally:
             self._load[engine.index] -= predicted
         lengths = [(s.completion if score else s).length for s in samples]
         self.ranker.observe_group(row["prompt"], lengths)
         return Group(list(samples), start_version, index)
+
+    def _one_request_per_group(self, engine: RolloutEngine) -> bool:
+        """Whether a prompt group goes to its engine as one request of ``group_size``
+        samples (vLLM parallel sampling: one request's overhead instead of one per sample).
+        Not where each sample must be a request of its own: interrupt updates resubmit each
+        sequence from its prefix, the tail migrator (rollout.migrate_tail) hands off single
+        requests, and an engine server takes single requests. FLUXRL_GROUP_REQUESTS=0 sends
+        per-sample requests everywhere (to measure the difference)."""
+        return (self.spec.algorithm.group_size > 1 and isinstance(engine, RolloutEngine)
+                and engine.update_mode != "interrupt" and not self.spec.rollout.migrate_tail
+                and os.environ.get("FLUXRL_GROUP_REQUESTS", "1") != "0")
+
+    async def _group_request(self, engine: RolloutEngine, row: dict, temperature: float, score: bool) -> list:
+        """A prompt group's samples from one engine request, in sample order: each sample is
+        finished elsewhere if its engine died, and scored (``score``) as soon as it is done,
+        as with a request per sample."""
+        async def finish(comp: Completion):
+            comp = await self._finish_elsewhere(engine, comp, temperature)
+            return await self._score(row, comp) if score else comp
+
+        finishing: dict[int, asyncio.Task] = {}
+        try:
+            async with contextlib.aclosing(engine.stream_group(self.prompts.ids(row), self.spec.algorithm.group_size,
+                                                               self.spec.rollout.max_tokens, temperature)) as done:
+                async for index, comp in done:
+                    finishing[index] = asyncio.ensure_future(finish(comp))
+            return list(await asyncio.gather(*(finishing[i] for i in sorted(finishing))))
+        finally:
+            for task in finishing.values():  # left running only by an error or a cancellation
+                task.cancel()
 
     async def _in_trainer(self, fn, *args):
         """Run trainer work in a thread (generation streams on meanwhile), timing it."""

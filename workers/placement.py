@@ -185,7 +185,7 @@ def plan_placement(spec: "RunSpec", machine: Optional[Machine] = None) -> Plan:
 def plan_cpu(spec: "RunSpec", machine: Machine) -> Plan:
     """The CPU layout (GPU counts in the spec are not consulted: the trainer and the engines
     run on cores). Async: half the cores for generation, the rest for training; sync:
-    the whole machine for each phase (what Controller._cpu_split has always done)."""
+    the whole machine for each phase (what the controller did before the planner)."""
     res = spec.resources
     if res.tensor_parallel > 1:
         raise PlacementError(f"resources.tensor_parallel: {res.tensor_parallel} shards an engine over GPUs; on a "

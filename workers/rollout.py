@@ -118,7 +118,8 @@ class EngineRPCTimeout(RuntimeError):
 class RolloutEngine:
     def __init__(self, model_path: str, *, index: int = 0, update_mode: str = "keep", max_model_len: int = 256,
                  max_num_seqs: int = 256, dtype: str = "float32", seed: int = 0, rpc_timeout_s: float = 60.0,
-                 sampling: SamplingOptions = SamplingOptions()):
+                 sampling: SamplingOptions = SamplingOptions(), gpu_memory_utilization: Optional[float] = None):
+        self.gpu_memory_utilization = gpu_memory_utilization  # the plan's share of the GPU (None: vLLM's default)
         self.model_path, self.index, self.update_mode = model_path, index, update_mode
         self.sampling = sampling
         self.rpc_timeout_s = rpc_timeout_s
@@ -134,6 +135,7 @@ class RolloutEngine:
         self._resume.set()
         self._interrupted: set[str] = set()
         self._handed_off: set[str] = set()  # aborted to be continued on another engine
+        self._grouped: set[str] = set()  # keys in ``active`` of the samples of group requests
         self._gap_ema: Optional[float] = None
         self._pending_stall: Optional[tuple[UpdateTiming, float, dict[str, float]]] = None
 
@@ -155,6 +157,7 @@ class RolloutEngine:
             # a cached prefix computed with old weights would leak into new requests
             enable_prefix_caching=False,
             distributed_executor_backend="uni",
+            **({"gpu_memory_utilization": self.gpu_memory_utilization} if self.gpu_memory_utilization else {}),
         )
         self.engine = AsyncLLM.from_engine_args(args)
         await self.engine.engine_core.set_weight_version_async("0")
@@ -211,11 +214,36 @@ class RolloutEngine:
                 task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
 
     # -- generation ----------------------------------------------------------------
+    def _params(self, max_tokens: int, temperature: float, seed: Optional[int], ignore_eos: bool, n: int = 1):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        opts = self.sampling
+        return SamplingParams(
+            n=n, max_tokens=max_tokens, temperature=temperature, logprobs=0, seed=seed,
+            top_p=opts.top_p, top_k=opts.top_k, stop=list(opts.stop) or None,
+            stop_token_ids=list(opts.stop_token_ids) or None, include_stop_str_in_output=True,
+            output_kind=RequestOutputKind.DELTA, skip_special_tokens=True,
+            detokenize=bool(opts.stop),  # stop strings are matched on text; ids need none
+            ignore_eos=ignore_eos,
+        )
+
+    def _running(self, key: str) -> None:
+        """A sequence starts running (``active`` holds one key per running sequence)."""
+        if not self.active:
+            self._busy_since = time.perf_counter()
+        self.active[key] = time.perf_counter()
+
+    def _stopped(self, key: str) -> None:
+        self.active.pop(key, None)
+        self._grouped.discard(key)
+        if not self.active and self._busy_since is not None:
+            self.busy_s += time.perf_counter() - self._busy_since
+            self._busy_since = None
+
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float,
                        seed: Optional[int] = None, ignore_eos: bool = False) -> Completion:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
         tokens: list[int] = []
         logprobs: list[float] = []
@@ -225,18 +253,8 @@ class RolloutEngine:
         while True:
             await self._resume.wait()  # interrupt mode: do not resubmit into a half-loaded engine
             rid = f"e{self.index}-{next(_ids)}"
-            opts = self.sampling
-            params = SamplingParams(
-                max_tokens=max_tokens - len(tokens), temperature=temperature, logprobs=0, seed=seed,
-                top_p=opts.top_p, top_k=opts.top_k, stop=list(opts.stop) or None,
-                stop_token_ids=list(opts.stop_token_ids) or None, include_stop_str_in_output=True,
-                output_kind=RequestOutputKind.DELTA, skip_special_tokens=True,
-                detokenize=bool(opts.stop),  # stop strings are matched on text; ids need none
-                ignore_eos=ignore_eos,
-            )
-            if not self.active:
-                self._busy_since = time.perf_counter()
-            self.active[rid] = time.perf_counter()
+            params = self._params(max_tokens - len(tokens), temperature, seed, ignore_eos)
+            self._running(rid)
             spans = None
             died = False
             try:
@@ -253,10 +271,7 @@ class RolloutEngine:
                     raise
                 died = True  # the tokens so far are good: the caller continues them elsewhere
             finally:
-                self.active.pop(rid, None)
-                if not self.active and self._busy_since is not None:
-                    self.busy_s += time.perf_counter() - self._busy_since
-                    self._busy_since = None
+                self._stopped(rid)
             extend_track(track, spans, len(tokens), self.version)
             if died and len(tokens) < max_tokens:
                 self._interrupted.discard(rid)
@@ -275,10 +290,84 @@ class RolloutEngine:
             return Completion(prompt_ids, tokens, logprobs, track, finish, start_version, started, time.time(),
                               resubmits, self.index)
 
+    async def generate_group(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
+                             seed: Optional[int] = None, ignore_eos: bool = False) -> list[Completion]:
+        """``n`` samples of one prompt from one request (see ``stream_group``), in sample order."""
+        done: dict[int, Completion] = {}
+        async with contextlib.aclosing(self.stream_group(prompt_ids, n, max_tokens, temperature, seed,
+                                                         ignore_eos)) as samples:
+            async for index, comp in samples:
+                done[index] = comp
+        return [done[i] for i in range(n)]
+
+    async def stream_group(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
+                           seed: Optional[int] = None, ignore_eos: bool = False):
+        """``n`` samples of one prompt as one vLLM request (parallel sampling, ``n``): one
+        request's overhead instead of ``n``. Yields ``(index, Completion)`` as each sample
+        finishes, each what ``generate`` would have returned for it: behaviour log-probs, the
+        engine's version spans, ``engine_died`` with its tokens so far. With a seed, sample
+        ``i`` samples with ``seed + i`` (vLLM's rule), so the samples still differ.
+
+        Not in interrupt mode: it resubmits every sequence from its own prefix, which a
+        parallel-sampling request cannot do (use ``generate`` per sample). Nor can one
+        sample of it be handed off (``hand_off`` skips them): vLLM aborts it whole."""
+        from vllm.inputs import TokensPrompt
+
+        if self.update_mode == "interrupt":
+            raise ValueError("group requests cannot be resumed per sequence (update_mode 'interrupt')")
+        rid = f"e{self.index}-{next(_ids)}"
+        keys = [f"{rid}/{i}" for i in range(n)]  # one running sequence each in ``active``
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        finished: set[int] = set()
+        start_version, started = self.version, time.time()
+
+        def completion(i: int, finish: str, spans) -> Completion:
+            track = VersionTrack()
+            extend_track(track, spans, len(tokens[i]), self.version)
+            return Completion(prompt_ids, tokens[i], logprobs[i], track, finish, start_version, started,
+                              time.time(), 0, self.index)
+
+        for key in keys:
+            self._running(key)
+            self._grouped.add(key)
+        died = False
+        params = self._params(max_tokens, temperature, seed, ignore_eos, n=n)
+        try:
+            # closed here, not at garbage collection, when our consumer stops early: that aborts it
+            async with contextlib.aclosing(self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
+                                                                request_id=rid)) as stream:
+                async for out in stream:
+                    for c in out.outputs:  # several samples' deltas when we fell behind
+                        i = c.index
+                        if i in finished:
+                            continue
+                        tokens[i] += c.token_ids
+                        logprobs[i] += [next(iter(d.values())).logprob for d in (c.logprobs or [])]
+                        self.generated_tokens += len(c.token_ids)
+                        self._note_output(keys[i])
+                        if c.finish_reason is not None:
+                            finished.add(i)
+                            self._stopped(keys[i])
+                            yield i, completion(i, c.finish_reason, c.weight_versions)
+        except Exception:
+            if not self.dead:
+                raise
+            died = True  # the tokens so far are good: the caller continues them elsewhere
+        finally:
+            for key in keys:
+                self._stopped(key)
+        for i in range(n):
+            if i not in finished:
+                unfinished = died and len(tokens[i]) < max_tokens
+                yield i, completion(i, "engine_died" if unfinished else "length", None)
+
     async def hand_off(self, count: int) -> int:
         """Abort up to ``count`` running requests so their callers continue them on
-        another engine (see ``continue_on``); the most recently started go first."""
-        victims = list(self.active)[-count:] if count > 0 else []
+        another engine (see ``continue_on``); the most recently started go first. Samples of
+        group requests are not candidates: vLLM would abort their whole group."""
+        single = [key for key in self.active if key not in self._grouped]
+        victims = single[-count:] if count > 0 else []
         self._handed_off.update(victims)
         if victims:
             await self.engine.abort(victims)
@@ -333,7 +422,8 @@ class RolloutEngine:
         elif self.update_mode == "interrupt":
             self._resume.clear()
             try:
-                victims = list(self.active)
+                # only requests of their own: group requests are refused in this mode
+                victims = [key for key in self.active if key not in self._grouped]
                 self._interrupted.update(victims)
                 await self._call("an abort", self.engine.abort(victims))
                 loaded = await self._call("a weight load", self._load(weights))

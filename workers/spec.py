@@ -202,7 +202,7 @@ class AlgorithmSpec(_Strict):
 
 
 class RolloutSpec(_Strict):
-    engines: int = Field(1, ge=1, le=64)
+    engines: int = Field(1, ge=1, le=4096, description="rollout engines (each tensor_parallel GPUs on GPUs)")
     max_tokens: int = Field(64, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -275,6 +275,9 @@ class ResourcesSpec(_Strict):
                                  "of engines is rollout.engines")
     gpu_memory_utilization: Optional[float] = Field(None, gt=0, le=1, description="share of an engine GPU's "
                                                     "memory vLLM takes; default 0.9, 0.5 with colocate")
+    engine_processes: bool = Field(False, description="each rollout engine in a server process of its own, with "
+                                   "its own devices (always so when nodes > 1); otherwise the engines are clients "
+                                   "in the controller's process")
     colocate: bool = Field(False, description="engines share the trainer's GPUs and sleep while it steps "
                            "(schedule.mode sync)")
 

@@ -122,9 +122,38 @@ class ShutdownRequest(_Message):
     kind: Literal["shutdown"] = "shutdown"
 
 
+# The weight group (workers/weight_broadcast.py) with global rank 0 as its rank 0: the
+# weights go from the rank that gathers them straight to the engines.
+class HostWeightGroupRequest(_Message):
+    kind: Literal["host_weight_group"] = "host_weight_group"
+    host: str
+    world: int
+    backend: str
+    timeout_s: float
+
+
+class FormWeightGroupRequest(_Message):
+    kind: Literal["form_weight_group"] = "form_weight_group"
+
+
+class PrepareWeightsRequest(_Message):
+    kind: Literal["prepare_weights"] = "prepare_weights"  # every rank: ZeRO-3 gathers
+    version: int
+    bucket_bytes: int
+
+
+class SendWeightsRequest(_Message):
+    kind: Literal["send_weights"] = "send_weights"
+
+
+class LeaveWeightGroupRequest(_Message):
+    kind: Literal["leave_weight_group"] = "leave_weight_group"
+
+
 TrainerRequest = Annotated[
     Union[TrainRequest, BeginStepRequest, AccumulateRequest, FinishStepRequest, StateDictRequest, SaveRequest,
-          SaveStateRequest, LoadStateRequest, ShutdownRequest],
+          SaveStateRequest, LoadStateRequest, ShutdownRequest, HostWeightGroupRequest, FormWeightGroupRequest,
+          PrepareWeightsRequest, SendWeightsRequest, LeaveWeightGroupRequest],
     Field(discriminator="kind"),
 ]
 
@@ -156,6 +185,15 @@ class StateReply(_Message):
     checksum: Optional[str] = None  # tensors_checksum of it, computed in rank 0
 
 
+class WeightGroupReply(_Message):
+    """Rank 0 on the weight group. ``error``: the group failed (not the rank: it trains on)."""
+    kind: Literal["weight_group"] = "weight_group"
+    rank: int
+    port: Optional[int] = None
+    meta: Optional[dict] = None
+    error: Optional[str] = None
+
+
 class ErrorReply(_Message):
     kind: Literal["error"] = "error"
     rank: int
@@ -164,7 +202,7 @@ class ErrorReply(_Message):
 
 
 TrainerReply = Annotated[
-    Union[ReadyReply, DoneReply, StatsReply, StateReply, ErrorReply],
+    Union[ReadyReply, DoneReply, StatsReply, StateReply, WeightGroupReply, ErrorReply],
     Field(discriminator="kind"),
 ]
 
@@ -378,6 +416,36 @@ class TrainerGroup:
         self.version = replies[0].version
         return self.version
 
+    # -- the weight group, hosted by global rank 0 (weight_broadcast.RankZeroSender) -----------
+    def _rank0(self, request) -> "WeightGroupReply":
+        if self.first_rank != 0:
+            raise RuntimeError("global rank 0 is on node 0: only its group hosts the weight group")
+        return self._call([request] * self.ranks)[0]
+
+    def host_weight_group(self, host: str, world: int, backend: str, timeout_s: float) -> int:
+        reply = self._rank0(HostWeightGroupRequest(host=host, world=world, backend=backend, timeout_s=timeout_s))
+        if reply.error is not None:
+            raise RuntimeError(f"trainer rank 0 could not host the weight group: {reply.error}")
+        return reply.port
+
+    def form_weight_group(self) -> None:
+        reply = self._rank0(FormWeightGroupRequest())
+        if reply.error is not None:
+            raise RuntimeError(f"trainer rank 0 could not form the weight group: {reply.error}")
+
+    def prepare_weights(self, version: int, bucket_bytes: int) -> Optional[dict]:
+        """Every rank gathers (ZeRO-3); rank 0 keeps the tensors and returns their metadata."""
+        replies = self._call([PrepareWeightsRequest(version=version, bucket_bytes=bucket_bytes)] * self.ranks)
+        return replies[0].meta if self.first_rank == 0 else None
+
+    def send_weights(self) -> Optional[str]:
+        """Rank 0 broadcasts what it prepared; the group's error, if it failed."""
+        return self._rank0(SendWeightsRequest()).error
+
+    def leave_weight_group(self) -> None:
+        if self.first_rank == 0 and not self._closed and self._failure is None:
+            self._rank0(LeaveWeightGroupRequest())
+
     # -- processes ---------------------------------------------------------------------------
     def close(self) -> None:
         """Stop every rank (asking first when they are healthy); idempotent."""
@@ -560,11 +628,22 @@ class _Rank:
         self.rank = config.rank
         self.spec = config.spec
         self.trainer: Trainer = Trainer(config.spec, config.model_path, config.threads, config.pad_id)
+        self.weights = _RankZeroWeights(self.trainer) if self.rank == 0 else None
 
     def handle(self, request) -> BaseModel:
         t = self.trainer
         if isinstance(request, TrainRequest):
             return self._train(request)
+        if isinstance(request, (HostWeightGroupRequest, FormWeightGroupRequest, SendWeightsRequest,
+                                LeaveWeightGroupRequest)):
+            if self.weights is None:
+                return DoneReply(rank=self.rank, version=t.version)
+            return self.weights.handle(request)
+        if isinstance(request, PrepareWeightsRequest):
+            state = t.state_dict()  # a collective under ZeRO-3: every rank takes part
+            if self.weights is None:
+                return DoneReply(rank=self.rank, version=t.version)
+            return self.weights.prepare(state, request)
         if isinstance(request, BeginStepRequest):
             t.begin_step()
         elif isinstance(request, AccumulateRequest):
@@ -654,3 +733,72 @@ class _Rank:
 
         state = t.state_dict()
         return StateReply(rank=self.rank, blob=serialize_state_dict(state), checksum=tensors_checksum(state))
+
+
+class _RankZeroWeights:
+    """Global rank 0 as rank 0 of the weight group. A failure of the group is reported,
+    not raised: the trainer is fine, the coordinator forms the group again."""
+
+    def __init__(self, trainer: "Trainer"):
+        self.trainer = trainer
+        self.group = None
+        self.forming: Optional[threading.Thread] = None
+        self.formed: dict = {}
+        self.meta: Optional[dict] = None
+        self.sources: list = []
+
+    def _reply(self, **fields) -> WeightGroupReply:
+        return WeightGroupReply(rank=0, **fields)
+
+    def handle(self, request) -> WeightGroupReply:
+        from .weight_broadcast import host_group
+
+        try:
+            if isinstance(request, HostWeightGroupRequest):
+                self.close()
+                device = self.trainer.engine.device if request.backend == "nccl" else None
+                port, form = host_group(request.host, request.world, request.backend, request.timeout_s, device)
+                self.formed = {}
+
+                def run() -> None:  # blocks until the engines joined; the rank answers meanwhile
+                    try:
+                        self.formed["group"] = form()
+                    except BaseException as exc:  # noqa: BLE001
+                        self.formed["error"] = f"{type(exc).__name__}: {exc}"
+
+                self.forming = threading.Thread(target=run, name="weight-group-form", daemon=True)
+                self.forming.start()
+                return self._reply(port=port)
+            if isinstance(request, FormWeightGroupRequest):
+                if self.forming is not None:
+                    self.forming.join()
+                if "error" in self.formed or "group" not in self.formed:
+                    return self._reply(error=self.formed.get("error", "the weight group was never hosted"))
+                self.group = self.formed["group"]
+                return self._reply()
+            if isinstance(request, SendWeightsRequest):
+                if self.group is None or self.meta is None:
+                    return self._reply(error="no weight group, or nothing prepared to send")
+                try:
+                    self.group.send(self.meta, self.sources, self.group.abort_requested)
+                finally:
+                    self.meta, self.sources = None, []
+                return self._reply()
+            if isinstance(request, LeaveWeightGroupRequest):
+                self.close()
+                return self._reply()
+        except Exception as exc:  # noqa: BLE001 - the group's failure, reported
+            log.warning("trainer rank 0: weight group: %s", exc)
+            return self._reply(error=f"{type(exc).__name__}: {exc}")
+        raise TypeError(f"unexpected request {request.kind!r}")
+
+    def prepare(self, state: dict, request: PrepareWeightsRequest) -> WeightGroupReply:
+        from .weight_broadcast import describe_state_dict
+
+        self.meta, self.sources = describe_state_dict(state, request.version, request.bucket_bytes)
+        return self._reply(meta=self.meta)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None

@@ -262,6 +262,107 @@ class WeightGroup:
                 box.clear()
 
 
+def host_group(host: str, world: int, backend: str, timeout_s: float,
+               device: Optional[torch.device] = None) -> tuple[int, Callable[[], WeightGroup]]:
+    """Rank 0's side of a weight group: the rendezvous is bound now (its port is what the
+    engines are told; bound first, so no other process can take it meanwhile), the group
+    is formed by the returned call, which blocks until every member has joined."""
+    import torch.distributed as dist
+
+    store = sock = None
+    if backend == "gloo":
+        store = dist.TCPStore(host, 0, world, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+        port = store.port
+    else:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+    return port, lambda: WeightGroup(host, port, 0, world, backend, timeout_s, device, store=store, listen_socket=sock)
+
+
+class LocalSender:
+    """Rank 0 of the weight group in this process: the tensors it is given are sent from here."""
+
+    def __init__(self, device: Optional[torch.device] = None):
+        self.device = device
+        self.group: Optional[WeightGroup] = None
+        self._form: Optional[Callable[[], WeightGroup]] = None
+        self._sources: Sequence[torch.Tensor] = ()
+
+    def host(self, host: str, world: int, backend: str, timeout_s: float) -> int:
+        self.close()
+        port, self._form = host_group(host, world, backend, timeout_s, self.device)
+        return port
+
+    def form(self) -> None:
+        self.group = self._form()
+
+    def prepare(self, state_dict: Optional[dict[str, torch.Tensor]], version: int, bucket_bytes: int) -> dict:
+        meta, self._sources = describe_state_dict(state_dict, version, bucket_bytes)
+        return meta
+
+    def send(self, meta: dict, aborted: Callable[[], bool]) -> None:
+        try:
+            self.group.send(meta, self._sources, aborted)
+        finally:
+            self._sources = ()
+
+    def abort(self) -> None:
+        self.group.store.set(ABORT_KEY, "1")
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+class RankZeroSender:
+    """Rank 0 of the weight group is trainer rank 0's own process (workers/trainer_ranks.py):
+    the weights go from where they are gathered straight to the engines, never through
+    this process. ``trainer`` is a ``TrainerGroup`` (or ``ClusterTrainer``) holding global
+    rank 0; ``prepare`` is a collective of every rank (ZeRO-3 gathers)."""
+
+    def __init__(self, trainer, timeout_s: float = 60.0):
+        self.trainer, self.timeout_s = trainer, timeout_s
+        self.host_addr: Optional[str] = None
+        self._store = None  # a client of rank 0's store: the abort flag
+        self._port: Optional[int] = None
+
+    def host(self, host: str, world: int, backend: str, timeout_s: float) -> int:
+        self.host_addr, self._store = host, None
+        self._port = self.trainer.host_weight_group(host, world, backend, timeout_s)
+        return self._port
+
+    def form(self) -> None:
+        import torch.distributed as dist
+
+        self.trainer.form_weight_group()
+        self._store = dist.TCPStore(self.host_addr, self._port, is_master=False, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=self.timeout_s))
+
+    def prepare(self, state_dict, version: int, bucket_bytes: int) -> dict:
+        return self.trainer.prepare_weights(version, bucket_bytes)
+
+    def send(self, meta: dict, aborted: Callable[[], bool]) -> None:
+        error = self.trainer.send_weights()  # rank 0 watches the abort flag in its store itself
+        if error is not None:
+            raise WeightBroadcastError(f"trainer rank 0: {error}")
+
+    def abort(self) -> None:
+        if self._store is not None:
+            self._store.set(ABORT_KEY, "1")
+
+    def close(self) -> None:
+        self._store = None
+        try:
+            self.trainer.leave_weight_group()
+        except Exception:  # noqa: BLE001 - a failed trainer has no group to leave
+            pass
+
+
 @dataclass
 class CollectiveWeights:
     """One broadcast as an engine sees it: the metadata for its receive RPC, and a barrier
@@ -292,40 +393,33 @@ class CollectiveWeights:
 
 class WeightBroadcaster:
     """The trainer's side: ``await open(engines)`` once (and again after a failure, with
-    the live engines), ``await broadcast(state_dict, version)`` per update, ``close()``."""
+    the live engines), ``await broadcast(state_dict, version)`` per update, ``close()``.
+    Rank 0 of the group is this process (``LocalSender``, the default) or trainer rank 0's
+    (``RankZeroSender``: ``broadcast(None, version)`` then sends what that rank holds)."""
 
     def __init__(self, host: str = "127.0.0.1", backend: Optional[str] = None, timeout_s: float = 60.0,
-                 bucket_mb: float = 32.0, device: Optional[torch.device] = None):
+                 bucket_mb: float = 32.0, device: Optional[torch.device] = None, sender=None):
         self.host, self.backend, self.timeout_s = host, backend or default_backend(), timeout_s
         self.bucket_bytes = int(bucket_mb * 2**20)
-        self.device = device
+        self.sender = sender or LocalSender(device)
         self.engines: list = []
-        self.group: Optional[WeightGroup] = None
+        self.opened = False
         self.last_send_ms: Optional[float] = None  # the trainer's side of the last broadcast
+
+    @property
+    def group(self) -> Optional[WeightGroup]:
+        """This process's membership (a local sender's), if any."""
+        return getattr(self.sender, "group", None)
 
     async def open(self, engines: Sequence) -> None:
         """Form the group with ``engines`` (RolloutEngine): the trainer's rendezvous in a
         thread while each engine's workers join through their RPC."""
-        import torch.distributed as dist
-
         self.close()
         engines = list(engines)
         counts = [e.worker_count for e in engines]
         world = 1 + sum(counts)
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        store = sock = None
-        if self.backend == "gloo":
-            store = dist.TCPStore(self.host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
-            port = store.port
-        else:  # bound before its port is announced, so no other process can take it meanwhile
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self.host, 0))
-            sock.listen()
-            port = sock.getsockname()[1]
-        trainer = asyncio.ensure_future(asyncio.to_thread(
-            WeightGroup, self.host, port, 0, world, self.backend, self.timeout_s, self.device,
-            store=store, listen_socket=sock))
+        port = await asyncio.to_thread(self.sender.host, self.host, world, self.backend, self.timeout_s)
+        trainer = asyncio.ensure_future(asyncio.to_thread(self.sender.form))
         offsets = [1 + sum(counts[:i]) for i in range(len(engines))]
         joins = await asyncio.gather(*(e.join_weight_group(dict(
             host=self.host, port=port, rank_offset=off, world_size=world, backend=self.backend,
@@ -333,14 +427,14 @@ class WeightBroadcaster:
         failed = [(e.index, r) for e, r in zip(engines, joins) if isinstance(r, BaseException)]
         if failed:
             # the trainer's rendezvous fails on its own at the timeout; nobody waits for it
-            trainer.add_done_callback(lambda t: t.cancelled() or (t.exception() is None and t.result().close()))
+            trainer.add_done_callback(lambda t: t.cancelled() or (t.exception() is None and self.sender.close()))
             raise WeightBroadcastError(f"rollout engine {failed[0][0]} could not join the weight group: "
                                        f"{type(failed[0][1]).__name__}: {failed[0][1]}") from failed[0][1]
         try:
-            self.group = await trainer
+            await trainer
         except Exception as exc:
             raise WeightBroadcastError(f"the trainer could not form the weight group: {exc}") from exc
-        self.engines = engines
+        self.engines, self.opened = engines, True
         logger.info("weight group open: %s, %d rank(s) on %s:%d", self.backend, world, self.host, port)
 
     async def broadcast(self, state_dict: dict[str, torch.Tensor], version: int,
@@ -350,19 +444,20 @@ class WeightBroadcaster:
         defaults to ``engine.update_weights``; it returns the engine's ``UpdateTiming``, or
         None for an engine that died (the caller's bookkeeping). Any failure raises
         ``WeightBroadcastError`` after every member has stopped, and breaks the group."""
-        if self.group is None:
+        if not self.opened:
             raise WeightBroadcastError("the weight group is not open (WeightBroadcaster.open)")
         update = update or (lambda engine, weights, v: engine.update_weights(weights, v))
-        meta, sources = describe_state_dict(state_dict, version, self.bucket_bytes)
+        source = self.sender
+        meta = await asyncio.to_thread(source.prepare, state_dict, version, self.bucket_bytes)
         weights = CollectiveWeights(meta, members=len(self.engines))
         aborted = threading.Event()
-        group, loop = self.group, asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
 
         def abort(why: BaseException) -> None:  # from the loop's thread or the sending one
             if not aborted.is_set():
                 aborted.set()
                 try:
-                    group.store.set(ABORT_KEY, "1")
+                    source.abort()
                 except Exception:  # noqa: BLE001 - the engines then stop at their timeout
                     pass
             loop.call_soon_threadsafe(weights.fail, why)
@@ -373,7 +468,7 @@ class WeightBroadcaster:
                     raise WeightBroadcastError("weight broadcast abandoned before it began")
             t0 = time.perf_counter()
             try:
-                group.send(meta, sources, aborted.is_set)
+                source.send(meta, aborted.is_set)
             except BaseException as exc:
                 abort(exc)
                 raise
@@ -416,7 +511,7 @@ class WeightBroadcaster:
         return results
 
     def close(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        if self.opened or isinstance(self.sender, LocalSender):
+            self.sender.close()
+        self.opened = False
         self.engines = []

@@ -34,7 +34,8 @@ def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().to("cpu").contiguous()
         h.update(name.encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.uint8 else t.numpy().tobytes())
+        flat = t.reshape(-1)  # a 0-d tensor (a scalar buffer) cannot be viewed as bytes; the same bytes otherwise
+        h.update(flat.view(torch.uint8).numpy().tobytes() if t.dtype != torch.uint8 else flat.numpy().tobytes())
     return h.hexdigest()
 
 

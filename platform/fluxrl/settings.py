@@ -191,6 +191,10 @@ FLUXRL_PUBLIC_URL = os.environ.get("FLUXRL_PUBLIC_URL", "http://127.0.0.1:8000")
 FLUXRL_ENGINE_COMMAND = shlex.split(os.environ.get("FLUXRL_ENGINE_COMMAND", "")) or [sys.executable, "-m", "workers"]
 FLUXRL_CANCEL_GRACE_S = float(os.environ.get("FLUXRL_CANCEL_GRACE_S", "10"))  # SIGTERM -> SIGKILL
 FLUXRL_HEARTBEAT_S = float(os.environ.get("FLUXRL_HEARTBEAT_S", "5"))
+# Runs over several nodes: the address other hosts reach this worker host at (node 0 listens
+# there for the others' agents; an agent announces its engines there). Loopback by default.
+FLUXRL_NODE_ADDRESS = os.environ.get("FLUXRL_NODE_ADDRESS", "")
+FLUXRL_JOIN_TIMEOUT_S = float(os.environ.get("FLUXRL_JOIN_TIMEOUT_S", "900"))  # node r waits this long for node 0
 FLUXRL_RUN_STALE_S = float(os.environ.get("FLUXRL_RUN_STALE_S", "60"))  # no heartbeat this long: failed
 # Off with Redis, where every process' status changes reach the sockets: a query per
 # socket every few seconds only loads the database (see runs/consumers.py).

@@ -12,7 +12,8 @@ def loop():
     pending = asyncio.all_tasks(loop)
     for task in pending:  # the engine's output handler outlives its shutdown
         task.cancel()
-    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    if pending:  # (gather of nothing would belong to another loop)
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     loop.close()
 
 
@@ -26,3 +27,12 @@ def engine(loop, tiny_model_path):
     loop.run_until_complete(eng.start())
     yield eng
     eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_path):
+    """The tiny model in Hugging Face transformers: the reference the engines must match."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path)
+

@@ -1,5 +1,5 @@
 """A run whose trainer is two DeepSpeed rank processes (data parallel, ZeRO 2 and 3, gloo),
-its weights sent over vLLM's RPC or broadcast over a gloo group: the engine trains through
+its weights sent over vLLM's RPC or broadcast over a gloo group by trainer rank 0: the engine trains through
 them, keeps staleness within η, and after every update the weights the rollout engine
 holds are the trainer's, checksum for checksum."""
 import asyncio
@@ -46,6 +46,10 @@ def test_two_trainer_ranks_train_an_async_run_and_the_engine_holds_their_weights
     result = asyncio.run(controller.run())
     assert result.steps == steps and result.staleness_max <= 1
     assert len(controller.checks) >= steps and all(ok for _, ok in controller.checks), controller.checks
+    if transport == "collective":  # sent by trainer rank 0 itself, not through this process
+        from workers.weight_broadcast import RankZeroSender
+
+        assert isinstance(controller.broadcaster.sender, RankZeroSender) and controller.broadcaster.last_send_ms
     pids = controller.trainer.pids
     assert len(pids) == 2
     import os

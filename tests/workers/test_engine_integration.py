@@ -5,6 +5,8 @@ import asyncio
 import pytest
 import torch
 
+from tests.workers.helpers import perturb
+
 from workers.rollout import RolloutEngine, continue_on
 from workers.tinymodel import encode
 from workers.weight_sync import serialize_state_dict, tensors_checksum
@@ -12,19 +14,8 @@ from workers.weight_sync import serialize_state_dict, tensors_checksum
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
 
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_path)
-
-
 def _perturbed_blob(model, scale=0.05, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale)
-    return serialize_state_dict(model.state_dict())
+    return serialize_state_dict(perturb(model, scale, seed))
 
 
 async def _logprob_gap(engine, model, prompt="12+34="):
@@ -146,3 +137,67 @@ def _model_logprobs(model, comp):
         logits = model(torch.tensor([comp.prompt_ids + comp.token_ids])).logits[0].float().log_softmax(-1)
     n = len(comp.prompt_ids)
     return [logits[n - 1 + i, t].item() for i, t in enumerate(comp.token_ids)]
+
+
+def test_a_group_request_gives_n_distinct_samples_with_the_models_logprobs(loop, engine, hf_model):
+    busy = engine.busy_seconds()
+    # an open-ended prompt (the sum's operand): one shared seed would make all 8 the same
+    comps = loop.run_until_complete(engine.generate_group(encode("12+"), 8, max_tokens=12, temperature=1.0,
+                                                          seed=7, ignore_eos=True))
+    assert len(comps) == 8
+    assert all(c.length == 12 and len(c.logprobs) == 12 for c in comps)
+    assert all(c.versions.runs == [[engine.version, 12]] and c.finish_reason == "length" for c in comps)
+    assert len({tuple(c.token_ids) for c in comps}) >= 6  # a seed per request: sample i gets seed + i
+    gap = max(abs(a - b) for c in comps for a, b in zip(_model_logprobs(hf_model, c), c.logprobs))
+    assert gap < 1e-3  # each sample's behaviour log-probs are the model's
+    assert not engine.active and engine.busy_seconds() > busy  # every sample counted running, then done
+
+
+@pytest.mark.parametrize("by", ["stop_token_ids", "stop"])
+def test_a_group_request_stops_each_sample_at_its_own_stop(loop, engine, by):
+    from collections import Counter
+    from dataclasses import replace
+
+    from workers.tinymodel import decode
+
+    def group(sampling):
+        saved, engine.sampling = engine.sampling, sampling
+        try:
+            return loop.run_until_complete(engine.generate_group(encode("12+34="), 8, max_tokens=40,
+                                                                 temperature=1.0, seed=3, ignore_eos=True))
+        finally:
+            engine.sampling = saved
+
+    # stop at the digit these samples produce most often (the policy depends on the tests before)
+    digit = Counter(ch for c in group(engine.sampling) for ch in decode(c.token_ids)).most_common(1)[0][0]
+    stop = (encode(digit)[0],) if by == "stop_token_ids" else (digit,)
+    comps = group(replace(engine.sampling, **{by: stop}))
+    texts = [decode(c.token_ids) for c in comps]
+    assert any(c.finish_reason == "stop" for c in comps), (digit, texts)
+    for c, text in zip(comps, texts):
+        assert len(c.logprobs) == c.length == c.versions.tokens
+        assert digit not in text[:-1]  # each sample stops at its own first stop (kept in the output)
+        assert text.endswith(digit) == (c.finish_reason == "stop")
+
+
+def test_a_group_spanning_a_keep_update_labels_each_sample_token_by_token(loop, engine, hf_model):
+    version = engine.version + 1
+    blob = _perturbed_blob(hf_model, seed=3)
+
+    async def groups_across_an_update():
+        tasks = [asyncio.create_task(engine.generate_group(encode(f"{i}+{i}="), 6, 120, 1.0, ignore_eos=True))
+                 for i in range(2)]
+        start = engine.generated_tokens
+        while engine.generated_tokens < start + 20 * 12:  # every sample under way under the old weights
+            await asyncio.sleep(0.02)
+        assert len(engine.active) == 12  # one running sequence per sample
+        timing = await engine.update_weights(blob, version)
+        return [c for group in await asyncio.gather(*tasks) for c in group], timing
+
+    comps, timing = loop.run_until_complete(groups_across_an_update())
+    assert all(c.length == 120 and len(c.logprobs) == 120 and c.versions.tokens == 120 for c in comps)
+    runs = [[v for v, _ in c.versions.runs] for c in comps]
+    assert all(r in ([version - 1], [version - 1, version], [version]) for r in runs), runs
+    assert [version - 1, version] in runs, runs
+    assert timing.gen_stall_ms is not None  # the stall is measured on the samples' token streams
+    assert loop.run_until_complete(_logprob_gap(engine, hf_model)) < 1e-3  # the update took

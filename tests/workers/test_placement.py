@@ -134,7 +134,9 @@ def test_the_controller_split_is_what_it_was(mode, monkeypatch):
         run = SimpleNamespace(spec=spec(engines=engines, mode=mode))
         for cores in (1, 2, 3, 4, 7, 16, 64):
             monkeypatch.setattr(controller.os, "cpu_count", lambda: cores)
-            assert controller.Controller._cpu_split(run) == _old_cpu_split(cores, mode == "async"), (engines, cores)
+            plan = controller.Controller._placement(run)
+            assert (plan.cpu_bind("engine"), plan.threads("trainer")) == _old_cpu_split(cores, mode == "async"), \
+                (engines, cores)
 
 
 def test_format_cores():

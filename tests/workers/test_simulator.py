@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from bench.simulator import (
+from bench.simulator import (planned_resources, 
     MODES, Costs, Panel, Series, Setup, Workload, calibrate, cluster_costs, compare, cpu_prediction,
     lognormal_lengths, nice_ticks, parse_gpus, recommend, simulate, split_plot, svg_chart,
 )
@@ -119,3 +119,20 @@ def test_svg_chart_is_well_formed_and_escapes_labels():
     texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
     assert "a < b" in texts and "s & t" in texts
     assert not math.isnan(float(root.get("width")))
+
+
+@pytest.mark.parametrize("gpus", [8, 16, 64, 256])
+def test_the_recommended_split_is_one_the_placement_planner_lays_out(gpus):
+    from workers.placement import Machine, plan_placement
+    from workers.spec import validate_spec
+
+    work = Workload(lengths=lognormal_lengths(200, 1.0, 4000, n=300), prompt_tokens=100, group_size=4,
+                    batch_prompts=8)
+    (row,) = recommend(7e9, [gpus], work, {"steps": 3, "warmup_steps": 1})
+    _, (rollout, _) = max(((m, rc) for m, c in row["curves"].items() for rc in c),
+                          key=lambda mrc: mrc[1][1].samples_per_s)
+    planned = planned_resources(7e9, gpus, rollout, work)
+    spec = validate_spec({"name": "p", "model": {"path": "m"}, "task": {"dataset": "gen:add"}, **planned})
+    plan = plan_placement(spec, Machine(cpu_cores=64, gpus_per_node=min(gpus, 8), gpu_memory_gib=80))
+    assert len(plan.trainers) + len(plan.engines) * spec.resources.tensor_parallel == gpus
+    assert len(plan.engines) * spec.resources.tensor_parallel == rollout and plan.nodes == max(1, gpus // 8)

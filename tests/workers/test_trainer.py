@@ -122,3 +122,13 @@ def test_a_stream_trained_spec_refuses_minibatches():
     with pytest.raises(SpecError, match="minibatches"):
         validate_spec({"name": "x", "model": {"path": "builtin:tiny"}, "task": {"dataset": "gen:add"},
                        "algorithm": {"minibatches": 2}, "schedule": {"mode": "sync", "stream_train": True}})
+
+
+def test_the_weights_checksum_takes_scalar_buffers_and_tells_values_apart():
+    state = {"w": torch.arange(6.0).reshape(2, 3), "step": torch.tensor(3), "empty": torch.zeros(0)}
+    same = {k: v.clone() for k, v in state.items()}
+    assert tensors_checksum(state) == tensors_checksum(same)
+    same["step"] = torch.tensor(4)
+    assert tensors_checksum(state) != tensors_checksum(same)
+    # a transposed view hashes as its values, like the contiguous copy
+    assert tensors_checksum({"t": state["w"].t()}) == tensors_checksum({"t": state["w"].t().contiguous()})

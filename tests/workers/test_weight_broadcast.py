@@ -14,6 +14,8 @@ import time
 import pytest
 import torch
 
+from tests.workers.helpers import perturb
+
 from workers.rollout import RolloutEngine
 from workers.tinymodel import encode
 from workers.weight_broadcast import (WeightBroadcaster, WeightBroadcastError, WeightGroup, bucket_layout,
@@ -71,21 +73,6 @@ def broadcaster(loop, engine):
     b.close()
 
 
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_path)
-
-
-def _perturb(model, scale=0.05, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale)
-    return model.state_dict()
-
-
 def _model_logprobs(model, comp):
     with torch.no_grad():
         logits = model(torch.tensor([comp.prompt_ids + comp.token_ids])).logits[0].float().log_softmax(-1)
@@ -108,7 +95,7 @@ async def _follows(engine, model):
 @pytest.mark.engine
 @pytest.mark.timeout(600)
 def test_the_engine_holds_exactly_the_broadcast_weights(loop, engine, broadcaster, hf_model, seed):
-    state = _perturb(hf_model, seed=seed)
+    state = perturb(hf_model, seed=seed)
     version = engine.version + 1
     [timing] = loop.run_until_complete(broadcaster.broadcast(state, version))
     assert timing.version == version == engine.version and timing.load_ms > 0
@@ -134,7 +121,7 @@ def test_in_flight_updates_through_the_collective_keep_their_semantics(loop, eng
     engine.update_mode = mode
     try:
         old = engine.version
-        state = _perturb(hf_model, scale=0.02, seed=10 + len(mode))
+        state = perturb(hf_model, scale=0.02, seed=10 + len(mode))
         completions = loop.run_until_complete(_run_with_broadcast(engine, broadcaster, state, old + 1))
     finally:
         engine.update_mode = "keep"
@@ -162,7 +149,7 @@ def test_a_dead_member_fails_the_broadcast_in_seconds_and_the_group_reforms(loop
     group = WeightBroadcaster(timeout_s=30)  # a timeout far above the seconds allowed below
     try:
         loop.run_until_complete(group.open([engine, victim]))
-        state = _perturb(hf_model, scale=0.02, seed=20)
+        state = perturb(hf_model, scale=0.02, seed=20)
         version = engine.version + 1
         loop.run_until_complete(group.broadcast(state, version))
         checksum = tensors_checksum(state)
@@ -170,7 +157,7 @@ def test_a_dead_member_fails_the_broadcast_in_seconds_and_the_group_reforms(loop
 
         os.kill(victim.core_pids()[0], signal.SIGKILL)
         time.sleep(0.5)
-        new = _perturb(hf_model, scale=0.02, seed=21)
+        new = perturb(hf_model, scale=0.02, seed=21)
         t0 = time.monotonic()
         with pytest.raises(WeightBroadcastError, match="rollout engine") as failure:
             loop.run_until_complete(group.broadcast(new, version + 1))

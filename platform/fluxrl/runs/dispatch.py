@@ -15,6 +15,8 @@ fails it.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -54,19 +56,43 @@ LOG_TAIL_CHARS = 3000
 # Never handed to the engine: workers do not touch the database (docs/architecture.md §2), and
 # the engine runs user reward code.
 PRIVATE_ENV = ("DATABASE_URL", "DJANGO_SECRET_KEY", "POSTGRES_PASSWORD")
-RUN_TOKEN_ENV = "FLUXRL_RUN_TOKEN"  # read by `python -m workers run` when --token is not given
+RUN_TOKEN_ENV = "FLUXRL_RUN_TOKEN"
+CLUSTER_KEY_ENV = "FLUXRL_CLUSTER_KEY"  # workers/wire.py: the processes of a run over several nodes  # read by `python -m workers run` when --token is not given
 
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
-def engine_command(run_id: int, spec_path: Path, out_dir: Path, resume: bool = False) -> list[str]:
+def engine_command(run_id: int, spec_path: Path, out_dir: Path, resume: bool = False,
+                   rendezvous: str = "") -> list[str]:
     # No --token here: a command line is visible to every user of the host (ps, /proc);
     # the run token goes in the environment (start_engine). --resume: continue from the
     # newest checkpoint in out_dir (a run queued again by services.resume_run).
     return [*settings.FLUXRL_ENGINE_COMMAND, "run", str(spec_path), "--out", str(out_dir),
             "--platform", settings.FLUXRL_PUBLIC_URL, "--run-id", str(run_id), "--no-progress",
-            *(["--resume"] if resume else [])]
+            *(["--resume"] if resume else []), *(["--rendezvous", rendezvous] if rendezvous else [])]
+
+
+def node_command(rendezvous: str, node_rank: int) -> list[str]:
+    address = settings.FLUXRL_NODE_ADDRESS
+    return [*settings.FLUXRL_ENGINE_COMMAND, "node", "--rendezvous", rendezvous, "--node-rank", str(node_rank),
+            *(["--host", address] if address else [])]
+
+
+def cluster_key(run: Run) -> str:
+    """The key a run's processes on several nodes authenticate each other with: derived
+    from the platform's secret and the run, so it is stored nowhere and no other run's
+    processes hold it."""
+    message = f"fluxrl-cluster:{run.pk}:{run.created_at.isoformat()}".encode()
+    return hmac.new(settings.SECRET_KEY.encode(), message, hashlib.sha256).hexdigest()
+
+
+def new_rendezvous() -> str:
+    """This worker host's address (FLUXRL_NODE_ADDRESS, default loopback) and a free port."""
+    host = settings.FLUXRL_NODE_ADDRESS or "127.0.0.1"
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"{host}:{s.getsockname()[1]}"
 
 
 def _term_with_parent() -> None:  # runs in the child, between fork and exec
@@ -75,10 +101,12 @@ def _term_with_parent() -> None:  # runs in the child, between fork and exec
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def start_engine(command: list[str], log_path: Path, token: str) -> subprocess.Popen:
+def start_engine(command: list[str], log_path: Path, token: str | None, extra_env: dict | None = None) -> subprocess.Popen:
     """The engine in a new session (its own process group, pgid = pid), output to log_path,
     its run token in FLUXRL_RUN_TOKEN."""
-    env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV} | {RUN_TOKEN_ENV: token}
+    env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV} | (extra_env or {})
+    if token is not None:
+        env[RUN_TOKEN_ENV] = token
     with open(log_path, "ab") as log_file:
         return subprocess.Popen(
             command, cwd=settings.REPO_DIR, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
@@ -186,9 +214,15 @@ def launch(run_id: int) -> tuple[subprocess.Popen, Path] | None:
             spec_path = folder / "spec.json"
             spec_path.write_text(json.dumps(resolve_spec(run), indent=2))
             _, key = create_run_token(run)
-            command = engine_command(run.pk, spec_path, run_output_dir(run.pk), resume=resume_from_checkpoint(run))
-            proc = start_engine(command, folder / "engine.log", key)
-            transition(run, RunStatus.STARTING, worker_host=socket.gethostname(), worker_pid=proc.pid)
+            nodes = int(run.resolved_spec.get("resources", {}).get("nodes", 1))
+            rendezvous = new_rendezvous() if nodes > 1 else ""
+            command = engine_command(run.pk, spec_path, run_output_dir(run.pk), resume=resume_from_checkpoint(run),
+                                     rendezvous=rendezvous)
+            proc = start_engine(command, folder / "engine.log", key,
+                                {CLUSTER_KEY_ENV: cluster_key(run)} if rendezvous else None)
+            # the other nodes' join_run tasks wait for the rendezvous of a live run
+            transition(run, RunStatus.STARTING, worker_host=socket.gethostname(), worker_pid=proc.pid,
+                       rendezvous=rendezvous)
     except BaseException:
         if proc is not None:
             stop_group(proc, grace=0)
@@ -197,10 +231,11 @@ def launch(run_id: int) -> tuple[subprocess.Popen, Path] | None:
     return proc, folder / "engine.log"
 
 
-def watch(run_id: int, proc: subprocess.Popen) -> int | None:
+def watch(run_id: int, proc: subprocess.Popen, heartbeat: bool = True) -> int | None:
     """Wait for the engine to exit, heart-beating and checking the cancel flag about
     once a second (and reaping other runs now and then). Returns its exit code, or
-    None if it was stopped for a cancel."""
+    None if it was stopped for a cancel. A node agent's watcher (``heartbeat=False``)
+    leaves the run's heartbeat and the reaping to node 0's."""
     next_beat = next_reap = 0.0
     ended_at = None  # when the run turned terminal while the engine was still up
     while True:
@@ -211,10 +246,10 @@ def watch(run_id: int, proc: subprocess.Popen) -> int | None:
         try:
             close_old_connections()  # hours-long task: drop connections the server closed
             row = Run.objects.filter(pk=run_id).values_list("status", "cancel_requested").first()
-            if time.monotonic() >= next_beat:
+            if heartbeat and time.monotonic() >= next_beat:
                 Run.objects.filter(pk=run_id, status__in=LIVE_STATUSES).update(heartbeat_at=timezone.now())
                 next_beat = time.monotonic() + settings.FLUXRL_HEARTBEAT_S
-            if time.monotonic() >= next_reap:
+            if heartbeat and time.monotonic() >= next_reap:
                 # A worker busy with runs takes no beat task (one slot per run): it reaps here.
                 reap_stale_runs()
                 next_reap = time.monotonic() + REAP_EVERY_S
@@ -233,6 +268,51 @@ def watch(run_id: int, proc: subprocess.Popen) -> int | None:
                 return proc.returncode
 
 
+def join_run(run_id: int, node_rank: int) -> str:
+    """Node ``node_rank`` of a run over several nodes: wait until node 0 has started the
+    run's coordinator, then run this host's node agent and watch it. An agent that fails
+    fails the run (the coordinator fails it too, having lost the node); a run that ends
+    or is cancelled stops the agent."""
+    deadline = time.monotonic() + settings.FLUXRL_JOIN_TIMEOUT_S
+    while True:
+        close_old_connections()
+        run = Run.objects.filter(pk=run_id).first()
+        if run is None or run.is_terminal or run.cancel_requested:
+            return "skipped"
+        if run.rendezvous and run.status in LIVE_STATUSES:
+            break
+        if time.monotonic() > deadline:
+            _fail_live(run_id, f"Node {node_rank} found no coordinator to join within "
+                               f"{settings.FLUXRL_JOIN_TIMEOUT_S:.0f} s (node 0's task did not start).")
+            return "failed"
+        time.sleep(POLL_S)
+    folder = run_dir(run_id)
+    folder.mkdir(parents=True, exist_ok=True)
+    log_path = folder / f"node-{node_rank}.log"
+    proc = start_engine(node_command(run.rendezvous, node_rank), log_path, None, {CLUSTER_KEY_ENV: cluster_key(run)})
+    log.info("run %s: node %d agent started, pid %s", run_id, node_rank, proc.pid)
+    try:
+        code = watch(run_id, proc, heartbeat=False)
+    finally:
+        stop_group(proc)
+    if code and _fail_live(run_id, failure_reason(code, log_path, f"Node {node_rank}'s agent")):
+        return "failed"
+    return "done"
+
+
+def _fail_live(run_id: int, reason: str) -> bool:
+    """Fail the run unless it has ended already; whether it was this that failed it."""
+    with transaction.atomic():
+        run = Run.objects.select_for_update().filter(pk=run_id).first()
+        if run is None or run.is_terminal:
+            return False
+        try:
+            transition(run, RunStatus.FAILED, failure_reason=reason)
+        except IllegalTransition:
+            return False
+        return True
+
+
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES, max_chars: int = LOG_TAIL_CHARS) -> str:
     try:
         with open(path, "rb") as f:
@@ -245,10 +325,10 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES, max_chars: int = LOG_TAIL_
     return "\n".join([line for line in shown if line][-lines:])[-max_chars:]
 
 
-def failure_reason(code: int, log_path: Path) -> str:
+def failure_reason(code: int, log_path: Path, who: str = "The engine") -> str:
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     tail = log_tail(log_path)
-    return f"The engine {how}." + (f" Last lines of its log:\n{tail}" if tail else "")
+    return f"{who} {how}." + (f" Last lines of its log:\n{tail}" if tail else "")
 
 
 def finish(run_id: int, code: int | None, log_path: Path) -> str:

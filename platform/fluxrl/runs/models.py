@@ -41,6 +41,8 @@ class Run(models.Model):
     worker_host = models.CharField(max_length=255, blank=True)
     worker_pid = models.IntegerField(null=True, blank=True)
     heartbeat_at = models.DateTimeField(null=True, blank=True)
+    rendezvous = models.CharField(max_length=300, blank=True,
+                                  help_text="runs over several nodes: node 0's host:port, where the other nodes' agents join")
 
     class Meta:
         ordering = ["-created_at", "-id"]

@@ -219,10 +219,15 @@ def submit_run(team, owner, spec_input, tags=(), notes: str = "") -> Run:
 
 
 def enqueue_run(run: Run) -> None:
-    """Hand a queued run to a Celery worker on the queue its spec asks for (cpu | gpu)."""
-    from .tasks import execute_run  # tasks -> dispatch -> this module
+    """Hand a queued run to a Celery worker on the queue its spec asks for (cpu | gpu); a
+    run over several nodes is one task per node: node 0 runs the coordinator, each other
+    one a node agent that joins it (dispatch.join_run)."""
+    from .tasks import execute_run, join_run  # tasks -> dispatch -> this module
 
-    execute_run.apply_async((run.pk,), queue=run.resolved_spec["resources"]["queue"])
+    resources = run.resolved_spec["resources"]
+    execute_run.apply_async((run.pk,), queue=resources["queue"])
+    for node_rank in range(1, int(resources.get("nodes", 1))):
+        join_run.apply_async((run.pk, node_rank), queue=resources["queue"])
 
 
 def update_run(run: Run, tags=None, notes: str | None = None) -> Run:
@@ -254,7 +259,7 @@ def filter_runs(runs: QuerySet, status: str = "", tag: str = "", owner: str = ""
 
 @transaction.atomic
 def transition(run: Run, status: str, *, failure_reason: str = "", worker_host: str | None = None,
-               worker_pid: int | None = None) -> Run:
+               worker_pid: int | None = None, rendezvous: str | None = None) -> Run:
     """Move a run along queued -> starting -> running -> succeeded/failed/cancelled
     (any live state may fail or be cancelled; a failure after a cancel request counts as
     cancelled). Reporting the current status again is a heartbeat. Reaching a terminal
@@ -279,6 +284,8 @@ def transition(run: Run, status: str, *, failure_reason: str = "", worker_host: 
         run.worker_host = worker_host
     if worker_pid is not None:
         run.worker_pid = worker_pid
+    if rendezvous is not None:
+        run.rendezvous = rendezvous
     run.save()
     if run.is_terminal:
         revoke_run_tokens(run)

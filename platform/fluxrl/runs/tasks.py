@@ -14,6 +14,13 @@ def execute_run(run_id: int) -> str:
     return dispatch.execute_run(run_id)
 
 
+# One per node after the first of a run over several nodes (services.enqueue_run): the
+# node agent joins node 0's coordinator; acks_late as for execute_run.
+@shared_task(acks_late=True, ignore_result=True)
+def join_run(run_id: int, node_rank: int) -> str:
+    return dispatch.join_run(run_id, node_rank)
+
+
 @shared_task(ignore_result=True)
 def reap_stale_runs() -> list[int]:
     return dispatch.reap_stale_runs()

@@ -16,11 +16,35 @@ from pathlib import Path
 CHILD = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
 
 
+def node(args: list[str]) -> int:
+    """`node --rendezvous HOST:PORT --node-rank R`: records its call in FAKE_NODE_OUT, then
+    FAKE_NODE_MODE: wait (until stopped) or fail (exit 3)."""
+    import hashlib
+
+    out = Path(os.environ["FAKE_NODE_OUT"])
+    rank = args[args.index("--node-rank") + 1]
+    key = os.environ.get("FLUXRL_CLUSTER_KEY", "")
+    (out / f"node-{rank}.json").write_text(json.dumps({
+        "argv": args, "pid": os.getpid(), "pgid": os.getpgid(0), "env": sorted(os.environ),
+        "key_sha": hashlib.sha256(key.encode()).hexdigest() if key else None}))
+    print(f"node {rank}: joining", flush=True)
+    if os.environ.get("FAKE_NODE_MODE", "wait") == "fail":
+        print("error: node rank 1 could not start its trainer rank", flush=True)
+        return 3
+    time.sleep(600)
+    return 0
+
+
 def main() -> int:
     args = sys.argv[1:]
+    if args[0] == "node":
+        return node(args)
     out = Path(args[args.index("--out") + 1])
     out.mkdir(parents=True, exist_ok=True)
+    key = os.environ.get("FLUXRL_CLUSTER_KEY", "")
     (out / "call.json").write_text(json.dumps({"argv": args, "env": sorted(os.environ), "pid": os.getpid(),
+                                               "key_sha": __import__("hashlib").sha256(key.encode()).hexdigest()
+                                               if key else None,
                                                "pgid": os.getpgid(0), "cwd": os.getcwd(), "started": time.time(),
                                                "run_token": os.environ.get("FLUXRL_RUN_TOKEN")}))
     mode = os.environ.get("FAKE_ENGINE_MODE", "ok")

@@ -178,3 +178,69 @@ def test_a_failure_reported_after_a_cancel_request_is_a_cancel(run_a):
     # An engine stopped during start-up may report the interruption as a failure.
     run = cancel_run(transition(run_a, RunStatus.STARTING))
     assert transition(run, RunStatus.FAILED, failure_reason="KeyboardInterrupt").status == "cancelled"
+
+
+# -- runs over several nodes: one task per node ---------------------------------------------
+def test_a_run_over_two_nodes_is_enqueued_as_one_task_per_node(team_a, alice, spec):
+    run = submit_run(team_a, alice, spec(resources={"queue": "gpu", "nodes": 2, "trainer_ranks": 2}))
+    with celery_app.connection_for_read() as connection:
+        queue = connection.SimpleQueue("gpu")
+        messages = [queue.get(timeout=2), queue.get(timeout=2)]
+    tasks = sorted((m.headers["task"], m.payload[0]) for m in messages)
+    assert tasks == [("fluxrl.runs.tasks.execute_run", [run.pk]), ("fluxrl.runs.tasks.join_run", [run.pk, 1])]
+    for m in messages:
+        m.ack()
+
+
+@pytest.fixture
+def two_node_run(team_a, alice, spec, engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_NODE_OUT", str(tmp_path))
+    return submit_run(team_a, alice, spec(resources={"nodes": 2, "trainer_ranks": 2}))
+
+
+def _in_thread(fn, *args):
+    import threading
+
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(result=fn(*args)))
+    thread.start()
+    return thread, box
+
+
+def test_the_node_task_joins_node_0s_rendezvous_with_the_runs_key_and_ends_with_the_run(
+        two_node_run, engine, tmp_path, monkeypatch):
+    engine("slow")
+    monkeypatch.setenv("FAKE_ENGINE_SECONDS", "3")
+    node_thread, node = _in_thread(dispatch.join_run, two_node_run.pk, 1)  # may start first: it waits
+    assert dispatch.execute_run(two_node_run.pk) == "succeeded"
+    node_thread.join(30)
+    assert node["result"] == "done"
+    call = json.loads((out_dir(two_node_run) / "call.json").read_text())
+    joined = json.loads((tmp_path / "node-1.json").read_text())
+    rendezvous = call["argv"][call["argv"].index("--rendezvous") + 1]
+    assert joined["argv"][:5] == ["node", "--rendezvous", rendezvous, "--node-rank", "1"]
+    assert Run.objects.get(pk=two_node_run.pk).rendezvous == rendezvous
+    # both hold the same per-run key, which is in neither command line
+    assert call["key_sha"] and call["key_sha"] == joined["key_sha"]
+    assert not any(len(a) == 64 for a in call["argv"] + joined["argv"])
+    assert "DJANGO_SECRET_KEY" not in joined["env"] and "FLUXRL_RUN_TOKEN" not in joined["env"]
+    assert gone(joined["pid"]) and not group_processes(joined["pgid"])  # stopped once the run ended
+
+
+def test_a_node_whose_agent_fails_fails_the_whole_run(two_node_run, engine, monkeypatch, tmp_path):
+    engine("stubborn")  # node 0 would run on forever
+    monkeypatch.setenv("FAKE_NODE_MODE", "fail")
+    coordinator, result = _in_thread(dispatch.execute_run, two_node_run.pk)
+    assert dispatch.join_run(two_node_run.pk, 1) == "failed"
+    coordinator.join(30)
+    run = Run.objects.get(pk=two_node_run.pk)
+    assert run.status == "failed" and result["result"] == "failed"
+    assert run.failure_reason.startswith("Node 1's agent exited with code 3. Last lines of its log:")
+    assert "could not start its trainer rank" in run.failure_reason
+    assert gone(run.worker_pid) and not group_processes(run.worker_pid)  # node 0's engine was stopped too
+
+
+def test_a_node_task_of_a_finished_run_starts_nothing(run_a, engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_NODE_OUT", str(tmp_path))
+    cancel_run(run_a)
+    assert dispatch.join_run(run_a.pk, 1) == "skipped" and not (tmp_path / "node-1.json").exists()

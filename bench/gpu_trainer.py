@@ -1,0 +1,135 @@
+"""The trainer path on whatever accelerator this machine has, in one command: DeepSpeed
+rank processes (NCCL on GPUs, gloo on the CPU), ZeRO 2 and 3, bf16 on GPUs, the KL
+reference on the ranks' device, the gathered full weights (checksummed) and their
+export over the collective to a receiver in another process.
+
+    .venv/bin/python bench/gpu_trainer.py            # every check, a table at the end
+    .venv/bin/python bench/gpu_trainer.py --steps 5 --stages 2 3 --ranks 2
+
+vLLM is not needed (a receiving WeightGroup stands in for an engine's worker), so it
+runs where vLLM cannot be installed. One rank per GPU (``--ranks``, default: every GPU,
+or 2 on the CPU). Exit code 0 only if every check held.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import math
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from workers.spec import validate_spec  # noqa: E402
+from workers.tinymodel import encode, ensure_tiny_model  # noqa: E402
+from workers.trainer import TrainSample  # noqa: E402
+from workers.trainer_ranks import TrainerGroup  # noqa: E402
+from workers.weight_broadcast import WeightGroup, default_backend, describe_state_dict  # noqa: E402
+from workers.weight_sync import tensors_checksum  # noqa: E402
+
+log = logging.getLogger("gpu_trainer")
+
+
+def _spec(stage: int, dtype: str) -> dict:
+    return validate_spec({
+        "name": f"gpu-zero{stage}", "model": {"path": "builtin:tiny", "dtype": dtype},
+        "task": {"dataset": "gen:add"}, "algorithm": {"lr": 1e-4, "kl_coef": 0.05, "warmup_steps": 0},
+        "trainer": {"zero_stage": stage, "micro_batch_tokens": 256},
+    })
+
+
+def _batch(step: int, n: int = 16) -> list[TrainSample]:
+    gen = torch.Generator().manual_seed(step)
+    batch = []
+    for i in range(n):
+        prompt = encode(f"{i + step}+{2 * i}=")
+        tokens = torch.randint(3, 14, (4 + i % 5,), generator=gen).tolist()
+        batch.append(TrainSample(prompt, tokens, [-1.0] * len(tokens), float(i % 3 - 1)))
+    return batch
+
+
+def _receive(port: int, world: int, meta: dict, queue) -> None:
+    group = WeightGroup("127.0.0.1", port, 1, world, default_backend(), 60.0)
+    queue.put(tensors_checksum(group.receive(meta)))
+    group.close()
+
+
+def _export(state: dict, version: int) -> tuple[bool, float]:
+    """Broadcast the state to a receiver process; (checksums agree, ms)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=datetime.timedelta(seconds=60),
+                          wait_for_workers=False)
+    meta, sources = describe_state_dict(state, version, 32 * 2**20)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_receive, args=(store.port, 2, meta, queue))
+    child.start()
+    try:
+        group = WeightGroup("127.0.0.1", store.port, 0, 2, default_backend(), 60.0, store=store)
+        t0 = time.perf_counter()
+        group.send(meta, sources, lambda: False)
+        received = queue.get(timeout=120)
+        ms = (time.perf_counter() - t0) * 1000
+        group.close()
+    finally:
+        child.join(60)
+    return received == tensors_checksum(state), ms
+
+
+def run_stage(model: str, stage: int, ranks: int, steps: int) -> dict:
+    gpu = torch.cuda.is_available()
+    dtype = "bfloat16" if gpu else "float32"
+    spec = _spec(stage, dtype)
+    devices = [str(i) for i in range(ranks)] if gpu else None
+    row = {"stage": stage, "ranks": ranks, "dtype": dtype, "backend": "nccl" if gpu else "gloo"}
+    t0 = time.perf_counter()
+    with TrainerGroup(spec, model, ranks, None if gpu else 1, 0, cuda_devices=devices) as group:
+        first = tensors_checksum(group.state_dict())
+        losses, kls = [], []
+        for step in range(steps):
+            stats = group.train_step(_batch(step))
+            losses.append(stats["loss/policy"])
+            kls.append(stats["loss/kl"])
+        state = group.state_dict()
+        row |= {
+            "steps": steps, "version": group.version, "seconds": round(time.perf_counter() - t0, 1),
+            "finite": all(math.isfinite(x) for x in losses + kls),
+            "kl_after_first": kls[-1] > 0 and kls[0] == 0,  # the reference is the start, on the ranks' device
+            "weights_changed": tensors_checksum(state) != first,
+            "full_tensors": all(t.numel() > 0 for t in state.values()),
+        }
+        row["export_ok"], row["export_ms"] = _export(state, group.version)
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--stages", type=int, nargs="+", default=[2, 3])
+    p.add_argument("--ranks", type=int, default=None)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    gpu = torch.cuda.is_available()
+    ranks = args.ranks or (torch.cuda.device_count() if gpu else 2)
+    model = str(ensure_tiny_model(progress=False))
+    print(f"device: {torch.cuda.get_device_name(0) if gpu else 'cpu'} x{torch.cuda.device_count() if gpu else 0}, "
+          f"torch {torch.__version__}, {ranks} rank(s)")
+    rows = [run_stage(model, stage, ranks, args.steps) for stage in args.stages]
+    keys = list(rows[0])
+    print(" | ".join(keys))
+    for row in rows:
+        print(" | ".join(f"{row[k]:.1f}" if isinstance(row[k], float) else str(row[k]) for k in keys))
+    checks = ("finite", "kl_after_first", "weights_changed", "full_tensors", "export_ok")
+    ok = all(row[c] for row in rows for c in checks)
+    print("all checks held" if ok else "A CHECK FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

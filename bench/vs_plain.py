@@ -1,0 +1,217 @@
+"""FluxRL against a plain colocated GRPO loop: the same model, task, held-out set and time
+budget, interleaved over rounds in one invocation (this machine is shared and noisy:
+compare ratios, not absolutes).
+
+    .venv/bin/python bench/vs_plain.py [--rounds 3] [--minutes 4] [--quick]
+
+Takes about rounds × (3 × minutes + 2.5) minutes: an engine run spends about a minute
+outside its training loop (vLLM and DeepSpeed start-up, evaluations before and after).
+
+Systems, all on ``examples/add-async.yaml`` (the tiny model, 2-digit addition, 16 prompts
+× 8 samples a step, lr 3e-4, numeric_match):
+
+- plain: one process, HF sampling, Adam, group advantages, token-mean loss
+  (``grpo_step`` of bench/rl_regime.py);
+- sync: the engine (``python -m workers run``) with ``schedule.mode: sync``;
+- async: the engine as the example has it (keep updates, max staleness 2).
+
+Each gets ``--minutes`` of training loop (as ``stop.max_minutes`` counts it: periodic
+evaluations included). Clocks below leave the periodic evaluations out, so that the
+plain loop's HF evaluation and the engine's vLLM one cost nothing either way. Reported
+per system: trained samples/s, held-out greedy accuracy before → after, and the training
+time to reach a target accuracy (default: the plain loop's accuracy after its budget, in
+the same round), with ratios to the plain loop.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent))
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from tqdm.contrib import DummyTqdmFile  # noqa: E402
+
+from rl_regime import grpo_optimizer, grpo_step  # noqa: E402
+from sync_vs_async import ROOT, interleaved, median_run, merged, run as run_engine  # noqa: E402
+from workers import rewards, tasks, tinymodel  # noqa: E402
+from workers.checkpoint import read_metrics  # noqa: E402
+from workers.tinymodel import greedy_accuracy  # noqa: E402
+
+EXAMPLE = ROOT / "examples" / "add-async.yaml"
+# Overrides of the example spec per engine system (plain reads the same spec).
+ENGINE_SYSTEMS = {"sync": {"schedule": {"mode": "sync"}}, "async": {}}
+SYSTEMS = ["plain", *ENGINE_SYSTEMS]
+NO_STEP_LIMIT = 10 ** 9  # the time budget stops every run
+
+
+def plain_run(spec: dict, threads: int) -> dict:
+    """The plain loop under the spec's settings and time budget, measured like an engine run."""
+    t_wall = time.time()
+    torch.set_num_threads(threads)
+    torch.manual_seed(spec.get("seed", 0))
+    rng = random.Random(spec.get("seed", 0))
+    from transformers import AutoModelForCausalLM
+
+    # grpo_step tokenizes with the tiny model's character table: builtin:tiny only
+    assert spec["model"]["path"] == "builtin:tiny", spec["model"]["path"]
+    model = AutoModelForCausalLM.from_pretrained(tinymodel.ensure_tiny_model(), dtype=torch.float32)
+    task, algo, rollout = spec["task"], spec["algorithm"], spec["rollout"]
+    train, held = tasks.load_rows(task["dataset"], task["size"], task["eval_size"], task.get("seed", 0))
+    held = held[:spec["eval"]["prompts"]]
+    reward = rewards.BUILTIN_REWARDS[spec["reward"]["function"]]
+    max_new, temperature, group = rollout["max_tokens"], rollout["temperature"], algo["group_size"]
+    evaluate = lambda: greedy_accuracy(model, held, max_new)  # noqa: E731
+
+    before = evaluate()
+    curve = [(0.0, before)]
+    opt, sched = grpo_optimizer(model, algo["lr"], algo.get("warmup_steps", 10))
+    budget_s, every = 60 * spec["stop"]["max_minutes"], spec["eval"]["every_steps"]
+    steps, eval_s, t_start = 0, 0.0, time.time()
+    while time.time() - t_start <= budget_s:  # checked before each step, as the engine does
+        grpo_step(model, opt, sched, rng.sample(train, spec["schedule"]["batch_prompts"]), group, max_new,
+                  temperature, reward)
+        steps += 1
+        if every and steps % every == 0:
+            t_eval = time.time()
+            curve.append((t_eval - t_start - eval_s, evaluate()))
+            eval_s += time.time() - t_eval
+    seconds = time.time() - t_start
+    after = evaluate()
+    curve.append((seconds - eval_s, after))
+    return {"system": "plain", "steps": steps, "trained_samples": steps * spec["schedule"]["batch_prompts"] * group,
+            "seconds": seconds, "eval_s": eval_s, "accuracy_before": before, "accuracy_after": after,
+            "curve": curve, "wall_s": time.time() - t_wall, "threads": threads}
+
+
+def engine_curve(points: list[dict], seconds: float) -> tuple[list[tuple[float, float]], float]:
+    """Held-out accuracy against training time with the periodic evaluations taken out, and
+    the time they took. The first eval/accuracy point ends just before the training clock
+    starts, the last one runs after it stops; each one between runs right after its
+    step's metrics are logged."""
+    evals = sorted((p for p in points if p["key"] == "eval/accuracy"), key=lambda p: p["time"])
+    step_done = {p["step"]: p["time"] for p in points if p["key"] == "reward/mean"}
+    t_start = evals[0]["time"]
+    curve, eval_s = [(0.0, evals[0]["value"])], 0.0
+    for p in evals[1:-1]:
+        curve.append((step_done[p["step"]] - t_start - eval_s, p["value"]))
+        eval_s += p["time"] - step_done[p["step"]]
+    curve.append((seconds - eval_s, evals[-1]["value"]))
+    return curve, eval_s
+
+
+def engine_run(system: str, spec: dict, workdir: Path) -> dict:
+    result = run_engine(system, NO_STEP_LIMIT, workdir, ENGINE_SYSTEMS[system], base=spec)
+    curve, eval_s = engine_curve(read_metrics(workdir / system / "metrics.jsonl"), result["seconds"])
+    # the engine's own samples/s counts the periodic evaluations: kept, but renamed
+    result["engine_samples_per_s"] = result.pop("samples_per_s")
+    return {**result, "system": system, "curve": curve, "eval_s": eval_s}
+
+
+def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
+    """Training seconds to the first evaluation at or above ``target`` (None: never)."""
+    return next((t for t, acc in curve if acc >= target - 1e-9), None)
+
+
+def summarize(runs: list[dict]) -> dict:
+    """The median-throughput run with the spread over rounds (median_run), plus the medians
+    of the other measures over all rounds."""
+    out = median_run(runs)
+    reached = [r["time_to_target_s"] for r in runs if r["time_to_target_s"] is not None]
+    times = sorted(r["time_to_target_s"] if r["time_to_target_s"] is not None else math.inf for r in runs)
+    ttt = times[(len(times) - 1) // 2]  # the lower middle, as median_run takes
+    out.update(time_to_target_s=None if math.isinf(ttt) else ttt, reached_target=len(reached),
+               accuracy_after=statistics.median(r["accuracy_after"] for r in runs),
+               all_accuracy_after=[r["accuracy_after"] for r in runs],
+               all_time_to_target_s=[r["time_to_target_s"] for r in runs])
+    return out
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a is not None and b else "-"
+
+
+def print_table(summary: dict[str, dict], targets: list[float], args) -> None:
+    plain = summary["plain"]
+    print()
+    print(f"target: held-out greedy accuracy {', '.join(f'{t:.3f}' for t in targets)} (per round; "
+          f"{'--target' if args.target is not None else 'the plain loop after its budget'}); "
+          f"{args.minutes:g} min of training loop per system and round, {args.rounds} round(s)")
+    if any(t <= plain["accuracy_before"] for t in targets):
+        print("a target is not above the starting accuracy: every system reaches it at 0 s")
+    print(f"{'system':<7} {'samples/s':>9} {'(min–max)':>13} {'× plain':>7} {'acc before→after':>17} "
+          f"{'to target s':>11} {'reached':>7} {'× plain':>7} {'train s':>7} {'eval s':>6} {'outside s':>9}")
+    for name, s in summary.items():
+        ttt = f"{s['time_to_target_s']:.1f}" if s["time_to_target_s"] is not None else "never"
+        spread = f"({s['samples_per_s_min']:.0f}–{s['samples_per_s_max']:.0f})"
+        speed_ratio = ratio(s["samples_per_s"], plain["samples_per_s"])
+        ttt_ratio = ratio(s["time_to_target_s"], plain["time_to_target_s"])
+        print(f"{name:<7} {s['samples_per_s']:>9.1f} {spread:>13} {speed_ratio:>7} "
+              f"{s['accuracy_before']:>8.3f}→{s['accuracy_after']:.3f} {ttt:>11} "
+              f"{s['reached_target']:>3}/{s['rounds']:<3} {ttt_ratio:>7} "
+              f"{s['train_s']:>7.1f} {s['eval_s']:>6.1f} {s['outside_s']:>9.1f}")
+    print("samples/s and time to target leave periodic evaluations out; outside s: process start, model "
+          "load, vLLM/DeepSpeed start, the evaluations before and after, saving (median-throughput run)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; medians are reported")
+    p.add_argument("--minutes", type=float, default=4.0, help="training loop budget per system and round")
+    p.add_argument("--eval-every", type=int, default=20, help="steps between held-out evaluations")
+    p.add_argument("--eval-prompts", type=int, default=400, help="held-out prompts evaluated")
+    p.add_argument("--target", type=float, default=None,
+                   help="held-out accuracy to reach (default: the plain loop's after its budget, per round)")
+    # Two OpenMP threads on this shared 2-core machine ran the plain loop 10x slower whenever
+    # another process held a core (they spin waiting for each other); the engine runs one
+    # thread per process.
+    p.add_argument("--plain-threads", type=int, default=1, help="torch threads of the plain loop")
+    p.add_argument("--quick", action="store_true", help="smoke check: 1 round of 15 s, 100 held-out prompts")
+    p.add_argument("--json", default=str(BENCH / "results" / "vs_plain.json"))
+    args = p.parse_args()
+    if args.quick:
+        args.rounds, args.minutes, args.eval_every, args.eval_prompts = 1, 0.25, 10, 100
+    spec = merged(yaml.safe_load(EXAMPLE.read_text()), {
+        "stop": {"max_minutes": args.minutes},
+        "eval": {"every_steps": args.eval_every, "prompts": args.eval_prompts},
+    })
+    targets: list[float] = []
+    bar = tqdm(total=args.rounds * len(SYSTEMS), desc="runs", unit="run", file=sys.stdout, dynamic_ncols=True)
+
+    def one(system: str, tag: str) -> dict:
+        if system == "plain":
+            r = plain_run(spec, args.plain_threads)
+            targets.append(args.target if args.target is not None else r["accuracy_after"])
+        else:
+            r = engine_run(system, spec, Path(tmp) / tag)
+        r.update(train_s=r["seconds"] - r["eval_s"], outside_s=r["wall_s"] - r["seconds"], target=targets[-1])
+        r.update(samples_per_s=r["trained_samples"] / r["train_s"], time_to_target_s=time_to(r["curve"], targets[-1]))
+        bar.update(1)
+        return r
+
+    # interleaved() prints a line per run: through tqdm.write, so the bar stays below them
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(DummyTqdmFile(sys.stdout)):
+        runs = interleaved(SYSTEMS, args.rounds, one)  # plain first in each round: it sets the target
+    bar.close()
+    summary = {name: summarize(rs) for name, rs in runs.items()}
+    print_table(summary, targets, args)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"spec": spec, "args": vars(args), "targets": targets, "summary": summary,
+                               "runs": runs}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
