@@ -52,8 +52,11 @@ from workers.tinymodel import greedy_accuracy  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "add-async.yaml"
 # Overrides of the example spec per engine system (plain reads the same spec).
-ENGINE_SYSTEMS = {"sync": {"schedule": {"mode": "sync"}}, "async": {}}
-SYSTEMS = ["plain", *ENGINE_SYSTEMS]
+ENGINE_SYSTEMS = {"sync": {"schedule": {"mode": "sync"}}, "async": {},
+                  # the trainer in a process of its own (no interpreter lock shared with the coordinator)
+                  "async_proc": {"resources": {"trainer_process": True}},
+                  "sync_proc": {"schedule": {"mode": "sync"}, "resources": {"trainer_process": True}}}
+SYSTEMS = ["plain", "sync", "async"]
 NO_STEP_LIMIT = 10 ** 9  # the time budget stops every run
 
 
@@ -151,14 +154,14 @@ def print_table(summary: dict[str, dict], targets: list[float], args) -> None:
           f"{args.minutes:g} min of training loop per system and round, {args.rounds} round(s)")
     if any(t <= plain["accuracy_before"] for t in targets):
         print("a target is not above the starting accuracy: every system reaches it at 0 s")
-    print(f"{'system':<7} {'samples/s':>9} {'(min–max)':>13} {'× plain':>7} {'acc before→after':>17} "
+    print(f"{'system':<10} {'samples/s':>9} {'(min–max)':>13} {'× plain':>7} {'acc before→after':>17} "
           f"{'to target s':>11} {'reached':>7} {'× plain':>7} {'train s':>7} {'eval s':>6} {'outside s':>9}")
     for name, s in summary.items():
         ttt = f"{s['time_to_target_s']:.1f}" if s["time_to_target_s"] is not None else "never"
         spread = f"({s['samples_per_s_min']:.0f}–{s['samples_per_s_max']:.0f})"
         speed_ratio = ratio(s["samples_per_s"], plain["samples_per_s"])
         ttt_ratio = ratio(s["time_to_target_s"], plain["time_to_target_s"])
-        print(f"{name:<7} {s['samples_per_s']:>9.1f} {spread:>13} {speed_ratio:>7} "
+        print(f"{name:<10} {s['samples_per_s']:>9.1f} {spread:>13} {speed_ratio:>7} "
               f"{s['accuracy_before']:>8.3f}→{s['accuracy_after']:.3f} {ttt:>11} "
               f"{s['reached_target']:>3}/{s['rounds']:<3} {ttt_ratio:>7} "
               f"{s['train_s']:>7.1f} {s['eval_s']:>6.1f} {s['outside_s']:>9.1f}")
@@ -179,8 +182,13 @@ def main() -> None:
     # thread per process.
     p.add_argument("--plain-threads", type=int, default=1, help="torch threads of the plain loop")
     p.add_argument("--quick", action="store_true", help="smoke check: 1 round of 15 s, 100 held-out prompts")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated, plain first (it sets the target): plain, {', '.join(ENGINE_SYSTEMS)}")
     p.add_argument("--json", default=str(BENCH / "results" / "vs_plain.json"))
     args = p.parse_args()
+    systems = args.systems.split(",")
+    if systems[0] != "plain" or not set(systems[1:]) <= set(ENGINE_SYSTEMS):
+        p.error(f"--systems: plain first, then any of {', '.join(ENGINE_SYSTEMS)}")
     if args.quick:
         args.rounds, args.minutes, args.eval_every, args.eval_prompts = 1, 0.25, 10, 100
     spec = merged(yaml.safe_load(EXAMPLE.read_text()), {
@@ -188,7 +196,7 @@ def main() -> None:
         "eval": {"every_steps": args.eval_every, "prompts": args.eval_prompts},
     })
     targets: list[float] = []
-    bar = tqdm(total=args.rounds * len(SYSTEMS), desc="runs", unit="run", file=sys.stdout, dynamic_ncols=True)
+    bar = tqdm(total=args.rounds * len(systems), desc="runs", unit="run", file=sys.stdout, dynamic_ncols=True)
 
     def one(system: str, tag: str) -> dict:
         if system == "plain":
@@ -203,7 +211,7 @@ def main() -> None:
 
     # interleaved() prints a line per run: through tqdm.write, so the bar stays below them
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(DummyTqdmFile(sys.stdout)):
-        runs = interleaved(SYSTEMS, args.rounds, one)  # plain first in each round: it sets the target
+        runs = interleaved(systems, args.rounds, one)  # plain first in each round: it sets the target
     bar.close()
     summary = {name: summarize(rs) for name, rs in runs.items()}
     print_table(summary, targets, args)

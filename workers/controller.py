@@ -183,7 +183,7 @@ class Controller:
         separate = res.engine_processes or res.nodes > 1
         if res.nodes > 1:
             await self._join_nodes(checked)
-        elif res.trainer_ranks > 1:  # data-parallel DeepSpeed ranks, each a process of its own
+        elif res.trainer_ranks > 1 or res.trainer_process:  # DeepSpeed ranks, each a process of its own
             from .trainer_ranks import TrainerGroup
 
             self.trainer = await asyncio.to_thread(TrainerGroup, spec, spec.model.path, res.trainer_ranks,
@@ -443,12 +443,12 @@ class Controller:
         """Whether a prompt group goes to its engine as one request of ``group_size``
         samples (vLLM parallel sampling: one request's overhead instead of one per sample).
         Not where each sample must be a request of its own: interrupt updates resubmit each
-        sequence from its prefix, the tail migrator (rollout.migrate_tail) hands off single
-        requests, and an engine server takes single requests. FLUXRL_GROUP_REQUESTS=0 sends
-        per-sample requests everywhere (to measure the difference)."""
-        return (self.spec.algorithm.group_size > 1 and isinstance(engine, RolloutEngine)
-                and engine.update_mode != "interrupt" and not self.spec.rollout.migrate_tail
-                and os.environ.get("FLUXRL_GROUP_REQUESTS", "1") != "0")
+        sequence from its prefix, and the tail migrator (rollout.migrate_tail) hands off
+        single requests. ``rollout.group_requests: false`` sends per-sample requests
+        everywhere (to measure the difference)."""
+        rollout = self.spec.rollout
+        return (self.spec.algorithm.group_size > 1 and rollout.group_requests and engine.update_mode != "interrupt"
+                and not rollout.migrate_tail)
 
     async def _group_request(self, engine: RolloutEngine, row: dict, temperature: float, score: bool) -> list:
         """A prompt group's samples from one engine request, in sample order: each sample is

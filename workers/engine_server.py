@@ -23,6 +23,7 @@ and receives only after the client's ``GoRequest``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -86,6 +87,19 @@ class GenerateRequest(wire.Message):
     ignore_eos: bool = False
 
 
+class GroupRequest(wire.Message):
+    """``n`` samples of one prompt as one vLLM request: a ``SampleReply`` as each finishes,
+    then a ``ValueReply`` (the count) that ends the stream."""
+    kind: Literal["group"] = "group"
+    id: int
+    prompt_ids: list[int]
+    n: int
+    max_tokens: int
+    temperature: float
+    seed: Optional[int] = None
+    ignore_eos: bool = False
+
+
 class HandOffRequest(wire.Message):
     kind: Literal["hand_off"] = "hand_off"
     id: int
@@ -130,7 +144,7 @@ class ShutdownRequest(wire.Message):
 
 
 EngineRequest = Annotated[
-    Union[StartRequest, GenerateRequest, HandOffRequest, UpdateRequest, GoRequest, JoinGroupRequest, ChecksumRequest,
+    Union[StartRequest, GenerateRequest, GroupRequest, HandOffRequest, UpdateRequest, GoRequest, JoinGroupRequest, ChecksumRequest,
           PingRequest, ShutdownRequest],
     Field(discriminator="kind"),
 ]
@@ -174,6 +188,15 @@ class CompletionReply(wire.Message):
     stats: EngineStats
 
 
+class SampleReply(wire.Message):
+    """One finished sample of a ``GroupRequest`` (its place in the group: ``index``)."""
+    kind: Literal["sample"] = "sample"
+    id: int
+    index: int
+    completion: WireCompletion
+    stats: EngineStats
+
+
 class UpdatedReply(wire.Message):
     kind: Literal["updated"] = "updated"
     id: int
@@ -210,7 +233,7 @@ class PongReply(wire.Message):
 
 
 EngineReply = Annotated[
-    Union[ReadyReply, CompletionReply, UpdatedReply, ValueReply, ArrivedEvent, ErrorReply, PongReply],
+    Union[ReadyReply, CompletionReply, SampleReply, UpdatedReply, ValueReply, ArrivedEvent, ErrorReply, PongReply],
     Field(discriminator="kind"),
 ]
 
@@ -335,6 +358,16 @@ class _Server:
             c = await e.generate(request.prompt_ids, request.max_tokens, request.temperature, seed=request.seed,
                                  ignore_eos=request.ignore_eos)
             return CompletionReply(id=request.id, completion=_to_wire(c), stats=self.stats())
+        if isinstance(request, GroupRequest):
+            sent = 0
+            async with contextlib.aclosing(e.stream_group(request.prompt_ids, request.n, request.max_tokens,
+                                                          request.temperature, seed=request.seed,
+                                                          ignore_eos=request.ignore_eos)) as samples:
+                async for index, c in samples:
+                    self.channel.send(SampleReply(id=request.id, index=index, completion=_to_wire(c),
+                                                  stats=self.stats()))
+                    sent += 1
+            return ValueReply(id=request.id, value=sent, stats=self.stats())
         if isinstance(request, UpdateRequest):
             if request.collective_meta is not None:
                 weights = _RemoteWeights(request.collective_meta, lambda: self._arrive(request.id))
@@ -401,7 +434,7 @@ class EngineClient:
         self.address, self.server_pid = address, pid
         self.proc: Optional[subprocess.Popen] = None
         self.channel: Optional[wire.Channel] = None
-        self.active: dict[int, float] = {}  # generate request id -> time sent
+        self.active: dict[object, float] = {}  # one key per running sequence -> time sent
         self.updates: list[UpdateTiming] = []
         self.version = 0
         self.generated_tokens = 0
@@ -411,6 +444,7 @@ class EngineClient:
         self._core_dead = False
         self._gone: Optional[str] = None  # why the server is considered dead
         self._pending: dict[int, tuple[asyncio.Future, object]] = {}
+        self._streams: dict[int, asyncio.Queue] = {}  # group request id -> its samples as they come
         self._weights: dict[int, "CollectiveWeights"] = {}
         self._last_heard = time.monotonic()
         self._closing = False
@@ -479,6 +513,54 @@ class EngineClient:
             self.active.pop(request.id, None)
         return reply
 
+    async def generate_group(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
+                             seed: Optional[int] = None, ignore_eos: bool = False) -> list[Completion]:
+        done: dict[int, Completion] = {}
+        async with contextlib.aclosing(self.stream_group(prompt_ids, n, max_tokens, temperature, seed,
+                                                         ignore_eos)) as samples:
+            async for index, comp in samples:
+                done[index] = comp
+        return [done[i] for i in range(n)]
+
+    async def stream_group(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
+                           seed: Optional[int] = None, ignore_eos: bool = False):
+        """``RolloutEngine.stream_group`` on the server: ``(index, Completion)`` as each sample
+        finishes there. If the server dies, the samples not yet back end as ``engine_died``
+        with no tokens (the controller continues them elsewhere)."""
+        request = GroupRequest(id=next(_request_ids), prompt_ids=list(prompt_ids), n=n, max_tokens=max_tokens,
+                               temperature=temperature, seed=seed, ignore_eos=ignore_eos)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request.id] = queue
+        keys = [(request.id, i) for i in range(n)]
+        for key in keys:
+            self.active[key] = time.perf_counter()
+        ending = asyncio.ensure_future(self._request(request, timed=False))
+        ending.add_done_callback(lambda _: queue.put_nowait(None))
+        received: set[int] = set()
+        try:
+            while len(received) < n:
+                item = await queue.get()
+                if item is None:  # the stream's end: its count, an error, or a dead server
+                    ending.result()  # raises the server's error
+                    break
+                index, comp = item
+                received.add(index)
+                self.active.pop(keys[index], None)
+                yield index, comp
+            if len(received) < n:
+                now = time.time()
+                for i in sorted(set(range(n)) - received):
+                    yield i, Completion(list(prompt_ids), [], [], VersionTrack(), "engine_died", self.version, now,
+                                        now, 0, self.index)
+        finally:
+            self._streams.pop(request.id, None)
+            for key in keys:
+                self.active.pop(key, None)
+            if not ending.done():
+                ending.cancel()
+            elif not ending.cancelled():
+                ending.exception()  # retrieved: a consumer that stopped early does not want it
+
     async def hand_off(self, count: int) -> int:
         return (await self._request(HandOffRequest(id=next(_request_ids), count=count))).value
 
@@ -532,6 +614,8 @@ class EngineClient:
     def _when_gone(self, request):
         """A generation that cannot finish here ends as ``engine_died`` with no tokens (the
         controller continues it on another engine); any other call raises."""
+        if isinstance(request, GroupRequest):
+            return request.n  # the stream ends; its missing samples end as engine_died
         if isinstance(request, GenerateRequest):
             now = time.time()
             return Completion(list(request.prompt_ids), [], [], VersionTrack(), "engine_died", self.version, now, now,
@@ -555,6 +639,11 @@ class EngineClient:
             self._take_stats(stats, full=not isinstance(reply, PongReply))
         if isinstance(reply, ArrivedEvent):
             asyncio.ensure_future(self._arrive(reply.id))
+            return
+        if isinstance(reply, SampleReply):
+            queue = self._streams.get(reply.id)
+            if queue is not None:
+                queue.put_nowait((reply.index, _from_wire(reply.completion)))
             return
         entry = self._pending.get(reply.id)
         if entry is None or entry[0].done():

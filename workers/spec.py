@@ -228,6 +228,9 @@ class RolloutSpec(_Strict):
     # torch.distributed broadcast from the trainer to every engine (gloo on CPU, NCCL
     # between GPUs; workers/weight_broadcast.py)
     weight_transport: Literal["collective", "rpc"] = "rpc"
+    group_requests: bool = Field(True, description="send a prompt group to its engine as one request of group_size "
+                                 "samples (vLLM parallel sampling); off = one request per sample. Interrupt updates "
+                                 "and migrate_tail always use one request per sample")
 
 
 class ScheduleSpec(_Strict):
@@ -278,6 +281,9 @@ class ResourcesSpec(_Strict):
     engine_processes: bool = Field(False, description="each rollout engine in a server process of its own, with "
                                    "its own devices (always so when nodes > 1); otherwise the engines are clients "
                                    "in the controller's process")
+    trainer_process: bool = Field(False, description="the trainer in a process of its own even with one rank "
+                                  "(always so with trainer_ranks > 1): it then shares no interpreter lock with "
+                                  "the coordinator's event loop")
     colocate: bool = Field(False, description="engines share the trainer's GPUs and sleep while it steps "
                            "(schedule.mode sync)")
 

@@ -1,4 +1,5 @@
-"""A run whose trainer is two DeepSpeed rank processes (data parallel, ZeRO 2 and 3, gloo),
+"""A run whose trainer is two DeepSpeed rank processes (data parallel, ZeRO 2 and 3, gloo)
+or one (out of the coordinator's process),
 its weights sent over vLLM's RPC or broadcast over a gloo group by trainer rank 0: the engine trains through
 them, keeps staleness within η, and after every update the weights the rollout engine
 holds are the trainer's, checksum for checksum."""
@@ -28,8 +29,10 @@ class CheckingController(Controller):
         return timings
 
 
-@pytest.mark.parametrize("stage, transport", [(2, "rpc"), (3, "collective")])
-def test_two_trainer_ranks_train_an_async_run_and_the_engine_holds_their_weights(stage, transport, tmp_path):
+@pytest.mark.parametrize("ranks, stage, transport", [(2, 2, "rpc"), (2, 3, "collective"), (1, 0, "collective")])
+def test_trainer_rank_processes_train_an_async_run_and_the_engine_holds_their_weights(ranks, stage, transport,
+                                                                                        tmp_path):
+    """Two ranks, or one (``resources.trainer_process``: the trainer out of the coordinator's process)."""
     steps = 6
     spec = validate_spec({
         "name": f"ranks-zero{stage}", "model": {"path": "builtin:tiny"},
@@ -38,7 +41,7 @@ def test_two_trainer_ranks_train_an_async_run_and_the_engine_holds_their_weights
         "rollout": {"max_tokens": 8, "update_mode": "keep", "weight_transport": transport},
         "schedule": {"mode": "async", "max_staleness": 1, "batch_prompts": 4},
         "trainer": {"zero_stage": stage},
-        "resources": {"trainer_ranks": 2},
+        "resources": {"trainer_ranks": ranks, "trainer_process": ranks == 1},
         "stop": {"max_steps": steps, "max_minutes": 6},
         "eval": {"every_steps": 0, "prompts": 20},
     })
@@ -51,7 +54,7 @@ def test_two_trainer_ranks_train_an_async_run_and_the_engine_holds_their_weights
 
         assert isinstance(controller.broadcaster.sender, RankZeroSender) and controller.broadcaster.last_send_ms
     pids = controller.trainer.pids
-    assert len(pids) == 2
+    assert len(pids) == ranks
     import os
     assert not any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
                    for pid in pids)  # the rank processes are gone with the run

@@ -4,7 +4,7 @@ tested through the real engine in test_engine_integration.py."""
 import pytest
 
 from workers.controller import Controller
-from workers.engine_server import EngineClient
+from workers.engine_server import EngineClient, EngineServerConfig
 from workers.rollout import RolloutEngine
 from workers.spec import validate_spec
 
@@ -15,21 +15,24 @@ def _controller(tmp_path, group_size=4, **rollout):
     return Controller(spec, tmp_path / "out", progress=False)
 
 
-def test_groups_are_one_request_where_every_sample_keeps_its_semantics(tmp_path):
-    assert _controller(tmp_path)._one_request_per_group(RolloutEngine("unused", update_mode="keep"))
-    assert _controller(tmp_path, update_mode="drain")._one_request_per_group(RolloutEngine("unused", update_mode="drain"))
+@pytest.mark.parametrize("engine_kind", ["in_process", "engine_server"])
+def test_groups_are_one_request_where_every_sample_keeps_its_semantics(tmp_path, engine_kind):
+    def engine(mode):
+        if engine_kind == "in_process":
+            return RolloutEngine("unused", update_mode=mode)
+        return EngineClient(EngineServerConfig(model_path="unused", index=0, update_mode=mode))
+
+    assert _controller(tmp_path)._one_request_per_group(engine("keep"))
+    assert _controller(tmp_path, update_mode="drain")._one_request_per_group(engine("drain"))
 
 
-@pytest.mark.parametrize("why", ["interrupt", "migrate_tail", "one_sample", "engine_server", "env"])
-def test_groups_fall_back_to_a_request_per_sample(tmp_path, monkeypatch, why):
+@pytest.mark.parametrize("why", ["interrupt", "migrate_tail", "one_sample", "switched_off"])
+def test_groups_fall_back_to_a_request_per_sample(tmp_path, why):
     engine = RolloutEngine("unused", update_mode="interrupt" if why == "interrupt" else "keep")
     controller = _controller(tmp_path, group_size=1 if why == "one_sample" else 4,
                              **({"migrate_tail": 2} if why == "migrate_tail" else {}),
-                             **({"update_mode": "interrupt"} if why == "interrupt" else {}))
-    if why == "engine_server":
-        engine = EngineClient.__new__(EngineClient)  # a remote engine: single requests only
-    if why == "env":
-        monkeypatch.setenv("FLUXRL_GROUP_REQUESTS", "0")
+                             **({"update_mode": "interrupt"} if why == "interrupt" else {}),
+                             **({"group_requests": False} if why == "switched_off" else {}))
     assert not controller._one_request_per_group(engine)
 
 
