@@ -55,7 +55,9 @@ EXAMPLE = ROOT / "examples" / "add-async.yaml"
 ENGINE_SYSTEMS = {"sync": {"schedule": {"mode": "sync"}}, "async": {},
                   # the trainer in a process of its own (no interpreter lock shared with the coordinator)
                   "async_proc": {"resources": {"trainer_process": True}},
-                  "sync_proc": {"schedule": {"mode": "sync"}, "resources": {"trainer_process": True}}}
+                  "sync_proc": {"schedule": {"mode": "sync"}, "resources": {"trainer_process": True}},
+                  # vLLM's model in its engine core process (no worker process spin-waiting)
+                  "sync_single": {"schedule": {"mode": "sync"}, "rollout": {"cpu_single_process": True}}}
 SYSTEMS = ["plain", "sync", "async"]
 NO_STEP_LIMIT = 10 ** 9  # the time budget stops every run
 

@@ -161,7 +161,8 @@ class Controller:
             max_model_len=checked.max_model_len, max_num_seqs=ro.max_num_seqs, dtype=spec.model.dtype,
             seed=spec.seed + process.index, rpc_timeout_s=ro.rpc_timeout_s, top_p=ro.top_p, top_k=ro.top_k,
             stop=list(ro.stop), stop_token_ids=list(checked.stop_ids), kv_cache_gb=ro.kv_cache_gb,
-            gpu_memory_utilization=process.gpu_memory_utilization, host=host, env=self.plan.env(process))
+            gpu_memory_utilization=process.gpu_memory_utilization, host=host, env=self.plan.env(process),
+            cpu_single_process=ro.cpu_single_process)
 
     async def setup(self) -> None:
         spec = self.spec
@@ -208,7 +209,8 @@ class Controller:
                 RolloutEngine(spec.model.path, index=i, update_mode=spec.rollout.update_mode, sampling=sampling,
                               max_model_len=checked.max_model_len, max_num_seqs=spec.rollout.max_num_seqs,
                               dtype=spec.model.dtype, seed=spec.seed + i, rpc_timeout_s=spec.rollout.rpc_timeout_s,
-                              gpu_memory_utilization=p.gpu_memory_utilization)
+                              gpu_memory_utilization=p.gpu_memory_utilization,
+                              cpu_single_process=ro.cpu_single_process)
                 for i, p in enumerate(self.plan.engines)
             ]
         for engine in self.engines:  # one at a time: start-up is CPU-heavy

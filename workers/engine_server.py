@@ -68,6 +68,7 @@ class EngineServerConfig(wire.Message):
     gpu_memory_utilization: Optional[float] = None
     host: str = "127.0.0.1"  # the address it listens on (a node's reachable address for remote clients)
     env: dict[str, str] = {}  # the plan's placement: CUDA_VISIBLE_DEVICES, VLLM_CPU_OMP_THREADS_BIND, ...
+    cpu_single_process: bool = False  # rollout.cpu_single_process
     heartbeat_timeout_s: float = 30.0  # a remote server this long silent is dead (a busy machine is not)
 
 
@@ -276,7 +277,7 @@ class _Server:
             config.model_path, index=config.index, update_mode=config.update_mode, max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs, dtype=config.dtype, seed=config.seed, rpc_timeout_s=config.rpc_timeout_s,
             sampling=SamplingOptions(config.top_p, config.top_k, tuple(config.stop), tuple(config.stop_token_ids)),
-            gpu_memory_utilization=config.gpu_memory_utilization)
+            gpu_memory_utilization=config.gpu_memory_utilization, cpu_single_process=config.cpu_single_process)
         self.started = False
         self.stop = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()

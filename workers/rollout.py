@@ -118,8 +118,10 @@ class EngineRPCTimeout(RuntimeError):
 class RolloutEngine:
     def __init__(self, model_path: str, *, index: int = 0, update_mode: str = "keep", max_model_len: int = 256,
                  max_num_seqs: int = 256, dtype: str = "float32", seed: int = 0, rpc_timeout_s: float = 60.0,
-                 sampling: SamplingOptions = SamplingOptions(), gpu_memory_utilization: Optional[float] = None):
+                 sampling: SamplingOptions = SamplingOptions(), gpu_memory_utilization: Optional[float] = None,
+                 cpu_single_process: bool = False):
         self.gpu_memory_utilization = gpu_memory_utilization  # the plan's share of the GPU (None: vLLM's default)
+        self.cpu_single_process = cpu_single_process  # rollout.cpu_single_process
         self.model_path, self.index, self.update_mode = model_path, index, update_mode
         self.sampling = sampling
         self.rpc_timeout_s = rpc_timeout_s
@@ -159,7 +161,18 @@ class RolloutEngine:
             distributed_executor_backend="uni",
             **({"gpu_memory_utilization": self.gpu_memory_utilization} if self.gpu_memory_utilization else {}),
         )
-        self.engine = AsyncLLM.from_engine_args(args)
+        # vLLM's CPU platform turns the uni executor into a worker process unless this is 0
+        # when the config is made; the engine core process it starts inherits it.
+        before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        if self.cpu_single_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            self.engine = AsyncLLM.from_engine_args(args)
+        finally:
+            if before is None:
+                os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+            else:
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
         await self.engine.engine_core.set_weight_version_async("0")
         # The first weight load and the first steps of a process are slow (warm-up): pay them now.
         await self.generate([1, 5], max_tokens=4, temperature=1.0)

@@ -228,6 +228,9 @@ class RolloutSpec(_Strict):
     # torch.distributed broadcast from the trainer to every engine (gloo on CPU, NCCL
     # between GPUs; workers/weight_broadcast.py)
     weight_transport: Literal["collective", "rpc"] = "rpc"
+    cpu_single_process: bool = Field(False, description="vLLM on a CPU: run the model in the engine core process "
+                                     "itself, with no worker process (the two spin-wait on each other). Measured "
+                                     "1.3x faster sync runs on 2 cores, 0.67x async ones")
     group_requests: bool = Field(True, description="send a prompt group to its engine as one request of group_size "
                                  "samples (vLLM parallel sampling); off = one request per sample. Interrupt updates "
                                  "and migrate_tail always use one request per sample")
