@@ -514,14 +514,8 @@ class EngineClient:
             self.active.pop(request.id, None)
         return reply
 
-    async def generate_group(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
-                             seed: Optional[int] = None, ignore_eos: bool = False) -> list[Completion]:
-        done: dict[int, Completion] = {}
-        async with contextlib.aclosing(self.stream_group(prompt_ids, n, max_tokens, temperature, seed,
-                                                         ignore_eos)) as samples:
-            async for index, comp in samples:
-                done[index] = comp
-        return [done[i] for i in range(n)]
+    # the in-process engine's collection, over this class's stream_group
+    generate_group = RolloutEngine.generate_group
 
     async def stream_group(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
                            seed: Optional[int] = None, ignore_eos: bool = False):
