@@ -145,8 +145,8 @@ class ShutdownRequest(wire.Message):
 
 
 EngineRequest = Annotated[
-    Union[StartRequest, GenerateRequest, GroupRequest, HandOffRequest, UpdateRequest, GoRequest, JoinGroupRequest, ChecksumRequest,
-          PingRequest, ShutdownRequest],
+    Union[StartRequest, GenerateRequest, GroupRequest, HandOffRequest, UpdateRequest, GoRequest, JoinGroupRequest,
+          ChecksumRequest, PingRequest, ShutdownRequest],
     Field(discriminator="kind"),
 ]
 
@@ -542,11 +542,8 @@ class EngineClient:
                 received.add(index)
                 self.active.pop(keys[index], None)
                 yield index, comp
-            if len(received) < n:
-                now = time.time()
-                for i in sorted(set(range(n)) - received):
-                    yield i, Completion(list(prompt_ids), [], [], VersionTrack(), "engine_died", self.version, now,
-                                        now, 0, self.index)
+            for i in sorted(set(range(n)) - received):
+                yield i, self._died_unstarted(prompt_ids)
         finally:
             self._streams.pop(request.id, None)
             for key in keys:
@@ -612,10 +609,14 @@ class EngineClient:
         if isinstance(request, GroupRequest):
             return request.n  # the stream ends; its missing samples end as engine_died
         if isinstance(request, GenerateRequest):
-            now = time.time()
-            return Completion(list(request.prompt_ids), [], [], VersionTrack(), "engine_died", self.version, now, now,
-                              0, self.index)
+            return self._died_unstarted(request.prompt_ids)
         raise EngineDied(f"rollout engine {self.index} died ({self._gone}) during {request.kind}")
+
+    def _died_unstarted(self, prompt_ids: list[int]) -> Completion:
+        """A generation lost with its server: no tokens back, to be redone elsewhere."""
+        now = time.time()
+        return Completion(list(prompt_ids), [], [], VersionTrack(), "engine_died", self.version, now, now, 0,
+                          self.index)
 
     # -- the connection ---------------------------------------------------------------------------
     def _read(self) -> None:
