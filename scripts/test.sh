@@ -10,6 +10,6 @@ echo "== phase install: $((SECONDS - t)) s"; t=$SECONDS
 .venv/bin/python -m workers bootstrap
 echo "== phase model: $((SECONDS - t)) s"; t=$SECONDS
 status=0
-.venv/bin/python -m pytest -p no:cacheprovider "$@" || status=$?
+.venv/bin/python -m pytest -p no:cacheprovider --durations=25 "$@" || status=$?
 echo "== phase tests: $((SECONDS - t)) s (pytest exit $status)"
 exit $status

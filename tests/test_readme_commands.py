@@ -66,6 +66,13 @@ NOT_RUN = [
     (r"\.venv/bin/python -m workers node .*",
      "joins a run on a second machine; tests/workers/test_two_node_run.py runs a node agent in its own process "
      "tree on loopback"),
+    (r"for i in [\d ]+; do .*\.venv/bin/python -m workers run .*",
+     "trains the demo several times in a row (minutes each); the engine tests run `workers run`"),
+    (r"for v in [A-Z_ ]+; do", "writes a deployment's secrets into .env (with the next line); needs nothing to test"),
+    (r'echo "\$v=\$\(openssl rand -hex 32\)"; done > \.env && chmod 600 \.env', "the loop's body (previous line)"),
+    (r"docker compose .*",
+     "needs a Docker engine, which CI machines lack; tests/test_deployment.py checks docker-compose.yml and the "
+     "Dockerfile as files, and tests/platform/accounts/test_create_admin.py the create_admin command"),
     (r"\.venv/bin/python -m workers evaluate .*",
      "needs a finished run's final_model; tests/workers/test_model_zoo_engine.py makes the same evaluation"),
 ]

@@ -3,6 +3,7 @@
   python -m workers bootstrap [--rebuild]     install the tiny model (shipped weights, checked
                                               against their SHA-256) or retrain its recipe; print its folder
   python -m workers validate spec.yaml        check a run spec, naming any bad field
+  python -m workers sandbox-check             prove reward code can be contained here (or say why not)
   python -m workers evaluate MODEL spec.yaml  held-out accuracy of a model folder by HF greedy generation
   python -m workers build-model ARCH [--out DIR] [--dataset F]
                                               a small qwen2/llama/gpt2 with its own tokenizer, warm-started
@@ -11,6 +12,8 @@
 
 --resume continues from the newest complete checkpoint in DIR/checkpoints (saved every
 trainer.checkpoint_every steps): step N+1 onwards, metrics.jsonl cut back to step N.
+SIGTERM lets the step in progress finish, saves a checkpoint after it and stops (exit 130),
+so --resume loses nothing; a second SIGTERM, or SIGINT, stops at once.
 
 ``model.path: builtin:tiny`` in a spec means the tiny model (built on first use).
 Exit codes: 0 done, 2 bad input (spec, dataset, model, reward), 1 failure, 130 stopped.
@@ -102,7 +105,9 @@ def cmd_run(args) -> int:
             checkpoints.post("checkpoints", {"step": step, "version": version, "path": path})
     heartbeat = None
     if platform:
-        platform.status("running", "")
+        # After --resume the platform drops its points and samples past the step this engine
+        # continues after: the newest checkpoint on disk, whether or not its report got through.
+        platform.status("running", "", **({"resumed_from_step": resume.step if resume else -1} if args.resume else {}))
         # A client of its own: the Reporter's session is used from its own thread.
         heartbeat = Heartbeat(PlatformClient(args.platform, token, args.run_id), every_s=HEARTBEAT_S).start()
 
@@ -113,13 +118,18 @@ def cmd_run(args) -> int:
             signalled.append(True)
             stop.set()
 
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal)
-        if heartbeat:  # a cancel asked for on the platform stops the run like SIGTERM
-            heartbeat.on_cancel = lambda: loop.call_soon_threadsafe(on_signal)
         controller = Controller(spec, out, reporter, progress=not args.no_progress, stop_event=stop,
                                 resume=resume, on_checkpoint=on_checkpoint, rendezvous=getattr(args, "rendezvous", None))
+
+        def on_term():  # finish the step, save a checkpoint, stop (--resume continues from it)
+            signalled.append(True)
+            controller.request_checkpoint_and_stop()
+
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGINT, on_signal)
+        loop.add_signal_handler(signal.SIGTERM, on_term)
+        if heartbeat:  # a cancel asked for on the platform stops the run like SIGINT
+            heartbeat.on_cancel = lambda: loop.call_soon_threadsafe(on_signal)
         result = await controller.run()
         return result, bool(signalled)
 
@@ -190,8 +200,12 @@ def main(argv=None) -> int:
                        "rollout engines and serve the coordinator (workers/node.py)")
     n.add_argument("--rendezvous", required=True, help="HOST:PORT of node 0 (its python -m workers run --rendezvous)")
     n.add_argument("--node-rank", type=int, required=True, help="this node's rank, 1 .. resources.nodes - 1")
+    n.add_argument("--out", default=None, help="the run's folder on this node: trainer state is loaded and saved only "
+                   "inside it (default: the folder node 0 names, the same path on a shared file system)")
     n.add_argument("--host", default=None, help="this node's address the others reach (default: the one that "
                    "routes to the rendezvous)")
+    sub.add_parser("sandbox-check", help="start one contained sandbox to prove reward code can run here; print "
+                   "'sandbox: proven' or 'sandbox: unavailable: <why>' (exit 0 / 1)")
     sub.add_parser("engine-server", help="(started by the run) one rollout engine serving the run's coordinator; "
                    "reads its EngineServerConfig as JSON on stdin (workers/engine_server.py)")
     args = p.parse_args(argv)
@@ -199,7 +213,13 @@ def main(argv=None) -> int:
     if args.cmd == "node":
         from .node import run_node
 
-        return run_node(args.rendezvous, args.node_rank, args.host)
+        return run_node(args.rendezvous, args.node_rank, args.host, args.out)
+    if args.cmd == "sandbox-check":
+        from .sandbox import sandbox_status
+
+        available, reason = sandbox_status()
+        print(f"sandbox: {reason}" if available else f"sandbox: unavailable: {reason}")
+        return 0 if available else 1
     if args.cmd == "engine-server":
         from .engine_server import EngineServerConfig, serve
 

@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import random
 import statistics
 import sys
@@ -103,6 +104,29 @@ def _percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(math.ceil(q * len(s))) - 1)]
 
 
+def _plain_rng(state: tuple) -> list:
+    """random.Random.getstate() as lists (torch.load(weights_only=True) reads them back)."""
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _rng_tuple(state: list) -> tuple:
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
+
+
+def _plain_numpy_rng(state: tuple) -> list:
+    name, keys, pos, has_gauss, cached = state
+    return [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+
+
+def _numpy_rng_tuple(state: list) -> tuple:
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached = state
+    return (name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
+
+
 class Controller:
     def __init__(self, spec: RunSpec, out_dir: str | Path, reporter: Optional[Reporter] = None,
                  progress: bool = True, stop_event: Optional[asyncio.Event] = None,
@@ -129,6 +153,7 @@ class Controller:
         self._redo: deque[dict] = deque()
         self.resume = resume  # a checkpoint to continue from (workers/checkpoint.py)
         self.on_checkpoint = on_checkpoint  # called (step, version, path) after each save
+        self._checkpoint_and_stop = False  # request_checkpoint_and_stop (SIGTERM)
         self._first_step = 1
         self.migrations = 0  # sequences moved to another engine (rollout.migrate_tail)
         self._seconds_before = 0.0  # training time before the resumed checkpoint
@@ -265,7 +290,7 @@ class Controller:
                 cluster.assign(node, NodeAssignment(
                     spec=spec, model_path=spec.model.path, pad_id=checked.pad_id, master_addr=master_addr,
                     master_port=master_port, ranks=ranks, threads_per_rank=self._threads_per_rank(node),
-                    cuda_devices=self._trainer_devices(node),
+                    cuda_devices=self._trainer_devices(node), run_dir=str(self.out.resolve()),
                     engines=[self._engine_config(p, checked) for p in self.plan.on_node(node, "engine")]))
             local = asyncio.ensure_future(asyncio.to_thread(
                 TrainerGroup, spec, spec.model.path, ranks, self._threads_per_rank(0), checked.pad_id,
@@ -508,32 +533,28 @@ class Controller:
         every = self.spec.trainer.checkpoint_every
         return bool(every) and step % every == 0
 
+    def request_checkpoint_and_stop(self) -> None:
+        """SIGTERM: finish the step in progress, save a checkpoint after it (whatever
+        trainer.checkpoint_every says) and stop; a second request, or one before any step
+        was trained here, stops at once."""
+        if self._checkpoint_and_stop or self.result.steps < self._first_step:
+            # asked twice, or nothing trained since the start (or the resumed checkpoint)
+            self.stop.set()
+        self._checkpoint_and_stop = True
+
     async def _checkpoint(self, step: int, t_start: float, unfinished: list[dict]) -> None:
-        """Save a checkpoint after ``step`` if the spec asks for one now (workers/checkpoint.py).
-        ``unfinished``: rows drawn but not trained on (in flight, scored but not batched);
-        a resumed run generates them first, so no prompt is skipped."""
-        if not self._checkpoint_due(step):
+        """Save a checkpoint after ``step`` if the spec asks for one now (workers/checkpoint.py),
+        or a SIGTERM did; after the latter, stop. ``unfinished``: rows drawn but not trained
+        on (in flight, scored but not batched); a resumed run generates them first, so no
+        prompt is skipped."""
+        on_request = self._checkpoint_and_stop
+        if not (self._checkpoint_due(step) or on_request):
             return
-        import numpy as np
         import torch
 
-        r = self.result
         # Everything captured now, in the loop's thread: generation goes on while the
         # files are written.
-        state = {
-            "step": step, "version": self.trainer.version,
-            "rows": {"order": list(self._row_order), "pos": self._row_pos,
-                     "redo": list(unfinished) + list(self._redo)},
-            "rng": {"controller": self._rng.getstate(), "python": random.getstate(),
-                    "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-            "result": {"steps": r.steps, "trained_samples": r.trained_samples, "trained_tokens": r.trained_tokens,
-                       "staleness_max": r.staleness_max, "dropped_stale": r.dropped_stale,
-                       "dropped_uniform": r.dropped_uniform, "trained_groups": r.trained_groups,
-                       "accuracy_before": r.accuracy_before},
-            "seconds": time.time() - t_start, "trainer_busy_s": self.trainer_busy_s,
-            "gen_busy_s": self._gen_busy() - self._busy_before,
-            "ranker": self.ranker,
-        }
+        state = self._controller_state(step, self.trainer.version, time.time() - t_start, unfinished)
 
         def write(folder: Path) -> None:
             self.trainer.save_state(str(folder / "trainer"))
@@ -547,23 +568,61 @@ class Controller:
                 await asyncio.to_thread(self.on_checkpoint, step, info.version, str(info.path))
             except Exception as exc:  # the checkpoint is on disk; the platform just does not know
                 print(f"warning: could not report checkpoint step-{step}: {exc}", file=sys.stderr)
+        if on_request:
+            print(f"stopping after step {step}: checkpoint saved in {info.path}", file=sys.stderr)
+            self.stop.set()
 
-    def _restore(self, info: CheckpointInfo) -> None:
-        """Trainer (weights, optimiser, version) and controller state from a checkpoint."""
+    def _controller_state(self, step: int, version: int, seconds: float, unfinished: list[dict]) -> dict:
+        """The controller's part of a checkpoint (state.pt), as plain data (lists, dicts,
+        numbers, strings, one tensor): torch.load(weights_only=True) reads it back."""
         import numpy as np
         import torch
 
+        r = self.result
+        return {
+            "step": step, "version": version,
+            "rows": {"order": list(self._row_order), "pos": self._row_pos,
+                     "redo": list(unfinished) + list(self._redo)},
+            "rng": {"controller": _plain_rng(self._rng.getstate()), "python": _plain_rng(random.getstate()),
+                    "numpy": _plain_numpy_rng(np.random.get_state()), "torch": torch.get_rng_state()},
+            "result": {"steps": r.steps, "trained_samples": r.trained_samples, "trained_tokens": r.trained_tokens,
+                       "staleness_max": r.staleness_max, "dropped_stale": r.dropped_stale,
+                       "dropped_uniform": r.dropped_uniform, "trained_groups": r.trained_groups,
+                       "accuracy_before": r.accuracy_before},
+            "seconds": seconds, "trainer_busy_s": self.trainer_busy_s,
+            "gen_busy_s": self._gen_busy() - getattr(self, "_busy_before", 0.0),
+            # plain data copied here, on the loop: the ranker object used to be pickled in
+            # the writer thread while the loop went on learning ("deque mutated during iteration")
+            "ranker": self.ranker.state_dict(),
+        }
+
+    def _restore(self, info: CheckpointInfo) -> None:
+        """Trainer (weights, optimiser, version) and controller state from a checkpoint."""
+        import torch
+
         self.trainer.load_state(str(info.path / "trainer"))
-        state = torch.load(info.path / "state.pt", weights_only=False)
-        self._row_order, self._row_pos = state["rows"]["order"], state["rows"]["pos"]
+        # Plain tensors, lists, dicts, numbers and strings only: nothing in a checkpoint
+        # folder runs code when loaded.
+        try:
+            state = torch.load(info.path / "state.pt", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise RuntimeError(f"{info.path / 'state.pt'} holds pickled objects (a checkpoint of an older FluxRL) "
+                               f"and is not loaded: start the run again without --resume ({exc})") from None
+        self._load_controller_state(state)
+
+    def _load_controller_state(self, state: dict) -> None:
+        import numpy as np
+        import torch
+
+        self._row_order, self._row_pos = list(state["rows"]["order"]), state["rows"]["pos"]
         self._redo = deque(state["rows"]["redo"])
-        self._rng.setstate(state["rng"]["controller"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
+        self._rng.setstate(_rng_tuple(state["rng"]["controller"]))
+        random.setstate(_rng_tuple(state["rng"]["python"]))
+        np.random.set_state(_numpy_rng_tuple(state["rng"]["numpy"]))
         torch.set_rng_state(state["rng"]["torch"])
         for key, value in state["result"].items():
             setattr(self.result, key, value)
-        self.ranker = state["ranker"]
+        self.ranker.load_state_dict(state["ranker"])
         self._first_step = state["step"] + 1
         self._seconds_before = state["seconds"]
         self.trainer_busy_s = state["trainer_busy_s"]
@@ -831,7 +890,7 @@ class Controller:
                     break
                 await self._train_on(batch, step, t_start)
                 wake.set()
-                if self._checkpoint_due(step):  # rows drawn but not trained on go into it
+                if self._checkpoint_due(step) or self._checkpoint_and_stop:  # rows drawn but not trained on go into it
                     stash.extend(self.ready.get_nowait() for _ in range(self.ready.qsize()))
                     unfinished = list(task_rows.values()) + [g.samples[0].row for g in stash] + list(waiting)
                     await self._checkpoint(step, t_start, unfinished)

@@ -3,7 +3,8 @@
 ``python -m workers engine-server`` (started by :class:`EngineClient` on this node, or by
 a node agent on another: workers/node.py) reads an :class:`EngineServerConfig` as JSON
 on stdin, sets the environment the plan gives it (``CUDA_VISIBLE_DEVICES``, vLLM's CPU
-core binding) before vLLM loads, listens on a port, prints that address as its first
+core binding; only the families in :data:`ENV_ALLOWED`) before vLLM loads, listens on a port
+(the run's TLS wire: workers/wire.py), prints that address as its first
 line of stdout, and serves one client: the run's coordinator. It wraps the same
 :class:`~workers.rollout.RolloutEngine` the in-process mode uses, so generation, the
 update modes (keep / interrupt / drain), per-token versions and the generation-stall
@@ -35,7 +36,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Annotated, Literal, Optional, Union
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, TypeAdapter, field_validator
 
 from . import wire
 from .rollout import (Completion, EngineDied, EngineRPCTimeout, RolloutEngine, SamplingOptions, UpdateTiming,
@@ -48,6 +49,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
+
+# What the plan sets (workers/placement.py: OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES, VLLM_CPU_OMP_THREADS_BIND;
+# rollout.py: VLLM_CPU_KVCACHE_SPACE): an engine server sets nothing else from a message
+# (LD_PRELOAD, PYTHONPATH, ... would run code of the sender's choosing).
+ENV_ALLOWED = ("CUDA_VISIBLE_DEVICES", "OMP_*", "VLLM_CPU_*")
+
+
+def env_allowed(key: str) -> bool:
+    return any(key.startswith(p[:-1]) if p.endswith("*") else key == p for p in ENV_ALLOWED)
 
 
 # -- configuration and messages ----------------------------------------------------------
@@ -70,6 +80,14 @@ class EngineServerConfig(wire.Message):
     env: dict[str, str] = {}  # the plan's placement: CUDA_VISIBLE_DEVICES, VLLM_CPU_OMP_THREADS_BIND, ...
     cpu_single_process: bool = False  # rollout.cpu_single_process
     heartbeat_timeout_s: float = 30.0  # a remote server this long silent is dead (a busy machine is not)
+
+    @field_validator("env")
+    @classmethod
+    def _env_allowed(cls, env: dict[str, str]) -> dict[str, str]:
+        refused = sorted(k for k in env if not env_allowed(k))
+        if refused:
+            raise ValueError(f"an engine server may not set {', '.join(refused)} (allowed: {', '.join(ENV_ALLOWED)})")
+        return env
 
 
 class StartRequest(wire.Message):
@@ -313,8 +331,11 @@ class _Server:
                         self.pong()
                         continue
                     loop.call_soon_threadsafe(self.dispatch, request, blob)
-            except (EOFError, OSError):  # the client is gone: so is the reason to run
-                loop.call_soon_threadsafe(self.stop.set)
+            except EOFError:  # the client is gone: so is the reason to run
+                pass
+            except Exception as exc:  # noqa: BLE001 - a broken connection (closed by now) ends the server too
+                log.error("engine %d: the connection failed: %s: %s", self.config.index, type(exc).__name__, exc)
+            loop.call_soon_threadsafe(self.stop.set)
 
         threading.Thread(target=read, name="engine-server-reader", daemon=True).start()
         await self.stop.wait()
@@ -402,21 +423,16 @@ class _Server:
 
 def serve(config: EngineServerConfig) -> int:
     """The engine server's process: listen, announce the address on stdout, serve one client."""
-    os.environ.update(config.env)  # before vLLM (and torch) read it
+    os.environ.update(config.env)  # before vLLM (and torch) read it; the keys are allow-listed (validated)
     configure_cpu_environment(config.env.get("VLLM_CPU_OMP_THREADS_BIND"), config.kv_cache_gb)
-    from multiprocessing import AuthenticationError
-
     listener = wire.listen(config.host, 0)
     sys.stdout.write(json.dumps({"address": wire.format_address(listener.address), "pid": os.getpid()}) + "\n")
     sys.stdout.flush()
-    while True:  # only a client that holds the run's key is served
-        try:
-            conn = listener.accept()
-            break
-        except (AuthenticationError, EOFError, OSError) as exc:
-            log.warning("engine %d: refused a connection: %s", config.index, exc)
+    # only a client that holds the run's key gets here (the listener refuses the others, each
+    # connection with its own handshake deadline)
+    channel = listener.accept(REQUESTS)
     listener.close()
-    asyncio.run(_Server(config, wire.Channel(conn, REQUESTS)).run())
+    asyncio.run(_Server(config, channel).run())
     return 0
 
 
@@ -625,9 +641,12 @@ class EngineClient:
                 reply, _ = self.channel.recv()
                 self._last_heard = time.monotonic()
                 self._loop.call_soon_threadsafe(self._on_reply, reply)
-        except (EOFError, OSError):
-            if not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._mark_gone, "its connection closed")
+        except EOFError:
+            why = "its connection closed"
+        except Exception as exc:  # noqa: BLE001 - TLS error, bad or oversized frame: the channel is closed
+            why = f"its connection failed ({type(exc).__name__}: {exc})"
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._mark_gone, why)
 
     def _on_reply(self, reply) -> None:
         stats = getattr(reply, "stats", None)

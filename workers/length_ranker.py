@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 import zlib
 from collections import OrderedDict, deque
 from typing import Iterable, Sequence
@@ -121,6 +122,9 @@ class LengthRanker:
         self._coef: np.ndarray | None = None
         self._x_mean = self._x_scale = None
         self._y_mean = 0.0
+        # observe_group and state_dict hold it: a checkpoint taken while another thread
+        # learns must see the window and its sums of the same moment.
+        self._lock = threading.Lock()
 
     # -- learning -------------------------------------------------------------------
     def observe(self, prompt: str, length: int) -> None:
@@ -133,6 +137,10 @@ class LengthRanker:
         if not ys:
             return
         x = featurize(prompt, self.hash_dim, self.ngram_max)
+        with self._lock:
+            self._observe_locked(prompt, x, ys)
+
+    def _observe_locked(self, prompt: str, x: np.ndarray, ys: list[float]) -> None:
         guess = float(np.expm1(self._predict_log(x[None, :], [prompt])[0]))
         self._held_out.extend((guess, math.expm1(y)) for y in ys)
         self._add(x, ys)
@@ -171,6 +179,66 @@ class LengthRanker:
         gram = n * cov / np.outer(self._x_scale, self._x_scale) + self.ridge * np.eye(len(std))
         rhs = (self._sxy - self._x_mean * self._sy) / self._x_scale
         self._coef = np.linalg.solve(gram, rhs)
+
+    # -- checkpoints ----------------------------------------------------------------
+    _CONFIG = ("hash_dim", "ngram_max", "window", "refit_every", "ridge", "memory_prompts", "memory_prior")
+
+    def state_dict(self) -> dict:
+        """Everything the ranker knows, copied under the lock (later observations do not
+        change it), as what ``torch.load(weights_only=True)`` reads back: float64 tensors,
+        lists, numbers, strings, None. The running sums are kept as they are (not
+        recomputed from the window), so a restored ranker predicts bit for bit the same."""
+        import torch
+
+        def tensor(a):
+            return None if a is None else torch.from_numpy(np.array(a, dtype=np.float64))
+
+        with self._lock:
+            d = _N_DENSE + self.hash_dim
+            return {
+                "format": 1,
+                "config": {name: getattr(self, name) for name in self._CONFIG} | {"quality_window": self._held_out.maxlen},
+                "window_x": tensor(np.stack([x for x, _ in self._window]) if self._window else np.zeros((0, d))),
+                "window_y": tensor([y for _, y in self._window]),
+                "sx": tensor(self._sx), "sxx": tensor(self._sxx), "sxy": tensor(self._sxy), "sy": float(self._sy),
+                "memory_prompts": list(self._memory),
+                "memory_totals": tensor([total for total, _ in self._memory.values()]),
+                "memory_counts": [count for _, count in self._memory.values()],
+                "held_out": tensor(np.array(self._held_out, dtype=np.float64).reshape(-1, 2)),
+                "since_fit": self._since_fit, "observations": self.observations,
+                "coef": tensor(self._coef), "x_mean": tensor(self._x_mean), "x_scale": tensor(self._x_scale),
+                "y_mean": float(self._y_mean),
+            }
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "LengthRanker":
+        ranker = cls(**state["config"])
+        ranker.load_state_dict(state)
+        return ranker
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned (its config must match this ranker's)."""
+        config = {name: getattr(self, name) for name in self._CONFIG} | {"quality_window": self._held_out.maxlen}
+        if state["config"] != config:
+            raise ValueError(f"a ranker state for {state['config']} cannot load into a ranker of {config}")
+
+        def array(t):
+            return None if t is None else t.numpy().astype(np.float64, copy=True)
+
+        with self._lock:
+            window_x, window_y = array(state["window_x"]), array(state["window_y"])
+            self._window = deque(zip(window_x, map(float, window_y)))
+            self._sx, self._sxx, self._sxy = array(state["sx"]), array(state["sxx"]), array(state["sxy"])
+            self._sy = float(state["sy"])
+            self._memory = OrderedDict(
+                (prompt, (float(total), int(count)))
+                for prompt, total, count in zip(state["memory_prompts"], array(state["memory_totals"]),
+                                                state["memory_counts"]))
+            self._held_out.clear()
+            self._held_out.extend((float(p), float(a)) for p, a in array(state["held_out"]))
+            self._since_fit, self.observations = int(state["since_fit"]), int(state["observations"])
+            self._coef, self._x_mean, self._x_scale = array(state["coef"]), array(state["x_mean"]), array(state["x_scale"])
+            self._y_mean = float(state["y_mean"])
 
     # -- prediction -----------------------------------------------------------------
     def _predict_log(self, X: np.ndarray, prompts: Sequence[str]) -> np.ndarray:

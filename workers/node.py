@@ -5,7 +5,10 @@ node agent on every other node, joined through a rendezvous address.
     node r:   python -m workers node --rendezvous HOST:PORT --node-rank r   (r = 1 .. nodes-1)
 
 Every process of the run holds the same cluster key (``FLUXRL_CLUSTER_KEY``, workers/
-wire.py): the connections are authenticated and carry typed JSON only.
+wire.py): the connections are mutually authenticated TLS 1.3 and carry typed JSON only.
+An agent loads and saves trainer state only inside the run's folder (``--out``, or the
+folder the coordinator names when the agent was started without it): a path outside it
+is refused (:class:`PathRefused`).
 
 A node agent connects twice (control: requests and replies; watch: nothing but its
 liveness), receives its :class:`NodeAssignment` — the spec, the torch.distributed master
@@ -27,7 +30,6 @@ import os
 import socket
 import threading
 import time
-from multiprocessing.connection import wait
 from typing import Annotated, Callable, Literal, Optional, Union
 
 from pydantic import Field, TypeAdapter
@@ -59,6 +61,7 @@ class NodeAssignment(wire.Message):
     threads_per_rank: Optional[int]
     cuda_devices: Optional[list[str]] = None  # per local rank
     engines: list[EngineServerConfig]
+    run_dir: str = ""  # the run's folder: trainer paths must lie in it (unless the agent has its own --out)
 
 
 class EngineAddress(wire.Message):
@@ -120,6 +123,22 @@ class NodeError(RuntimeError):
     """A node of the run failed or stopped answering: the run fails as a whole."""
 
 
+class PathRefused(PermissionError):
+    """A trainer call named a path outside the run's folder."""
+
+
+def confined(path: str, run_dir: str) -> str:
+    """``path`` resolved (symlinks too), if it lies inside ``run_dir``; else :class:`PathRefused`."""
+    if not run_dir:
+        raise PathRefused(f"{path!r}: this node agent has no run folder to load from or save to "
+                          "(start it with --out DIR)")
+    root = os.path.realpath(run_dir)
+    resolved = os.path.realpath(os.path.join(root, path))
+    if os.path.commonpath([root, resolved]) != root:
+        raise PathRefused(f"{path!r} resolves to {resolved}, outside the run's folder {root}: refused")
+    return resolved
+
+
 # -- the coordinator's side ------------------------------------------------------------------
 class _Node:
     def __init__(self, rank: int, host: str, pid: int):
@@ -155,30 +174,29 @@ class Cluster:
             node = self.nodes.setdefault(join.node_rank, _Node(join.node_rank, join.host, join.pid))
             setattr(node, join.channel, channel)
             waiting.discard(join.node_rank)
-        threading.Thread(target=self._watch, name="cluster-watch", daemon=True).start()
+        for node in self.nodes.values():
+            threading.Thread(target=self._watch, args=(node,), name=f"cluster-watch-{node.rank}", daemon=True).start()
 
     def _accept(self, deadline: float):
-        from multiprocessing import AuthenticationError
-
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             missing = sorted(set(range(1, len(self.nodes) + 2)) - set(self.nodes)) or "some"
             self.close()
             raise NodeError(f"node(s) {missing} did not join the rendezvous in time "
                             f"(python -m workers node --rendezvous {self.host}:... --node-rank R)")
-        self._listener._listener._socket.settimeout(remaining)  # noqa: SLF001 - accept() has no timeout of its own
-        try:
-            conn = self._listener.accept()
-        except socket.timeout:
+        try:  # handshakes (and refusals) happen in the listener's threads, each with its deadline
+            channel = self._listener.accept(TO_COORDINATOR, timeout=min(remaining, 1.0))
+        except TimeoutError:
             return None, None
-        except (AuthenticationError, EOFError, OSError) as exc:
-            log.warning("rendezvous: refused a connection: %s", exc)
-            return None, None
-        channel = wire.Channel(conn, TO_COORDINATOR)
-        if not channel.poll(30):
+        if not channel.poll(wire.handshake_timeout()):
+            log.warning("rendezvous: %s connected but did not say who it is: dropped", channel.peer)
             channel.close()
             return None, None
-        join, _ = channel.recv()
+        try:
+            join, _ = channel.recv()
+        except (EOFError, OSError) as exc:
+            log.warning("rendezvous: dropped %s: %s", channel.peer, exc)
+            return None, None
         if not isinstance(join, Join):
             channel.close()
             return None, None
@@ -237,32 +255,28 @@ class Cluster:
                 if node.control.poll(0.2):
                     reply, _ = node.control.recv()
                     return reply
-            except (EOFError, OSError):
+            except EOFError:
                 self._fail(node, f"it disconnected during {what}")
+            except Exception as exc:  # noqa: BLE001 - a bad frame, a TLS error: the channel is closed, the run fails
+                self._fail(node, f"its connection failed during {what}: {type(exc).__name__}: {exc}")
             if deadline is not None and time.monotonic() > deadline:
                 self._fail(node, f"it did not finish {what} within {timeout_s:g} s")
 
-    def _watch(self) -> None:
-        """An agent's watch connection closes when its process dies."""
-        while not self._closed:
-            by_conn = {n.watch.conn: n for n in self.nodes.values() if n.watch is not None}
-            if not by_conn:
-                return
-            try:
-                ready = wait(list(by_conn), timeout=0.5)
-            except (OSError, ValueError):
-                return
-            for conn in ready:
-                if self._closed:
-                    return
-                node = by_conn[conn]
-                try:
-                    conn.recv_bytes()
-                except (EOFError, OSError):
-                    try:
-                        self._fail(node, "its agent exited")
-                    except NodeError:
-                        return
+    def _watch(self, node: _Node) -> None:
+        """An agent's watch connection closes when its process dies (it never sends)."""
+        try:
+            message, _ = node.watch.recv()
+            why = f"it sent {message.kind} on its watch connection"
+        except EOFError:
+            why = "its agent exited"
+        except Exception as exc:  # noqa: BLE001 - any failure of the connection fails the run
+            why = f"its watch connection failed: {type(exc).__name__}: {exc}"
+        if self._closed:
+            return
+        try:
+            self._fail(node, why)
+        except NodeError:
+            pass
 
     def _check(self) -> None:
         if self._failure is not None:
@@ -294,7 +308,8 @@ class Cluster:
 
 class ClusterTrainer:
     """The trainer over every node: this node's ``TrainerGroup`` plus the same calls sent
-    to every other node's (the interface the controller uses of ``Trainer``)."""
+    to every other node's (the interface the controller uses of ``Trainer``). Paths go out
+    absolute: an agent resolves a relative one against its run folder, not our cwd."""
 
     def __init__(self, local, cluster: Cluster):
         self.local, self.cluster = local, cluster
@@ -335,13 +350,13 @@ class ClusterTrainer:
         return self._all("state_dict", {}, self.local.state_dict)
 
     def save(self, path: str) -> None:
-        self._all("save", {"path": str(path)}, lambda: self.local.save(path))
+        self._all("save", {"path": os.path.abspath(path)}, lambda: self.local.save(path))
 
     def save_state(self, folder: str) -> None:
-        self._all("save_state", {"path": str(folder)}, lambda: self.local.save_state(folder))
+        self._all("save_state", {"path": os.path.abspath(folder)}, lambda: self.local.save_state(folder))
 
     def load_state(self, folder: str) -> int:
-        return self._all("load_state", {"path": str(folder)}, lambda: self.local.load_state(folder))
+        return self._all("load_state", {"path": os.path.abspath(folder)}, lambda: self.local.load_state(folder))
 
     @property
     def pids(self) -> list[int]:
@@ -379,7 +394,7 @@ def free_port(host: str) -> int:
 
 
 # -- the agent's side ------------------------------------------------------------------------
-def _call_group(group, call: TrainerCall) -> None:
+def _call_group(group, call: TrainerCall, run_dir: str = "") -> None:
     from .trainer_ranks import _Rank
 
     batch = _Rank._samples(call.samples)
@@ -390,16 +405,17 @@ def _call_group(group, call: TrainerCall) -> None:
     elif call.method == "finish_step":
         group.finish_step(call.sequences, call.rescale)
     elif call.method in ("save", "save_state", "load_state"):
-        getattr(group, call.method)(call.path)
+        getattr(group, call.method)(confined(call.path, run_dir))
     elif call.method == "prepare_weights":
         group.prepare_weights(call.version, call.bucket_bytes)
     else:
         getattr(group, call.method)()
 
 
-def run_node(rendezvous: str, node_rank: int, host: Optional[str] = None) -> int:
+def run_node(rendezvous: str, node_rank: int, host: Optional[str] = None, run_dir: Optional[str] = None) -> int:
     """A node agent: join, start this node's engine servers and trainer ranks, serve the
-    coordinator's trainer calls until it says stop (0) or is gone (1)."""
+    coordinator's trainer calls until it says stop (0) or is gone (1). Trainer state is
+    loaded and saved only inside ``run_dir`` (default: the run folder the coordinator names)."""
     from .trainer_ranks import TrainerGroup
 
     address = wire.parse_address(rendezvous)
@@ -420,8 +436,10 @@ def run_node(rendezvous: str, node_rank: int, host: Optional[str] = None) -> int
         try:
             if isinstance(watch.recv()[0], Shutdown):
                 return  # an orderly end: the control channel says it too
-        except (EOFError, OSError):
+        except EOFError:
             pass
+        except Exception as exc:  # noqa: BLE001 - a broken connection is a lost coordinator
+            log.error("node %d: the watch connection failed: %s: %s", node_rank, type(exc).__name__, exc)
         log.error("node %d: the coordinator is gone; stopping this node's processes", node_rank)
         for proc in servers:
             kill_session(proc.pid)
@@ -432,6 +450,8 @@ def run_node(rendezvous: str, node_rank: int, host: Optional[str] = None) -> int
         assignment, _ = control.recv()
         if not isinstance(assignment, NodeAssignment):
             raise NodeError(f"expected an assignment, got {assignment.kind}")
+        run_dir = run_dir or assignment.run_dir
+        log.info("node %d: trainer state is loaded and saved only under %s", node_rank, run_dir or "(nowhere)")
         try:
             engines = []
             for config in assignment.engines:
@@ -453,15 +473,15 @@ def run_node(rendezvous: str, node_rank: int, host: Optional[str] = None) -> int
             if isinstance(message, Shutdown):
                 return 0
             try:
-                _call_group(group, message)
+                _call_group(group, message, run_dir)
                 control.send(TrainerCalled(id=message.id, version=group.version))
             except TrainerRankError as exc:
                 control.send(TrainerCalled(id=message.id, version=group.version, error=str(exc), rank=exc.rank,
                                            exitcode=exc.exitcode))
             except Exception as exc:  # noqa: BLE001
                 control.send(TrainerCalled(id=message.id, version=group.version, error=f"{type(exc).__name__}: {exc}"))
-    except (EOFError, OSError):
-        log.error("node %d: lost the coordinator", node_rank)
+    except (EOFError, OSError) as exc:  # wire errors are OSErrors: the channel is closed
+        log.error("node %d: lost the coordinator: %s: %s", node_rank, type(exc).__name__, exc)
         return 1
     finally:
         cleanup()
@@ -475,7 +495,9 @@ def _connect(address: tuple[str, int], join: Join, timeout_s: float = 600.0) -> 
             channel = wire.connect(address, TO_NODE)
             channel.send(join)
             return channel
-        except (ConnectionRefusedError, OSError):
+        except wire.KeyRefused:  # retrying will not help
+            raise
+        except OSError:  # node 0 not listening yet, or slow to answer
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
@@ -31,40 +32,234 @@ class PromptError(ValueError):
 
 MAX_TEMPLATE_RESULT = 100_000  # characters (or items) one operation of a template may build
 
+# %-style conversion specs: width and precision (a number, or * taken from the arguments).
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[#0 +-]*(\*|\d+)?(?:\.(\*|\d+))?")
+_STR_WIDTH_METHODS = {"ljust": 0, "rjust": 0, "center": 0, "zfill": 0}  # name -> index of the width argument
+
+
+def _check_size(what: str, size) -> None:
+    from jinja2.exceptions import SecurityError
+
+    if size > MAX_TEMPLATE_RESULT:
+        raise SecurityError(f"{what} would build more than {MAX_TEMPLATE_RESULT} characters or items; a prompt "
+                            "template may not")
+
+
+def _as_size(value) -> int:
+    """A width-like argument as a number (Jinja passes what the template wrote: ints, strings)."""
+    if isinstance(value, bool):
+        return 0
+    if isinstance(value, (int, float)):
+        return int(abs(value)) if abs(value) < 1e18 else 10 ** 18
+    if isinstance(value, str):
+        return int(value) if value.strip().isdigit() and len(value.strip()) < 19 else len(value)
+    return 0
+
+
+def _check_percent_spec(fmt, args) -> None:
+    """`fmt % args` (the % operator, the format filter): no width or precision above the cap."""
+    if not isinstance(fmt, str):
+        return
+    values = args if isinstance(args, tuple) else (args,)
+    for width, precision in _PERCENT_SPEC.findall(fmt):
+        for spec in (width, precision):
+            if spec == "*":
+                for value in values:
+                    if isinstance(value, int):
+                        _check_size("a %-format width", _as_size(value))
+            elif spec:
+                _check_size("a %-format width", _as_size(spec))
+
+
+def _check_str_format(fmt: str) -> None:
+    """str.format / format_map: no width above the cap, and no widths taken from arguments."""
+    import string
+
+    try:
+        fields = list(string.Formatter().parse(fmt))
+    except ValueError:
+        return  # str.format raises the same error itself
+    for _, _, spec, _ in fields:
+        if spec and "{" in spec:
+            from jinja2.exceptions import SecurityError
+
+            raise SecurityError("nested format fields ({:{width}}) are not allowed in a prompt template")
+        for number in re.findall(r"\d+", spec or ""):
+            _check_size("a format width", _as_size(number))
+
+
+def _bounded_filters(filters: dict, refusals: list) -> dict:
+    """Jinja's filters whose output can be far larger than their input, refusing sizes
+    above MAX_TEMPLATE_RESULT before building anything. They are what the compiler calls
+    when it folds constants, so this also bounds compiling; Jinja drops an error raised
+    while folding, so each refusal is also noted in refusals (compile_template reports it)."""
+    base = dict(filters)
+
+    def _too_big(what, size):
+        try:
+            _check_size(what, size)
+        except Exception as exc:
+            refusals.append(str(exc))
+            raise
+
+    def _check_percent(fmt, args):
+        try:
+            _check_percent_spec(fmt, args)
+        except Exception as exc:
+            refusals.append(str(exc))
+            raise
+
+    def center(value, width=80):
+        _too_big("center", _as_size(width))
+        return base["center"](value, width)
+
+    def indent(s, width=4, first=False, blank=False):
+        pad = len(width) if isinstance(width, str) else _as_size(width)
+        _too_big("indent", pad * (str(s).count("\n") + 1))
+        return base["indent"](s, width, first, blank)
+
+    def format_(value, *args, **kwargs):
+        _check_percent(value, args or kwargs)
+        return base["format"](value, *args, **kwargs)
+
+    def batch(value, linecount, fill_with=None):
+        _too_big("batch", _as_size(linecount))
+        return base["batch"](value, linecount, fill_with)
+
+    def slice_(eval_ctx, value, slices, fill_with=None):
+        _too_big("slice", _as_size(slices))
+        return base["slice"](eval_ctx, value, slices, fill_with)
+
+    def tojson(eval_ctx, value, indent=None):
+        _too_big("tojson's indent", _as_size(indent or 0))
+        return base["tojson"](eval_ctx, value, indent)
+
+    def join(eval_ctx, value, d="", attribute=None):
+        items = list(value)
+        _too_big("join", len(str(d)) * max(0, len(items) - 1))
+        return base["join"](eval_ctx, items, d, attribute)
+
+    def replace(eval_ctx, s, old, new, count=None):
+        s, old, new = str(s), str(old), str(new)
+        hits = (s.count(old) if old else len(s) + 1) if count is None or count < 0 else _as_size(count)
+        _too_big("replace", hits * max(0, len(new) - len(old)))
+        return base["replace"](eval_ctx, s, old, new, count)
+
+    def sum_(environment, iterable, attribute=None, start=0):
+        items = list(iterable)
+        if isinstance(start, (str, list, tuple)) and attribute is None:
+            _too_big("sum", len(start) + sum(len(i) for i in items if isinstance(i, (str, list, tuple))))
+        return base["sum"](environment, items, attribute, start)
+
+    from jinja2.utils import pass_environment, pass_eval_context
+
+    return {**filters, "center": center, "indent": indent, "format": format_, "batch": batch,
+            "slice": pass_eval_context(slice_), "tojson": pass_eval_context(tojson), "join": pass_eval_context(join),
+            "replace": pass_eval_context(replace), "sum": pass_environment(sum_)}
+
 
 def _environment():
-    """Jinja's sandbox (no Python internals), with ``*`` and ``**`` intercepted: Jinja folds
-    constant expressions while compiling, so ``{{ 'a' * 10**10 }}`` would otherwise build
-    a 10 GB string in whatever process validates the spec (the web process too)."""
+    """Jinja's immutable sandbox (no Python internals), with every operation that can build
+    far more than it is given bounded at MAX_TEMPLATE_RESULT: ``*`` and ``**``, ``%`` and
+    str.format widths, the width filters (center, indent, format, batch, slice, tojson,
+    join, replace, sum) and str's ljust/rjust/center/zfill/expandtabs; no lipsum. Jinja
+    folds constant expressions while compiling, so ``{{ 'x'|center(10**8) }}`` would
+    otherwise build 100 MB in whatever process compiles the template. CPU time and the
+    total size (a loop building many bounded pieces) are not bounded here: the web server
+    compiles and renders templates only in a child process with limits (runs/preview.py)."""
     from jinja2 import StrictUndefined
     from jinja2.exceptions import SecurityError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class BoundedEnvironment(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"*", "**"})
+        intercepted_binops = frozenset({"*", "**", "%"})
 
         def call_binop(self, context, operator, left, right):
             if operator == "**":
                 if isinstance(right, (int, float)) and abs(right) > 64 and abs(left) > 1:
                     raise SecurityError("a power this large is not allowed in a prompt template")
                 return left ** right
+            if operator == "%":
+                _check_percent_spec(left, right)
+                return left % right
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_TEMPLATE_RESULT:
                     raise SecurityError(f"a template may not build more than {MAX_TEMPLATE_RESULT} characters at once")
             return left * right
 
-    return BoundedEnvironment(undefined=StrictUndefined, keep_trailing_newline=True)
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja's own signature
+            owner, name = getattr(__obj, "__self__", None), getattr(__obj, "__name__", "")
+            if isinstance(owner, str):
+                if name in _STR_WIDTH_METHODS and args:
+                    _check_size(f"str.{name}", _as_size(args[_STR_WIDTH_METHODS[name]]))
+                elif name == "expandtabs":
+                    _check_size("str.expandtabs", _as_size(args[0] if args else kwargs.get("tabsize", 8))
+                             * (owner.count("\t") + 1))
+                elif name == "join" and args:
+                    items = list(args[0])
+                    _check_size("str.join", len(owner) * max(0, len(items) - 1))
+                    args = (items, *args[1:])
+                elif name == "replace" and len(args) >= 2:
+                    old, new = str(args[0]), str(args[1])
+                    hits = owner.count(old) if old else len(owner) + 1
+                    if len(args) > 2 and isinstance(args[2], int) and args[2] >= 0:
+                        hits = min(hits, args[2])
+                    _check_size("str.replace", hits * max(0, len(new) - len(old)))
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def wrap_str_format(self, value):
+            wrapped = super().wrap_str_format(value)
+            if wrapped is None:
+                return None
+            _check_str_format(value.__self__)
+            return wrapped
+
+    env = BoundedEnvironment(undefined=StrictUndefined, keep_trailing_newline=True)
+    env.refusals = []
+    env.filters = _bounded_filters(env.filters, env.refusals)
+    env.globals.pop("lipsum", None)  # lipsum(n=10**8): nothing a prompt needs
+    return env
+
+
+class DeferredTemplate:
+    """What compile_template returns in a process that hands templates to a checker (the
+    web server): the template was checked elsewhere and is never rendered here."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def render(self, *args, **kwargs):
+        raise RuntimeError("prompt templates are rendered in a bounded child process here (runs/preview.py)")
+
+
+_template_checker = None
+
+
+def check_templates_with(checker) -> None:
+    """From now on this process compiles no template itself: compile_template(text) calls
+    checker(text) (which compiles it elsewhere, raising ValueError "line N: ..." for a bad
+    one) and returns a DeferredTemplate. The web server sets this (fluxrl/runs/apps.py) so
+    validating a spec never compiles user Jinja in the web process."""
+    global _template_checker
+    _template_checker = checker
 
 
 def compile_template(text: str):
     """A Jinja template over row fields, in the bounded sandbox above: undefined fields
     are errors, not empty strings."""
+    if _template_checker is not None:
+        _template_checker(text)
+        return DeferredTemplate(text)
     from jinja2 import TemplateSyntaxError
 
+    env = _environment()
     try:
-        return _environment().from_string(text)
+        template = env.from_string(text)
     except TemplateSyntaxError as exc:
         raise ValueError(f"line {exc.lineno}: {exc.message}") from None
+    if env.refusals:  # a constant expression the bounded filters refused while folding
+        raise ValueError(env.refusals[0])
+    return template
 
 
 def load_tokenizer(model_path: str):

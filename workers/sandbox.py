@@ -9,9 +9,13 @@ not the interpreter's: code that tears down every Python-level guard is still he
   Python installation (read-only), a minimal /dev, its own /proc, and a 16 MB tmpfs
   working folder. No /etc, /home, /root, repository, database or model files exist in
   there; no network interface but a down loopback; no other process is visible.
-- **another user**: started by root, the child drops to ``FLUXRL_SANDBOX_UID`` (61000),
-  with no capabilities and no supplementary groups (``setpriv``); started by another
-  user, a user namespace maps it there instead.
+- **another user per sandbox**: started by root, the child drops to a uid of its own,
+  leased from the pool ``FLUXRL_SANDBOX_UID_BASE`` (61000) .. + ``FLUXRL_SANDBOX_UID_COUNT``
+  (64) for the sandbox's lifetime, with no capabilities and no supplementary groups
+  (``setpriv``). A lease is a ``flock`` on one file per uid, so sandboxes of any process
+  on this host never share a uid, and one sandbox holding its RLIMIT_NPROC cannot stop
+  another's threads or start. Started by another user, a user namespace maps the leased
+  uid instead (the real uid, and so the process count, is then the caller's).
 - **seccomp** filters (libseccomp, through pyseccomp): no fork/vfork or process-making
   clone, no ptrace, mount, namespaces, keyrings, bpf, io_uring, perf events; sockets
   only of the AF_UNIX family; once the interpreter has started, no execve either.
@@ -38,6 +42,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -45,7 +50,11 @@ from typing import Any, Optional
 logger = logging.getLogger(__name__)
 
 UNSAFE_ENV = "FLUXRL_UNSAFE_REWARD_CODE"
-SANDBOX_UID = int(os.environ.get("FLUXRL_SANDBOX_UID", "61000"))
+UID_BASE_ENV, UID_COUNT_ENV, UID_LOCK_DIR_ENV = "FLUXRL_SANDBOX_UID_BASE", "FLUXRL_SANDBOX_UID_COUNT", "FLUXRL_SANDBOX_LOCK_DIR"
+# The pool's first uid (FLUXRL_SANDBOX_UID: its former, single-uid name).
+SANDBOX_UID = int(os.environ.get(UID_BASE_ENV) or os.environ.get("FLUXRL_SANDBOX_UID") or 61000)
+UID_WAIT_S = 10.0  # how long a sandbox waits for a free uid when every one is leased
+STATUS_TTL_S = 30.0  # how long sandbox_status() reuses a failed probe (a proven boundary is kept)
 WORKDIR_MB = 16
 MAX_PROCESSES = 64  # RLIMIT_NPROC of the sandbox user: threads count too
 CHILD_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/work", "LANG": "C.UTF-8",
@@ -204,6 +213,105 @@ def _bpf(filt) -> bytes:
         return f.read()
 
 
+# -- the uid pool ------------------------------------------------------------------
+def uid_pool() -> range:
+    """The uids sandboxes run as (read at each lease, so a test or operator may change them)."""
+    try:
+        base = int(os.environ.get(UID_BASE_ENV) or os.environ.get("FLUXRL_SANDBOX_UID") or 61000)
+        count = int(os.environ.get(UID_COUNT_ENV) or 64)
+    except ValueError as exc:
+        raise SandboxUnavailable(f"{UID_BASE_ENV} and {UID_COUNT_ENV} must be whole numbers ({exc})") from None
+    if base <= 0 or count < 1:
+        raise SandboxUnavailable(f"{UID_BASE_ENV} must be > 0 and {UID_COUNT_ENV} >= 1 (got {base}, {count})")
+    return range(base, base + count)
+
+
+def _lock_dir() -> str:
+    """Where the per-uid lock files live: one folder for every process of this host that
+    starts sandboxes (/run survives no reboot, which is right for locks; not /tmp, which
+    systemd's PrivateTmp gives each service a copy of)."""
+    folder = os.environ.get(UID_LOCK_DIR_ENV) or (
+        "/run/fluxrl-sandbox" if os.geteuid() == 0 and os.access("/run", os.W_OK)
+        else os.path.join(tempfile.gettempdir(), f"fluxrl-sandbox-{os.geteuid()}"))
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        owner = os.stat(folder).st_uid
+    except OSError as exc:
+        raise SandboxUnavailable(f"cannot make the sandbox lock folder {folder} ({exc}); set {UID_LOCK_DIR_ENV}") from None
+    if owner != os.geteuid():  # another user's folder could hold every lock
+        raise SandboxUnavailable(f"the sandbox lock folder {folder} belongs to another user; set {UID_LOCK_DIR_ENV}")
+    return folder
+
+
+def _uids_with_processes() -> set[int]:
+    """Real uids of the host's live processes (a released uid whose killed sandbox is still
+    being torn down must not be leased again: its tasks would count against the next one)."""
+    uids = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                fd = os.open(f"/proc/{name}/status", os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    head = os.read(fd, 4096)
+                finally:
+                    os.close(fd)
+                uids.add(int(head.split(b"\nUid:", 1)[1].split()[0]))
+            except (OSError, ValueError, IndexError):  # exited meanwhile
+                pass
+    return uids
+
+
+class UidLease:
+    """One uid of the pool, held (an exclusive flock on its lock file) until released."""
+
+    def __init__(self, uid: int, fd: int):
+        self.uid, self._fd = uid, fd
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            try:
+                os.utime(self._fd)  # the most recently used uid is leased last
+            except OSError:
+                pass
+            os.close(self._fd)  # closing the only descriptor drops the flock
+            self._fd = -1
+
+    def __del__(self):
+        self.release()
+
+
+def lease_uid(wait_s: Optional[float] = None) -> UidLease:
+    """Lease a uid no other sandbox on this host holds, least recently used first; wait up
+    to ``wait_s`` (UID_WAIT_S) for one while every uid of the pool is taken."""
+    import fcntl
+
+    pool, folder = uid_pool(), _lock_dir()
+    deadline = time.monotonic() + (UID_WAIT_S if wait_s is None else wait_s)
+    while True:
+        busy = _uids_with_processes()
+        paths = {uid: os.path.join(folder, f"uid-{uid}.lock") for uid in pool}
+
+        def last_used(uid: int) -> float:
+            try:
+                return os.stat(paths[uid]).st_mtime
+            except FileNotFoundError:
+                return 0.0
+
+        for uid in sorted((u for u in pool if u not in busy), key=last_used):
+            fd = os.open(paths[uid], os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            return UidLease(uid, fd)
+        if time.monotonic() >= deadline:
+            raise SandboxUnavailable(
+                f"all {len(pool)} sandbox uids ({pool.start}-{pool.stop - 1}) are in use on this host: "
+                f"too many reward sandboxes at once; raise {UID_COUNT_ENV}")
+        time.sleep(0.05)
+
+
 # -- the boundary ------------------------------------------------------------------
 @dataclass
 class Boundary:
@@ -217,8 +325,8 @@ class Boundary:
     filters: tuple[bytes, bytes] = (b"", b"")
     notes: list[str] = field(default_factory=list)
 
-    def argv(self, filter_fd: int) -> list[str]:
-        """The command that starts ``python -I`` inside the boundary (seccomp from ``filter_fd``)."""
+    def argv(self, filter_fd: int, uid: int = SANDBOX_UID) -> list[str]:
+        """The command that starts ``python -I`` inside the boundary (seccomp from ``filter_fd``) as ``uid``."""
         if self.kind != "bwrap":
             return [sys.executable, "-I"]
         a = [self.bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
@@ -245,10 +353,10 @@ class Boundary:
               "--seccomp", str(filter_fd)]
         if self.setpriv:
             a += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--", self.setpriv,
-                  f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
+                  f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                   "--inh-caps=-all", "--bounding-set=-all", "--"]
         else:
-            a += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--"]
+            a += ["--unshare-user", "--uid", str(uid), "--gid", str(uid), "--"]
         return a + [self.python, "-I"]
 
 
@@ -293,17 +401,60 @@ def boundary() -> Boundary:
         + f". Fix that, or set {UNSAFE_ENV}=1 to run reward code with interpreter-level guards only (not a security boundary).")
 
 
+_status: tuple[float, tuple[bool, str]] = (0.0, (False, ""))
+_status_lock = threading.Lock()
+
+
+def sandbox_status(max_age_s: float = STATUS_TTL_S) -> tuple[bool, str]:
+    """(available, reason): whether reward code can be contained here, proven by starting a
+    real sandbox (``boundary()``), and the reason in words. A failure is re-probed after
+    ``max_age_s`` (someone may install bubblewrap meanwhile); a proven boundary stays proven
+    for the life of the process, as ``boundary()`` keeps it."""
+    global _status
+    with _status_lock:
+        checked_at, state = _status
+        if checked_at and time.monotonic() - checked_at < max_age_s:
+            return state
+        try:
+            here = boundary()
+        except SandboxUnavailable as exc:
+            state = (False, str(exc))
+        else:
+            if here.kind == "bwrap":
+                pool = uid_pool()
+                state = (True, f"proven: a contained probe ran in bubblewrap (namespaces, seccomp, rlimits) "
+                               f"as a uid of the pool {pool.start}-{pool.stop - 1}")
+            else:
+                state = (False, f"reward code runs WITHOUT the operating-system sandbox ({UNSAFE_ENV}=1): "
+                                + "; ".join(here.notes))
+        _status = (time.monotonic(), state)
+        return state
+
+
+def forget_status() -> None:
+    """Probe afresh at the next ``sandbox_status()`` (after PATH or the environment changed)."""
+    global _status
+    with _status_lock:
+        _status = (0.0, (False, ""))
+        boundary.cache_clear()
+
+
 def _probe(found: Boundary) -> Optional[str]:
+    try:
+        lease = lease_uid()
+    except SandboxUnavailable as exc:
+        return str(exc)
     fd = _filter_fd(found.filters[0])
     try:
-        run = subprocess.run(found.argv(fd) + ["-c", "import os; print(os.getuid())"], pass_fds=(fd,),
+        run = subprocess.run(found.argv(fd, lease.uid) + ["-c", "import os; print(os.getuid())"], pass_fds=(fd,),
                              env=CHILD_ENV, capture_output=True, text=True, timeout=30,
                              preexec_fn=lambda: _limit_child(512, 30, unsafe=False))
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"bubblewrap did not start ({exc})"
     finally:
         os.close(fd)
-    if run.returncode != 0 or run.stdout.strip() != str(SANDBOX_UID):
+        lease.release()
+    if run.returncode != 0 or run.stdout.strip() != str(lease.uid):
         err = (run.stderr.strip().splitlines() or ["no output"])[-1]
         return (f"bubblewrap could not start a sandbox ({err}); user namespaces may be disabled "
                 "(sysctl kernel.unprivileged_userns_clone / user.max_user_namespaces) or, in a container, "
@@ -344,6 +495,7 @@ class RewardSandbox:
         self.code, self.timeout_s, self.memory_mb, self.cpu_s = code, timeout_s, memory_mb, cpu_s
         self._proc: Optional[subprocess.Popen] = None
         self._dir: Optional[str] = None
+        self._lease: Optional[UidLease] = None  # the uid this sandbox runs as (OS boundary only)
         self._buf = b""
 
     # -- lifecycle -------------------------------------------------------------
@@ -359,16 +511,24 @@ class RewardSandbox:
             self._dir = tempfile.mkdtemp(prefix="fluxrl-reward-")
             env.update(HOME=self._dir, TMPDIR=self._dir)
             cwd = self._dir
+        if not unsafe:
+            try:
+                self._lease = lease_uid()
+            except SandboxUnavailable as exc:
+                raise RewardCodeError(str(exc)) from None
         filter_fd = _filter_fd(where.filters[0]) if not unsafe else -1
         try:
             if not unsafe:
                 pass_fds = (filter_fd,)
             self._proc = subprocess.Popen(
-                where.argv(filter_fd) + ["-c", _CHILD],
+                where.argv(filter_fd, self._lease.uid if self._lease else SANDBOX_UID) + ["-c", _CHILD],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                 cwd=cwd, env=env, close_fds=True, pass_fds=pass_fds,
                 preexec_fn=lambda: _limit_child(self.memory_mb, self.cpu_s, unsafe),
             )
+        except BaseException:
+            self.close()
+            raise
         finally:
             if filter_fd >= 0:
                 os.close(filter_fd)
@@ -393,6 +553,9 @@ class RewardSandbox:
                 except Exception:
                     pass
             self._proc = None
+        if self._lease is not None:  # after the wait: the uid's processes are gone (lease_uid checks too)
+            self._lease.release()
+            self._lease = None
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

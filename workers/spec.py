@@ -187,6 +187,9 @@ class AlgorithmSpec(_Strict):
     lr: float = Field(5e-5, gt=0)
     warmup_steps: int = Field(10, ge=0, description="linear learning-rate warm-up: Adam's first steps "
                               "are sign-like and move every weight by the full lr, a jolt that costs reward")
+    lr_decay: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="after the warm-up: keep the lr, or decay it to lr_floor x lr at stop.max_steps")
+    lr_floor: float = Field(0.0, ge=0, le=1, description="the decayed lr's last value, as a share of lr")
     clip: float = Field(0.2, gt=0)
     kl_coef: float = Field(0.0, ge=0)
     behav_weight_cap: float = Field(5.0, gt=0)

@@ -52,15 +52,6 @@ def _init_distributed() -> None:
 
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)
-    if "MASTER_PORT" not in os.environ or os.environ["WORLD_SIZE"] == "1":
-        # A single process is its own rendezvous: take a free port, even over an inherited
-        # MASTER_PORT — a parent that trained in-process still listens on that one
-        # (EADDRINUSE), and several runs share a machine.
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not torch.cuda.is_available():
         # No shared-memory all-reduce on gloo ranks: DeepSpeed uses it only for inference
@@ -70,7 +61,42 @@ def _init_distributed() -> None:
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if not torch.distributed.is_initialized():
+        _init_world(backend)
+    # DeepSpeed finds the group initialised and only wraps it (deepspeed/comm/comm.py)
     deepspeed.init_distributed(dist_backend=backend)
+
+
+def _init_world(backend: str) -> None:
+    """The DeepSpeed world's process group, on a store we bind ourselves: env:// would make
+    rank 0's store listen on every interface, open to anyone on the network."""
+    import torch.distributed as dist
+    from deepspeed.constants import default_pg_timeout
+
+    from .stores import interface_of, is_loopback, master_store
+
+    addr, rank, world = os.environ["MASTER_ADDR"], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world == 1:
+        # A single process is its own rendezvous: an in-memory store, no socket at all
+        # (several runs share a machine, and a parent that trained in-process holds ports).
+        store = dist.HashStore()
+    elif rank == 0:
+        store = master_store(addr, int(os.environ["MASTER_PORT"]), world, default_pg_timeout)
+    else:
+        store = dist.TCPStore(addr, int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=default_pg_timeout)
+    if backend == "gloo" and world > 1 and is_loopback(addr) and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # One machine: gloo's own pair sockets (of this group and DeepSpeed's later ones) on
+        # loopback too, not on whatever the hostname resolves to. Only in a rank's process,
+        # whose environment is its own; one in-process trainer has no peer to listen for.
+        interface = interface_of(addr)
+        if interface:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    kwargs = {}
+    if backend == "nccl" and world > 1:  # as DeepSpeed's own init does: bind the group to this rank's device
+        kwargs["device_id"] = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=default_pg_timeout,
+                            **kwargs)
 
 
 class Trainer:
@@ -103,8 +129,9 @@ class Trainer:
             "bf16": {"enabled": spec.model.dtype == "bfloat16"},
             "steps_per_print": 10**9,
         }
-        warmup = algo.warmup_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+        total = spec.stop.max_steps * algo.minibatches * algo.ppo_epochs  # optimiser steps in the whole run
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: algorithms.lr_factor(
+            s, algo.warmup_steps, algo.lr_decay, total, algo.lr_floor))
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                                     lr_scheduler=scheduler)
         if self.reference is not None:

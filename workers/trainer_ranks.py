@@ -190,6 +190,7 @@ class WeightGroupReply(_Message):
     kind: Literal["weight_group"] = "weight_group"
     rank: int
     port: Optional[int] = None
+    nccl_id: Optional[str] = None  # NCCL: the unique id rank 0 minted, for the engines' join RPC
     meta: Optional[dict] = None
     error: Optional[str] = None
 
@@ -422,11 +423,12 @@ class TrainerGroup:
             raise RuntimeError("global rank 0 is on node 0: only its group hosts the weight group")
         return self._call([request] * self.ranks)[0]
 
-    def host_weight_group(self, host: str, world: int, backend: str, timeout_s: float) -> int:
+    def host_weight_group(self, host: str, world: int, backend: str, timeout_s: float) -> dict:
+        """What the engines' join RPC carries (weight_broadcast.host_group): port, nccl_id."""
         reply = self._rank0(HostWeightGroupRequest(host=host, world=world, backend=backend, timeout_s=timeout_s))
         if reply.error is not None:
             raise RuntimeError(f"trainer rank 0 could not host the weight group: {reply.error}")
-        return reply.port
+        return {"port": reply.port, **({"nccl_id": reply.nccl_id} if reply.nccl_id else {})}
 
     def form_weight_group(self) -> None:
         reply = self._rank0(FormWeightGroupRequest())
@@ -757,7 +759,7 @@ class _RankZeroWeights:
             if isinstance(request, HostWeightGroupRequest):
                 self.close()
                 device = self.trainer.engine.device if request.backend == "nccl" else None
-                port, form = host_group(request.host, request.world, request.backend, request.timeout_s, device)
+                join, form = host_group(request.host, request.world, request.backend, request.timeout_s, device)
                 self.formed = {}
 
                 def run() -> None:  # blocks until the engines joined; the rank answers meanwhile
@@ -768,7 +770,7 @@ class _RankZeroWeights:
 
                 self.forming = threading.Thread(target=run, name="weight-group-form", daemon=True)
                 self.forming.start()
-                return self._reply(port=port)
+                return self._reply(port=join["port"], nccl_id=join.get("nccl_id"))
             if isinstance(request, FormWeightGroupRequest):
                 if self.forming is not None:
                     self.forming.join()
@@ -779,8 +781,9 @@ class _RankZeroWeights:
             if isinstance(request, SendWeightsRequest):
                 if self.group is None or self.meta is None:
                     return self._reply(error="no weight group, or nothing prepared to send")
+                group, key = self.group, self.meta["abort_key"]
                 try:
-                    self.group.send(self.meta, self.sources, self.group.abort_requested)
+                    group.send(self.meta, self.sources, lambda: group.abort_requested(key))
                 finally:
                     self.meta, self.sources = None, []
                 return self._reply()

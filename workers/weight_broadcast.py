@@ -3,26 +3,31 @@
 examples do it, instead of safetensors bytes through the engine's RPC.
 
 The trainer (rank 0) and every engine worker (ranks 1..N) form a group of their own,
-rendezvoused on a ``TCPStore`` the trainer serves, so neither side's default
-torch.distributed group (DeepSpeed's world, vLLM's) is touched: gloo through host
-memory on CPU, NCCL (vLLM's ``PyNcclCommunicator`` over a ``StatelessProcessGroup``)
-between GPUs. Per update the metadata (names, dtypes, shapes, version) travels with the
-engine's receive RPC; the bytes go by broadcast from rank 0, packed into buckets of
-consecutive tensors (one collective per tensor costs ~0.3 ms with gloo, more than the
-whole tiny model takes to move). The engine side is ``WeightSyncExtension.
-fluxrl_join_weight_group`` / ``fluxrl_receive_weights`` (workers/weight_sync.py).
+rendezvoused on a ``TCPStore`` the trainer serves (bound to the group's host only,
+workers/stores.py), so neither side's default torch.distributed group (DeepSpeed's
+world, vLLM's) is touched: gloo through host memory on CPU, NCCL (vLLM's
+``PyNcclCommunicator`` built from a unique id that rank 0 mints and the join RPC
+carries) between GPUs. Nothing read from the store is ever unpickled: it holds gloo's
+rendezvous and the abort flags, whose names are random per update and travel only
+with the authenticated RPCs. Per update the metadata (names, dtypes, shapes, version,
+abort key) travels with the engine's receive RPC; the bytes go by broadcast from rank
+0, packed into buckets of consecutive tensors (one collective per tensor costs ~0.3 ms
+with gloo, more than the whole tiny model takes to move). The engine side is
+``WeightSyncExtension.fluxrl_join_weight_group`` / ``fluxrl_receive_weights``
+(workers/weight_sync.py).
 
 Failure: every wait is cut in slices so that a member that fails makes the others
-fail within a fraction of a second (an abort key in the store) instead of at the
-group's timeout; the timeout itself catches a member that is alive but never joins the
-broadcast. A failed group is broken for good: ``open`` it again with the live engines.
+fail within a fraction of a second (the update's abort key in the store) instead of at
+the group's timeout; the timeout itself catches a member that is alive but never joins
+the broadcast. A failed group is broken for good: ``open`` it again with the live engines.
 """
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import datetime
 import logging
-import socket
+import secrets
 import threading
 import time
 from collections import deque
@@ -33,7 +38,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABORT_KEY = "fluxrl/weights/abort"
+ABORT_PREFIX = "fluxrl/weights/abort/"  # + a random name per update, known only to the group's members
 _SLICE = datetime.timedelta(milliseconds=100)
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _ALIGN = 64  # bytes: every tensor's offset in a bucket, so a byte slice can be viewed as its dtype
@@ -67,7 +72,22 @@ def describe_state_dict(state: dict[str, torch.Tensor], version: int,
         if alias is None:
             first[key] = name
             sources.append(t)
-    return {"version": int(version), "bucket_bytes": int(bucket_bytes), "tensors": entries}, sources
+    return {"version": int(version), "bucket_bytes": int(bucket_bytes), "tensors": entries,
+            "abort_key": new_abort_key()}, sources
+
+
+def new_abort_key() -> str:
+    """An abort flag's store key that nobody outside the update's RPCs can guess."""
+    return ABORT_PREFIX + secrets.token_hex(16)
+
+
+def new_nccl_id() -> str:
+    """A fresh NCCL unique id (hex), minted by rank 0 and handed to the engines in the join
+    RPC: never read back from a store (vLLM's StatelessProcessGroup would unpickle it)."""
+    from vllm.distributed.device_communicators.pynccl_wrapper import NCCL_UNIQUE_ID_BYTES, NCCLLibrary
+
+    unique_id = NCCLLibrary().ncclGetUniqueId()
+    return ctypes.string_at(ctypes.addressof(unique_id), NCCL_UNIQUE_ID_BYTES).hex()
 
 
 def bucket_layout(meta: dict) -> list[list[tuple[int, int, int]]]:
@@ -106,17 +126,22 @@ class WeightGroup:
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
                  timeout_s: float = 60.0, device: Optional[torch.device] = None, *, store=None,
-                 listen_socket: Optional[socket.socket] = None):
+                 nccl_id: Optional[str] = None):
         import torch.distributed as dist
 
         self.rank, self.world_size, self.backend, self.timeout_s = rank, world_size, backend, timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
         self._pg = self._comm = None
         self._broken = False  # a transfer failed: operations may still be pending, and destroying waits for them
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"unknown weight broadcast backend {backend!r} (gloo or nccl)")
+        if backend == "nccl" and not nccl_id:
+            raise ValueError("an NCCL weight group needs the unique id rank 0 minted (host_group)")
+        # rank 0 passes the store it serves (workers/stores.py); the others are its clients
+        self.store = store if store is not None else dist.TCPStore(host, port, world_size, is_master=False,
+                                                                   timeout=timeout)
         if backend == "gloo":
             self.device = torch.device("cpu")
-            self.store = store if store is not None else dist.TCPStore(host, port, world_size, is_master=False,
-                                                                       timeout=timeout)
             prefixed = dist.PrefixStore("fluxrl/weights", self.store)
             try:
                 opts = dist.ProcessGroupGloo._Options()
@@ -128,13 +153,9 @@ class WeightGroup:
                 self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
             except AttributeError:  # private options gone in some torch: the public constructor
                 self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-        elif backend == "nccl":
+        else:
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-            from vllm.distributed.utils import StatelessProcessGroup
 
-            spg = StatelessProcessGroup.create(host, port, rank, world_size, store_timeout=max(1, int(timeout_s)),
-                                               listen_socket=listen_socket)
-            self.store = spg.store
             self.device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
             try:  # the engine process pins NCCL settings for its own groups; this one is shared
                 from vllm.utils.nccl import unpinned_nccl_env
@@ -143,9 +164,9 @@ class WeightGroup:
 
                 unpinned_nccl_env = contextlib.nullcontext
             with unpinned_nccl_env():
-                self._comm = PyNcclCommunicator(spg, device=self.device)
-        else:
-            raise ValueError(f"unknown weight broadcast backend {backend!r} (gloo or nccl)")
+                # every rank from the same id: no object exchange through the store
+                self._comm = PyNcclCommunicator.from_unique_id_bytes(bytes.fromhex(nccl_id), rank, world_size,
+                                                                     self.device)
 
     # -- one collective ------------------------------------------------------------
     def _post(self, tensor: torch.Tensor):
@@ -179,11 +200,15 @@ class WeightGroup:
         if self._comm is not None:
             torch.cuda.current_stream(self.device).synchronize()
 
-    def abort_requested(self) -> bool:
+    def abort_requested(self, key: str) -> bool:
+        """Whether the update whose abort key is ``key`` (its metadata's) was aborted."""
         try:
-            return bool(self.store.check([ABORT_KEY]))
+            return bool(self.store.check([key]))
         except Exception:  # noqa: BLE001 - the trainer's store is gone: so is the trainer
             return True
+
+    def abort(self, key: str) -> None:
+        self.store.set(key, "1")
 
     # -- a whole state dict ----------------------------------------------------------
     def send(self, meta: dict, sources: Sequence[torch.Tensor], aborted: Callable[[], bool]) -> None:
@@ -229,7 +254,9 @@ class WeightGroup:
     def _receive(self, meta: dict) -> dict[str, torch.Tensor]:
         layout = bucket_layout(meta)
         header = torch.zeros(3, dtype=torch.int64, device=self.device)
-        self._wait(self._post(header), self.abort_requested)
+        key = meta["abort_key"]
+        aborted = lambda: self.abort_requested(key)  # noqa: E731
+        self._wait(self._post(header), aborted)
         expected = [meta["version"], len(meta["tensors"]), len(layout)]
         if header.tolist() != expected:
             raise WeightBroadcastError(f"weight broadcast out of step: the trainer sent {header.tolist()} "
@@ -237,7 +264,7 @@ class WeightGroup:
         buffers = [torch.empty(_bucket_bytes(b), dtype=torch.uint8, device=self.device) for b in layout]
         works = [self._post(buf) for buf in buffers]  # all posted: gloo runs them as the bytes come
         for work in works:
-            self._wait(work, self.abort_requested)
+            self._wait(work, aborted)
         self._sync()
         sent = [e for e in meta["tensors"] if e[3] is None]
         received = {}
@@ -263,24 +290,20 @@ class WeightGroup:
 
 
 def host_group(host: str, world: int, backend: str, timeout_s: float,
-               device: Optional[torch.device] = None) -> tuple[int, Callable[[], WeightGroup]]:
-    """Rank 0's side of a weight group: the rendezvous is bound now (its port is what the
-    engines are told; bound first, so no other process can take it meanwhile), the group
-    is formed by the returned call, which blocks until every member has joined."""
-    import torch.distributed as dist
+               device: Optional[torch.device] = None) -> tuple[dict, Callable[[], WeightGroup]]:
+    """Rank 0's side of a weight group: the rendezvous is bound now, to ``host`` only (its
+    port is what the engines are told; bound first, so no other process can take it
+    meanwhile), the group is formed by the returned call, which blocks until every member
+    has joined. Returns what the engines' join RPC must carry besides host, ranks and
+    timeout: ``port``, and for NCCL ``nccl_id``."""
+    from .stores import master_store
 
-    store = sock = None
-    if backend == "gloo":
-        store = dist.TCPStore(host, 0, world, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                              wait_for_workers=False)
-        port = store.port
-    else:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
-        sock.listen()
-        port = sock.getsockname()[1]
-    return port, lambda: WeightGroup(host, port, 0, world, backend, timeout_s, device, store=store, listen_socket=sock)
+    store = master_store(host, 0, world, datetime.timedelta(seconds=timeout_s))
+    join = {"port": store.port}
+    if backend == "nccl":
+        join["nccl_id"] = new_nccl_id()
+    return join, lambda: WeightGroup(host, store.port, 0, world, backend, timeout_s, device, store=store,
+                                     nccl_id=join.get("nccl_id"))
 
 
 class LocalSender:
@@ -291,17 +314,19 @@ class LocalSender:
         self.group: Optional[WeightGroup] = None
         self._form: Optional[Callable[[], WeightGroup]] = None
         self._sources: Sequence[torch.Tensor] = ()
+        self._abort_key: Optional[str] = None
 
-    def host(self, host: str, world: int, backend: str, timeout_s: float) -> int:
+    def host(self, host: str, world: int, backend: str, timeout_s: float) -> dict:
         self.close()
-        port, self._form = host_group(host, world, backend, timeout_s, self.device)
-        return port
+        join, self._form = host_group(host, world, backend, timeout_s, self.device)
+        return join
 
     def form(self) -> None:
         self.group = self._form()
 
     def prepare(self, state_dict: Optional[dict[str, torch.Tensor]], version: int, bucket_bytes: int) -> dict:
         meta, self._sources = describe_state_dict(state_dict, version, bucket_bytes)
+        self._abort_key = meta["abort_key"]
         return meta
 
     def send(self, meta: dict, aborted: Callable[[], bool]) -> None:
@@ -311,7 +336,8 @@ class LocalSender:
             self._sources = ()
 
     def abort(self) -> None:
-        self.group.store.set(ABORT_KEY, "1")
+        if self._abort_key is not None:
+            self.group.abort(self._abort_key)
 
     def close(self) -> None:
         if self.group is not None:
@@ -330,11 +356,13 @@ class RankZeroSender:
         self.host_addr: Optional[str] = None
         self._store = None  # a client of rank 0's store: the abort flag
         self._port: Optional[int] = None
+        self._abort_key: Optional[str] = None
 
-    def host(self, host: str, world: int, backend: str, timeout_s: float) -> int:
+    def host(self, host: str, world: int, backend: str, timeout_s: float) -> dict:
         self.host_addr, self._store = host, None
-        self._port = self.trainer.host_weight_group(host, world, backend, timeout_s)
-        return self._port
+        join = self.trainer.host_weight_group(host, world, backend, timeout_s)
+        self._port = join["port"]
+        return join
 
     def form(self) -> None:
         import torch.distributed as dist
@@ -344,16 +372,18 @@ class RankZeroSender:
                                     timeout=datetime.timedelta(seconds=self.timeout_s))
 
     def prepare(self, state_dict, version: int, bucket_bytes: int) -> dict:
-        return self.trainer.prepare_weights(version, bucket_bytes)
+        meta = self.trainer.prepare_weights(version, bucket_bytes)
+        self._abort_key = meta["abort_key"]  # rank 0 minted it with the metadata
+        return meta
 
     def send(self, meta: dict, aborted: Callable[[], bool]) -> None:
-        error = self.trainer.send_weights()  # rank 0 watches the abort flag in its store itself
+        error = self.trainer.send_weights()  # rank 0 watches the update's abort flag in its store itself
         if error is not None:
             raise WeightBroadcastError(f"trainer rank 0: {error}")
 
     def abort(self) -> None:
-        if self._store is not None:
-            self._store.set(ABORT_KEY, "1")
+        if self._store is not None and self._abort_key is not None:
+            self._store.set(self._abort_key, "1")
 
     def close(self) -> None:
         self._store = None
@@ -418,12 +448,15 @@ class WeightBroadcaster:
         engines = list(engines)
         counts = [e.worker_count for e in engines]
         world = 1 + sum(counts)
-        port = await asyncio.to_thread(self.sender.host, self.host, world, self.backend, self.timeout_s)
+        join = await asyncio.to_thread(self.sender.host, self.host, world, self.backend, self.timeout_s)
+        port = join["port"]
         trainer = asyncio.ensure_future(asyncio.to_thread(self.sender.form))
         offsets = [1 + sum(counts[:i]) for i in range(len(engines))]
+        # the join RPC (authenticated) carries the NCCL id: engines never read it from the store
+        extra = {"nccl_id": join["nccl_id"]} if join.get("nccl_id") else {}
         joins = await asyncio.gather(*(e.join_weight_group(dict(
             host=self.host, port=port, rank_offset=off, world_size=world, backend=self.backend,
-            timeout_s=self.timeout_s)) for e, off in zip(engines, offsets)), return_exceptions=True)
+            timeout_s=self.timeout_s, **extra)) for e, off in zip(engines, offsets)), return_exceptions=True)
         failed = [(e.index, r) for e, r in zip(engines, joins) if isinstance(r, BaseException)]
         if failed:
             # the trainer's rendezvous fails on its own at the timeout; nobody waits for it

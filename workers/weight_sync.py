@@ -49,7 +49,7 @@ class WeightSyncExtension:
 
     # -- the collective transport (workers/weight_broadcast.py) ------------------------
     def fluxrl_join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
-                                 backend: str = "gloo", timeout_s: float = 60.0) -> int:
+                                 backend: str = "gloo", timeout_s: float = 60.0, nccl_id: str | None = None) -> int:
         """Join the trainer's weight group (blocks until every member has); returns this
         worker's rank in it. A previous group is dropped (it is broken, or replaced)."""
         from .weight_broadcast import WeightGroup
@@ -60,7 +60,7 @@ class WeightSyncExtension:
             old.close()
         rank = rank_offset + int(getattr(self, "rank", 0) or 0)
         self._fluxrl_group = WeightGroup(host, port, rank, world_size, backend, timeout_s,
-                                         device=getattr(self, "device", None))
+                                         device=getattr(self, "device", None), nccl_id=nccl_id)
         return rank
 
     def fluxrl_receive_weights(self, meta: dict, force_reload: bool = False) -> dict:

@@ -1,5 +1,6 @@
 """ASGI entry (daphne fluxrl.asgi:application): HTTP goes to Django, websockets to
 the routes in fluxrl/routing.py."""
+import json
 import os
 
 from django.core.asgi import get_asgi_application
@@ -23,13 +24,60 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 from fluxrl.accounts.websocket_auth import TokenAuthMiddleware  # noqa: E402
 from fluxrl.routing import websocket_urlpatterns  # noqa: E402
 
+
+class BodyLimit:
+    """HTTP request bodies above max_bytes answer 413 before Django reads them (Django would
+    spool them to disk, and parse them before any view looks at the size): at once when
+    Content-Length says so, and a chunked body once it goes past the limit (Django is told
+    the client left). The server itself has already received the body by then (daphne
+    buffers it): a proxy's body limit stops it earlier still. Websockets pass untouched."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = next((value for name, value in scope.get("headers", ()) if name.lower() == b"content-length"), b"")
+        if declared.strip().isdigit() and int(declared) > self.max_bytes:
+            return await self.refuse(send)
+        received, over, started = 0, False, False
+
+        async def limited_receive():
+            nonlocal received, over
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    over = True
+                    return {"type": "http.disconnect"}  # Django stops reading and answers nothing
+            return message
+
+        async def watched_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        await self.app(scope, limited_receive, watched_send)
+        if over and not started:
+            await self.refuse(send)
+
+    async def refuse(self, send):
+        body = json.dumps({"error": {"code": "too_large", "message": f"The request body is over the server's limit "
+                                     f"of {self.max_bytes} bytes (FLUXRL_MAX_BODY_MB).", "fields": {}}}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
 # Static files (admin, API docs, dashboard) straight from the app folders: no
 # collectstatic or extra server needed at this scale; FLUXRL_SERVE_STATIC=0 to leave it to a proxy.
 http_app = ASGIStaticFilesHandler(django_asgi_app) if settings.FLUXRL_SERVE_STATIC else django_asgi_app
 
 application = ProtocolTypeRouter(
     {
-        "http": http_app,
+        "http": BodyLimit(http_app, settings.FLUXRL_MAX_BODY_BYTES),
         "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(TokenAuthMiddleware(URLRouter(websocket_urlpatterns)))),
     }
 )

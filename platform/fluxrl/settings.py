@@ -276,3 +276,40 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "root": {"handlers": ["console"], "level": os.environ.get("FLUXRL_LOG_LEVEL", "INFO")},
 }
+
+# --- Deployment: the sandbox service and the cluster-key secret (docker-compose.yml) ---
+# FLUXRL_TRY_QUEUE: the Celery queue of the sandbox service (`sandbox` in compose). Set, the
+# web process never runs reward code: try-it goes to that queue and the web process waits at
+# most FLUXRL_TRY_DEADLINE_S for the answer (503 past it). Unset (the embedded default):
+# a sandbox child of the web process scores. Needs Redis (the answer comes back through it).
+FLUXRL_TRY_QUEUE = os.environ.get("FLUXRL_TRY_QUEUE", "")
+FLUXRL_TRY_DEADLINE_S = float(os.environ.get("FLUXRL_TRY_DEADLINE_S", str(FLUXRL_TRY_MAX_SECONDS + 10)))
+if FLUXRL_TRY_QUEUE and not REDIS_URL:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured("FLUXRL_TRY_QUEUE needs REDIS_URL: the sandbox service's answers come back through Redis")
+# The secret each run's cluster key is derived from (runs/dispatch.py cluster_key), given to
+# the Celery workers only: not the Django secret, which stays with the web process. Unset
+# (the embedded default, one host): the Django secret.
+FLUXRL_CLUSTER_KEY_SECRET = os.environ.get("FLUXRL_CLUSTER_KEY_SECRET", "") or SECRET_KEY
+
+# --- Request limits (helper "limits", issue 25): body cap, rates, websocket re-checks ---
+# Request bodies above this are refused (413) by fluxrl/asgi.py before Django reads them;
+# above FLUXRL_MAX_UPLOAD_MB by default, so a dataset upload's multipart overhead fits.
+FLUXRL_MAX_BODY_BYTES = int(float(os.environ.get("FLUXRL_MAX_BODY_MB", str(FLUXRL_MAX_UPLOAD_BYTES / 2**20 + 1)))
+                            * 1024 * 1024)
+# DRF throttles (fluxrl/api/throttles.py): API requests per signed-in user (run tokens are
+# not counted), and failed password sign-ins per client address; "N/s|min|hour|day", or
+# "none" for no limit. Counted in Django's cache (per web process by default).
+REST_FRAMEWORK["DEFAULT_THROTTLE_CLASSES"] = ["fluxrl.api.throttles.ApiUserRateThrottle"]
+REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"] = {
+    scope: None if rate.strip().lower() in {"", "none", "0"} else rate.strip()
+    for scope, rate in (("user", os.environ.get("FLUXRL_API_RATE", "6000/min")),
+                        ("login", os.environ.get("FLUXRL_LOGIN_RATE", "10/min")))}
+# Proxies in front of the server that append X-Forwarded-For (so rates count clients, not the proxy).
+if os.environ.get("FLUXRL_NUM_PROXIES"):
+    REST_FRAMEWORK["NUM_PROXIES"] = int(os.environ["FLUXRL_NUM_PROXIES"])
+MIDDLEWARE = [*MIDDLEWARE, "fluxrl.api.throttles.LoginThrottleMiddleware"]
+# A run's websocket re-checks this often that its user may still follow the run (membership,
+# token), and closes with 4403 when not.
+FLUXRL_WS_RECHECK_S = float(os.environ.get("FLUXRL_WS_RECHECK_S", "30"))

@@ -40,7 +40,7 @@ from fluxrl.runs.services import add_checkpoint, add_samples, submit_run, transi
 CANARY = "zqcanary"
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 # Routes anyone may call: they show no team's data. Keep this list short.
-PUBLIC_ROUTES = {"api/schema/", "api/docs/", "api/redoc/", "api-auth/login/", "api-auth/logout/",
+PUBLIC_ROUTES = {"api/docs/", "api/redoc/", "api-auth/login/", "api-auth/logout/",
                  "login/", "logout/", "vendor/plotly.min.js", "admin/login/", "admin/logout/"}
 # The only routes a run token may use, and only for its own run.
 WORKER_ROUTES = {"api/runs/<int:pk>/metrics/", "api/runs/<int:pk>/samples/", "api/runs/<int:pk>/status/",

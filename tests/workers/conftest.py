@@ -4,6 +4,15 @@ import asyncio
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def templates_compile_in_process(monkeypatch):
+    """The engine compiles prompt templates itself; a Django process (pytest-django sets one
+    up in this session) hands them to a bounded child instead (fluxrl/runs/apps.py)."""
+    from workers import prompts
+
+    monkeypatch.setattr(prompts, "_template_checker", None)
+
+
 @pytest.fixture(scope="module")
 def loop():
     """One event loop per module, for an engine started once and used by every test in it."""

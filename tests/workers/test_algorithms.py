@@ -102,3 +102,19 @@ def test_packed_loss_equals_unpacked_loss():
     parts = sum(ppo_decoupled_loss(logp[idx], prox[idx], behav[idx], adv[idx], mask[idx], 0.2, 5.0, den).loss
                 for idx in ([1], [0, 3], [2]))
     assert parts.item() == pytest.approx(whole.item(), abs=1e-6)
+
+
+def test_lr_factor_warms_up_then_decays_to_the_floor_at_the_last_step():
+    from workers.algorithms import lr_factor
+
+    assert [lr_factor(s, warmup=3) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    # linear: 1 at the end of warm-up, the floor at step `total`, and it stays there
+    assert lr_factor(2, 2, "linear", total=12, floor=0.1) == 1.0
+    assert lr_factor(7, 2, "linear", total=12, floor=0.1) == pytest.approx(0.55)
+    assert lr_factor(12, 2, "linear", total=12, floor=0.1) == pytest.approx(0.1)
+    assert lr_factor(50, 2, "linear", total=12, floor=0.1) == pytest.approx(0.1)
+    # cosine: half way is the mean of 1 and the floor
+    assert lr_factor(7, 2, "cosine", total=12, floor=0.0) == pytest.approx(0.5)
+    assert lr_factor(12, 2, "cosine", total=12, floor=0.2) == pytest.approx(0.2)
+    # constant ignores total and floor
+    assert lr_factor(100, 2, "constant", total=12, floor=0.1) == 1.0

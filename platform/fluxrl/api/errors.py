@@ -47,6 +47,11 @@ def api_exception_handler(exc, context):
         if getattr(exc, "retry_after_s", None):
             response["Retry-After"] = str(exc.retry_after_s)
         return response
+    if isinstance(exc, RecursionError):
+        # Data nested deeper than some recursive step (parsing, validation, copying) can
+        # follow is the client's input, not a server fault.
+        message = "The request body is nested too deeply to process."
+        return Response(error_body("invalid", message, {"body": message}), status=400)
     if isinstance(exc, RequestDataTooBig):
         exc = PayloadTooLarge(str(exc))
     elif isinstance(exc, Http404):
@@ -62,7 +67,9 @@ def api_exception_handler(exc, context):
         response.data = error_body("invalid", message, {k: v for k, v in fields.items() if k != "(body)"})
     else:
         codes = exc.get_codes()
-        response.data = error_body(codes if isinstance(codes, str) else exc.default_code, str(exc.detail))
+        # a body that does not parse (bad JSON/YAML, nested too deep) is the field at fault
+        fields = {"body": str(exc.detail)} if isinstance(exc, exceptions.ParseError) else None
+        response.data = error_body(codes if isinstance(codes, str) else exc.default_code, str(exc.detail), fields)
     return response
 
 

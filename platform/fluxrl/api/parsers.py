@@ -23,11 +23,38 @@ def check_body_size(parser_context) -> None:
         raise PayloadTooLarge(f"The request body is {length} bytes; the limit here is {limit} bytes.")
 
 
+MAX_JSON_DEPTH = 100  # as for YAML: deeper data would hit Python's recursion limit further on (500s)
+
+
+def nesting_depth(value, limit: int) -> int:
+    """How deep lists and dicts nest in value, without recursion, stopping past limit
+    (~1 ms for a 1000-point metrics batch: only containers are stacked)."""
+    if not isinstance(value, (dict, list)):
+        return 0
+    deepest, stack = 1, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > deepest:
+            deepest = depth
+            if depth > limit:
+                break
+        for child in (item.values() if isinstance(item, dict) else item):
+            if type(child) is dict or type(child) is list:  # noqa: E721 - exact JSON types, fast
+                stack.append((child, depth + 1))
+    return deepest
+
+
 class LimitedJSONParser(JSONParser):
     def parse(self, stream, media_type=None, parser_context=None):
         check_body_size(parser_context or {})
         raw = stream.read()
-        data = super().parse(BytesIO(raw), media_type, parser_context)
+        try:
+            data = super().parse(BytesIO(raw), media_type, parser_context)
+        except RecursionError:  # the C decoder recurses per level (~1000 levels)
+            raise ParseError(f"The JSON body is nested more than {MAX_JSON_DEPTH} levels deep.") from None
+        # Openers bound the depth: count them (fast, in C) before walking the data.
+        if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and nesting_depth(data, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+            raise ParseError(f"The JSON body is nested more than {MAX_JSON_DEPTH} levels deep.")
         # UTF-8 JSON can only spell NUL as \u0000: without one in the body, skip the walk
         # over every string (it costs more than parsing a 1000-point metrics batch).
         utf8 = (parser_context or {}).get("encoding", settings.DEFAULT_CHARSET).lower().replace("_", "-") == "utf-8"

@@ -25,7 +25,7 @@ from fluxrl.datasets.services import generator_catalog, read_rows
 from fluxrl.errors import NotFound
 from fluxrl.metrics.services import last_steps
 from fluxrl.rewards.models import RewardFunction
-from fluxrl.rewards.services import builtin_catalog
+from fluxrl.rewards.services import builtin_catalog, sandbox_state
 from fluxrl.runs.api.serializers import SampleSerializer
 from fluxrl.runs.models import MAX_STEP, Run
 
@@ -157,7 +157,7 @@ def new_run(request, team):
         initial["tags"] = ", ".join(source.tags.values_list("name", flat=True))
     return render_page(request, team, "dashboard/new_run.html", {
         "sections": services.spec_form(initial), "choices": services.spec_choices(team),
-        "tags": initial.get("tags", ""), "source": source,
+        "tags": initial.get("tags", ""), "source": source, "sandbox": sandbox_state(),
     }, "new")
 
 
@@ -232,6 +232,7 @@ def rewards(request, team, pk=None):
         # The form sends no timeout_s: the API gives each row min(2 s, FLUXRL_TRY_MAX_SECONDS / rows),
         # so any row count up to this stays within the try-it bound.
         "try_max_rows": settings.FLUXRL_REWARD_TRY_MAX_ROWS,
+        "sandbox": sandbox_state(),  # said before anything is written: code would not run here
     }, "rewards")
 
 

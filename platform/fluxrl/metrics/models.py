@@ -2,7 +2,8 @@ from django.db import models
 
 
 class MetricPoint(models.Model):
-    """Append-only: one value of one metric key at one step of a run (docs/architecture.md §5)."""
+    """One value of one metric key at one step of a run (docs/architecture.md §5); a step
+    sent again (a retry, or recomputed after a resume) replaces its value."""
 
     # No database foreign key and no index of its own: a foreign-key check is a lookup and
     # a lock on the run's row per inserted point, which cost more than the insert itself

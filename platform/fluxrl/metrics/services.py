@@ -112,8 +112,9 @@ def clean_points(points) -> tuple[list[str], list[int], list[float], list[float]
 def ingest_points(run, points: list) -> int:
     """Store a batch of points [{key, step, value, time}] for a run; returns how many
     distinct (key, step) it held. Idempotent: a point whose (run, key, step) is stored
-    already is skipped, so a retried batch stores nothing twice; the first value stored
-    wins. More than FLUXRL_INGEST_MAX_POINTS -> 413."""
+    already is replaced, so a retried batch stores nothing twice, and a step a resumed
+    engine computes again holds its new value (the last value sent wins).
+    More than FLUXRL_INGEST_MAX_POINTS -> 413."""
     columns = clean_points(points)
     if columns[0]:
         insert_points(run, *columns)
@@ -122,19 +123,20 @@ def ingest_points(run, points: list) -> int:
 
 
 def insert_points(run, keys: list[str], steps: list[int], values: list[float], times: list[float]) -> None:
-    """Insert cleaned columns, skipping any (run, key, step) stored already.
+    """Insert cleaned columns; a (run, key, step) stored already takes the new value and time.
 
     PostgreSQL: a batch is nearly always new points, so it goes in by binary COPY, the
     cheapest way in for both sides (no SQL text, numbers as binary), inside a savepoint.
-    A batch holding a point stored before (a retry) fails that COPY whole on the unique
-    (run, key, step) index; then one INSERT ... ON CONFLICT DO NOTHING stores the rest.
+    A batch holding a point stored before (a retry, or a step recomputed after a resume)
+    fails that COPY whole on the unique (run, key, step) index; then one
+    INSERT ... ON CONFLICT DO UPDATE stores it all.
     Rows go in (key, step) order, so concurrent batches touching the same points take
     their index locks in one order and cannot deadlock."""
     method = settings.FLUXRL_INGEST_INSERT if connection.vendor == "postgresql" else "orm"
     if method == "orm":  # SQLite
         MetricPoint.objects.bulk_create(
             [MetricPoint(run=run, key=k, step=s, value=v, time=t) for k, s, v, t in zip(keys, steps, values, times)],
-            ignore_conflicts=True)
+            update_conflicts=True, unique_fields=["run", "key", "step"], update_fields=["value", "time"])
         return
     rows = sorted(zip(keys, steps, values, times))  # (key, step) is unique here
     table = MetricPoint._meta.db_table
@@ -155,7 +157,8 @@ def insert_points(run, keys: list[str], steps: list[int], values: list[float], t
                 pass  # some point is stored already
         cursor.execute(f"INSERT INTO {table} (run_id, key, step, value, time) "
                        "SELECT %s, * FROM unnest(%s::text[], %s::bigint[], %s::float8[], %s::float8[]) "
-                       "ON CONFLICT DO NOTHING", [run.pk, *map(list, zip(*rows))])
+                       "ON CONFLICT (run_id, key, step) DO UPDATE SET value = EXCLUDED.value, time = EXCLUDED.time",
+                       [run.pk, *map(list, zip(*rows))])
 
 
 def on_points_stored(run, columns: tuple[list, list, list, list]) -> None:

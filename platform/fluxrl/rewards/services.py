@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import ast
 import inspect
+import logging
+import os
+import socket
 import threading
+import time
 
 from django.conf import settings
 from django.db import connection, transaction
 
 import workers.rewards
 from fluxrl.datasets.services import read_rows
-from fluxrl.errors import Conflict, InvalidInput, TooManyRequests, field_error
+from fluxrl.errors import Conflict, DomainError, InvalidInput, TooManyRequests, field_error
 from fluxrl.versioned import check_name, find_version, next_version_number
 from workers.rewards import BUILTIN_REWARDS
-from workers.sandbox import try_reward
+from workers.sandbox import sandbox_status, try_reward
 
 from .models import RewardFunction, RewardVersion
+
+log = logging.getLogger(__name__)
 
 
 # reward.function values with a meaning of their own in a run spec (workers/spec.py)
@@ -85,6 +91,51 @@ def code_for(team, function: str) -> str:
     return builtin_code(function) if function in BUILTIN_REWARDS else get_version(team, function).code
 
 
+SERVICE_STATE_TTL_S = (300.0, 30.0)  # how long the sandbox service's answer is kept: (available, not)
+SERVICE_STATE_WAIT_S = 5.0
+_service_state: tuple[float, dict | None] = (0.0, None)
+_service_state_lock = threading.Lock()
+
+
+def sandbox_state() -> dict:
+    """Whether reward code can be contained where try-it scores: {available, reason}. A
+    real sandbox is started to prove it (workers.sandbox.sandbox_status): in this process
+    (once while it works, at most every 30 s while it does not), or, with FLUXRL_TRY_QUEUE,
+    in the sandbox service, which is asked at most every 5 min (30 s while it says no or
+    does not answer). Cheap enough for every request."""
+    queue = settings.FLUXRL_TRY_QUEUE
+    if not queue:
+        available, reason = sandbox_status()
+        return {"available": available, "reason": reason}
+    global _service_state
+    with _service_state_lock:
+        checked_at, state = _service_state
+        if state is not None and time.monotonic() - checked_at < SERVICE_STATE_TTL_S[0 if state["available"] else 1]:
+            return state
+        from .tasks import sandbox_check
+
+        try:
+            pending = sandbox_check.apply_async(queue=queue, expires=SERVICE_STATE_WAIT_S, retry=False)
+            try:
+                available, reason = pending.get(timeout=SERVICE_STATE_WAIT_S, disable_sync_subtasks=False)
+            finally:
+                pending.forget()
+            state = {"available": bool(available), "reason": f"sandbox service: {reason}"}
+        except Exception as exc:  # broker down, no worker on the queue, an old worker without the task
+            log.warning("sandbox state: the sandbox service did not answer: %r", exc)
+            state = {"available": False, "reason": f"the reward sandbox service (queue '{queue}') did not answer "
+                                                   f"within {SERVICE_STATE_WAIT_S:g} s ({type(exc).__name__})"}
+        _service_state = (time.monotonic(), state)
+        return state
+
+
+def forget_sandbox_state() -> None:
+    """Ask afresh at the next sandbox_state()."""
+    global _service_state
+    with _service_state_lock:
+        _service_state = (0.0, None)
+
+
 # --- try it ------------------------------------------------------------------------------
 
 
@@ -142,11 +193,67 @@ def try_code(code: str, rows: list[dict], timeout_s: float | None = None, memory
             # Not held while the sandbox scores (seconds): back to the pool for other requests.
             # Nothing below needs the database; a later query would simply reconnect.
             connection.close()
-        outcome = try_reward(code, rows, timeout_s=timeout_s, memory_mb=memory_mb)
+        outcome = _score(code, rows, timeout_s, memory_mb)
     finally:
         slot.release()
     outcome["results"] = [
         {"prompt": row["prompt"], "completion": row["completion"], **result}
         for row, result in zip(rows, outcome["results"])
     ]
+    return outcome
+
+
+# --- where try-it scores: here, or in the sandbox service --------------------------------
+
+
+class SandboxServiceUnavailable(DomainError):
+    status, code = 503, "sandbox_unavailable"
+    retry_after_s = 5
+
+
+def score_here(code: str, rows: list[dict], timeout_s: float, memory_mb: int) -> dict:
+    """Score in a sandbox child of this process (the sandbox service's task, or the web
+    process itself in the embedded default). scored_by: which process did (the API
+    response leaves it out)."""
+    outcome = try_reward(code, rows, timeout_s=timeout_s, memory_mb=memory_mb)
+    outcome["scored_by"] = {"host": socket.gethostname(), "pid": os.getpid()}
+    return outcome
+
+
+def _score(code: str, rows: list[dict], timeout_s: float, memory_mb: int) -> dict:
+    """With FLUXRL_TRY_QUEUE set, the sandbox service scores (the web container has no
+    privileges to make namespaces); the web process waits at most FLUXRL_TRY_DEADLINE_S
+    and answers 503 past it. Unset: a sandbox child of this process."""
+    queue = settings.FLUXRL_TRY_QUEUE
+    if not queue:
+        return score_here(code, rows, timeout_s, memory_mb)
+    from celery.exceptions import TimeoutError as ResultTimeout
+    from kombu.exceptions import OperationalError
+
+    from .tasks import try_reward as try_task
+
+    deadline = settings.FLUXRL_TRY_DEADLINE_S
+    unavailable = (f"the reward sandbox service did not answer within {deadline:g} s "
+                   f"(no worker on the '{queue}' queue?): try again shortly")
+    try:
+        # expires: a worker that starts after the deadline drops the try instead of scoring for nobody
+        pending = try_task.apply_async((code, rows, timeout_s, memory_mb), queue=queue, expires=deadline,
+                                       retry=False)
+    except OperationalError as exc:
+        log.warning("try-it: broker unreachable: %s", exc)
+        raise SandboxServiceUnavailable(f"the reward sandbox service cannot be reached ({type(exc).__name__}): "
+                                        "try again shortly") from None
+    try:
+        outcome = pending.get(timeout=deadline, propagate=False, disable_sync_subtasks=False)
+    except ResultTimeout:
+        pending.revoke()
+        raise SandboxServiceUnavailable(unavailable) from None
+    finally:
+        pending.forget()
+    if not isinstance(outcome, dict):  # the task raised (outcome is the exception) or was revoked
+        log.warning("try-it: the sandbox service failed: %r", outcome)
+        raise SandboxServiceUnavailable(f"the reward sandbox service failed ({type(outcome).__name__}): "
+                                        "try again shortly")
+    by = outcome.get("scored_by", {})
+    log.info("try-it: %d rows scored by %s pid %s", len(rows), by.get("host"), by.get("pid"))
     return outcome

@@ -3,15 +3,18 @@ metric history after step N (each series downsampled to M points) and recent sam
 then every change as it is pushed to the group run-<id> (live.py).
 
 Close codes: 4400 bad query, 4401 not signed in, 4403 not a member of the run's team
-(or a token without the read scope), 4404 no such run."""
+(or a token without the read scope), 4404 no such run. The same check is made again
+every FLUXRL_WS_RECHECK_S on an open socket: a member removed from the team, a user
+deactivated or a token revoked after connecting is closed with 4403 (4401 for the last two)."""
 import asyncio
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.http import QueryDict
 
-from fluxrl.errors import DomainError, field_error
+from fluxrl.errors import DomainError, Unauthorized, field_error
 
 from . import live
 
@@ -29,6 +32,20 @@ def query_options(scope) -> tuple[int | None, int]:
     return since_step, max_points
 
 
+def may_still_follow(user, token, run_id: int) -> None:
+    """live.run_for_subscriber over what the database says now: the user and token are
+    read again (deactivated, revoked or expired since connecting: 401), then membership."""
+    if token is not None:
+        token = type(token).objects.filter(pk=token.pk).first()
+        if token is None or not token.is_active:
+            raise Unauthorized("The token this socket signed in with has been revoked or has expired.")
+    if user is not None and user.is_authenticated:
+        user = get_user_model().objects.filter(pk=user.pk, is_active=True).first()
+        if user is None:
+            raise Unauthorized("This user has been deactivated.")
+    live.run_for_subscriber(user, token, run_id)
+
+
 def status_key(message: dict) -> tuple:
     return message["status"], message["cancel_requested"], message["failure_reason"]
 
@@ -36,6 +53,7 @@ def status_key(message: dict) -> tuple:
 class RunConsumer(AsyncJsonWebsocketConsumer):
     group = None
     poller = None
+    rechecker = None
     last_status = None
 
     async def connect(self):
@@ -57,10 +75,13 @@ class RunConsumer(AsyncJsonWebsocketConsumer):
         self.last_status = status_key(messages[0])
         if settings.FLUXRL_WS_STATUS_POLL_S > 0:
             self.poller = asyncio.create_task(self.poll_status(run.pk))
+        if settings.FLUXRL_WS_RECHECK_S > 0:
+            self.rechecker = asyncio.create_task(self.recheck(run.pk))
 
     async def disconnect(self, code):
-        if self.poller:
-            self.poller.cancel()
+        for task in (self.poller, self.rechecker):
+            if task and task is not asyncio.current_task():
+                task.cancel()
         if self.group:
             await self.channel_layer.group_discard(self.group, self.channel_name)
 
@@ -92,3 +113,17 @@ class RunConsumer(AsyncJsonWebsocketConsumer):
             message = await database_sync_to_async(live.current_status)(run_id)
             if message and status_key(message) != self.last_status:
                 await self.run_event({"message": message})
+
+    async def recheck(self, run_id: int):
+        # Membership is checked at connect; pushes touch no database (dispatch above), so
+        # a removed member is found here, one query per socket every FLUXRL_WS_RECHECK_S.
+        while True:
+            await asyncio.sleep(settings.FLUXRL_WS_RECHECK_S)
+            try:
+                await database_sync_to_async(may_still_follow)(self.scope.get("user"), self.scope.get("auth"), run_id)
+            except DomainError as exc:
+                if self.group:
+                    await self.channel_layer.group_discard(self.group, self.channel_name)
+                    self.group = None
+                await self.close(code=4000 + exc.status, reason=exc.message[:120])
+                return

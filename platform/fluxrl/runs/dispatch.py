@@ -24,12 +24,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 
 from django.conf import settings
-from django.db import DatabaseError, close_old_connections, transaction
+from django.db import DatabaseError, InterfaceError, OperationalError, close_old_connections, transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -55,7 +56,7 @@ LOG_TAIL_LINES = 20
 LOG_TAIL_CHARS = 3000
 # Never handed to the engine: workers do not touch the database (docs/architecture.md §2), and
 # the engine runs user reward code.
-PRIVATE_ENV = ("DATABASE_URL", "DJANGO_SECRET_KEY", "POSTGRES_PASSWORD")
+PRIVATE_ENV = ("DATABASE_URL", "DJANGO_SECRET_KEY", "POSTGRES_PASSWORD", "FLUXRL_CLUSTER_KEY_SECRET", "REDIS_URL")
 RUN_TOKEN_ENV = "FLUXRL_RUN_TOKEN"
 CLUSTER_KEY_ENV = "FLUXRL_CLUSTER_KEY"  # workers/wire.py: the processes of a run over several nodes  # read by `python -m workers run` when --token is not given
 
@@ -73,18 +74,20 @@ def engine_command(run_id: int, spec_path: Path, out_dir: Path, resume: bool = F
             *(["--resume"] if resume else []), *(["--rendezvous", rendezvous] if rendezvous else [])]
 
 
-def node_command(rendezvous: str, node_rank: int) -> list[str]:
+def node_command(rendezvous: str, node_rank: int, out_dir: Path) -> list[str]:
+    # --out: the agent loads and saves trainer state only under the run's folder, the
+    # platform's choice rather than whatever node 0's coordinator names.
     address = settings.FLUXRL_NODE_ADDRESS
     return [*settings.FLUXRL_ENGINE_COMMAND, "node", "--rendezvous", rendezvous, "--node-rank", str(node_rank),
-            *(["--host", address] if address else [])]
+            "--out", str(out_dir), *(["--host", address] if address else [])]
 
 
 def cluster_key(run: Run) -> str:
     """The key a run's processes on several nodes authenticate each other with: derived
-    from the platform's secret and the run, so it is stored nowhere and no other run's
-    processes hold it."""
+    from FLUXRL_CLUSTER_KEY_SECRET (the workers' secret, never the Django one nor on the
+    data volume) and the run, so it is stored nowhere and no other run's processes hold it."""
     message = f"fluxrl-cluster:{run.pk}:{run.created_at.isoformat()}".encode()
-    return hmac.new(settings.SECRET_KEY.encode(), message, hashlib.sha256).hexdigest()
+    return hmac.new(settings.FLUXRL_CLUSTER_KEY_SECRET.encode(), message, hashlib.sha256).hexdigest()
 
 
 def new_rendezvous() -> str:
@@ -246,6 +249,7 @@ def watch(run_id: int, proc: subprocess.Popen, heartbeat: bool = True) -> int | 
         try:
             close_old_connections()  # hours-long task: drop connections the server closed
             row = Run.objects.filter(pk=run_id).values_list("status", "cancel_requested").first()
+            db_contact.succeeded()
             if heartbeat and time.monotonic() >= next_beat:
                 Run.objects.filter(pk=run_id, status__in=LIVE_STATUSES).update(heartbeat_at=timezone.now())
                 next_beat = time.monotonic() + settings.FLUXRL_HEARTBEAT_S
@@ -253,7 +257,8 @@ def watch(run_id: int, proc: subprocess.Popen, heartbeat: bool = True) -> int | 
                 # A worker busy with runs takes no beat task (one slot per run): it reaps here.
                 reap_stale_runs()
                 next_reap = time.monotonic() + REAP_EVERY_S
-        except DatabaseError:
+        except DatabaseError as exc:
+            db_contact.failed(exc)  # the reapers of this process wait for a full window after it
             log.warning("run %s: database unavailable, watching on", run_id, exc_info=True)
             continue
         if row is None or row[1]:
@@ -289,7 +294,7 @@ def join_run(run_id: int, node_rank: int) -> str:
     folder = run_dir(run_id)
     folder.mkdir(parents=True, exist_ok=True)
     log_path = folder / f"node-{node_rank}.log"
-    proc = start_engine(node_command(run.rendezvous, node_rank), log_path, None, {CLUSTER_KEY_ENV: cluster_key(run)})
+    proc = start_engine(node_command(run.rendezvous, node_rank, run_output_dir(run_id)), log_path, None, {CLUSTER_KEY_ENV: cluster_key(run)})
     log.info("run %s: node %d agent started, pid %s", run_id, node_rank, proc.pid)
     try:
         code = watch(run_id, proc, heartbeat=False)
@@ -361,15 +366,67 @@ def finish(run_id: int, code: int | None, log_path: Path) -> str:
 # --- runs nobody watches any more -----------------------------------------------------------
 
 
+class DatabaseContact:
+    """This process's own record of reaching the database: when it last lost it and when
+    it got it back. While the database is away nobody can write a heartbeat, so a
+    heartbeat can only be judged stale over a window in which this process itself could
+    have seen it arrive: after an outage, the reaper waits until its contact has lasted
+    FLUXRL_RUN_STALE_S. A process that has never seen the database fail trusts that it
+    was there (a worker starting after a reboot reaps at once)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._lost_at: float | None = None  # monotonic; None: reachable as far as we know
+        self._back_at: float | None = None  # monotonic, first success after the last loss
+
+    def failed(self, exc: BaseException | None = None) -> None:
+        """The database could not be reached (a query's own error, such as a constraint, is
+        no loss of contact)."""
+        if exc is not None and not isinstance(exc, (OperationalError, InterfaceError)):
+            return
+        with self._lock:
+            if self._lost_at is None:
+                self._lost_at, self._back_at = time.monotonic(), None
+
+    def succeeded(self) -> None:
+        with self._lock:
+            if self._lost_at is not None:
+                log.warning("database reachable again after %.1f s", time.monotonic() - self._lost_at)
+                self._lost_at, self._back_at = None, time.monotonic()
+
+    def unbroken_s(self) -> float:
+        """Seconds of unbroken contact (infinite if it never broke, 0 while broken)."""
+        with self._lock:
+            if self._lost_at is not None:
+                return 0.0
+            return float("inf") if self._back_at is None else time.monotonic() - self._back_at
+
+
+db_contact = DatabaseContact()
+
+
 def reap_stale_runs() -> list[int]:
     """Fail the starting/running runs whose heartbeat is older than FLUXRL_RUN_STALE_S:
     the Celery worker that watched them died, so they would never end otherwise.
-    Returns their ids."""
+    Returns their ids. Nothing is reaped until this process has reached the database
+    without a break for FLUXRL_RUN_STALE_S (db_contact): after an outage every heartbeat
+    is old, and the watchers that missed theirs get a full window to beat again."""
     stale_s = settings.FLUXRL_RUN_STALE_S
     cutoff = timezone.now() - timedelta(seconds=stale_s)
     stale = Q(status__in=LIVE_STATUSES) & (Q(heartbeat_at__lt=cutoff) | Q(heartbeat_at__isnull=True, updated_at__lt=cutoff))
+    try:
+        candidates = list(Run.objects.filter(stale).values_list("pk", flat=True))
+    except DatabaseError as exc:
+        db_contact.failed(exc)
+        raise
+    db_contact.succeeded()
+    contact_s = db_contact.unbroken_s()
+    if candidates and contact_s < stale_s:
+        log.warning("not reaping runs %s yet: the database has been reachable for only %.1f s of the %.0f s "
+                    "a heartbeat gets (FLUXRL_RUN_STALE_S)", candidates, contact_s, stale_s)
+        return []
     reaped = []
-    for run_id in Run.objects.filter(stale).values_list("pk", flat=True):
+    for run_id in candidates:
         with transaction.atomic():
             run = Run.objects.select_for_update().filter(stale, pk=run_id).first()  # still stale under the lock?
             if run is None:

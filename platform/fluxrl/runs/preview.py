@@ -5,12 +5,15 @@ model folder's own tokenizer and chat template), with its token ids and their te
 It runs in the web process: the model path is scoped as a run's is (check_model_path),
 tokenizers are loaded once and kept (a small LRU), and the model's chat template renders
 in transformers' sandboxed Jinja environment. The spec's own task.prompt_template is
-rendered in a short-lived child process with a time and memory limit (a template is
-user input, and Jinja's sandbox bounds neither loops nor the size of what it builds).
+compiled and rendered only in a short-lived child process with a time and memory limit
+and an empty environment (a template is user input; the sandbox, workers.prompts, bounds
+each operation but not loops or the total): here and whenever a spec is validated in the
+web process (check_template, installed by runs/apps.py).
 No user Python runs. Without the engine's libraries (a web-only install) the answer is
 a 501 saying so."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -22,7 +25,6 @@ from pathlib import Path
 from annotated_types import MaxLen
 from django.conf import settings
 from django.db import connection
-from rest_framework.exceptions import ParseError
 
 import workers
 from fluxrl.datasets import services as datasets
@@ -32,7 +34,7 @@ from workers.prompts import TOKENIZER_FILES, PromptError, PromptRenderer, load_t
 from workers.spec import SpecError, TaskSpec, validate_spec
 from workers.tasks import GENERATORS, DatasetError, check_messages, load_rows
 
-from .services import MODEL_FIELD, check_model_path, spec_errors
+from .services import MODEL_FIELD, check_model_path, load_spec_text, spec_errors
 
 PREVIEW_MAX_TOKENS = 4096  # token ids and texts returned (token_count counts them all)
 MAX_PROMPT_CHARS = 1_000_000
@@ -59,15 +61,7 @@ def preview_spec(spec_input) -> tuple:
     this process. Only model and task matter here, so a spec still being written (no name
     yet, a bad learning rate) can be previewed."""
     if isinstance(spec_input, (str, bytes)):
-        # Here, not at the top: fluxrl.api.parsers, imported before rest_framework.views,
-        # would be imported again by DRF's settings while half-initialized.
-        from fluxrl.api.parsers import load_yaml_mapping
-
-        text = spec_input.decode("utf-8", "replace") if isinstance(spec_input, bytes) else spec_input
-        try:
-            spec_input = load_yaml_mapping(text)
-        except ParseError as exc:
-            raise field_error("spec", str(exc.detail)) from None
+        spec_input = load_spec_text(spec_input)
     if not isinstance(spec_input, dict):
         raise field_error("spec", "a run spec: a mapping, or YAML/JSON text")
     name = spec_input.get("name")
@@ -204,8 +198,10 @@ try:
     template = compile_template(job["template"])
 except MemoryError:
     answer(error=f"compiling it ran out of memory ({sys.argv[2]} MB)")
-except ValueError as exc:  # "prompt_template line N: ..."
+except ValueError as exc:  # "line N: ..."
     answer(error=str(exc).removeprefix("prompt_template ")[:2000])
+except Exception as exc:
+    answer(error=f"does not compile: {type(exc).__name__}: {exc}"[:2000])
 if not job["render"]:
     answer(text="")
 try:
@@ -220,27 +216,68 @@ answer(text=text)
 """
 
 
-def render_template(template: str, row: dict, render: bool = True) -> str:
-    """task.prompt_template compiled and rendered over the row as PromptRenderer does it
-    (the same sandboxed environment, workers.prompts.compile_template), in a child process
-    stopped after TEMPLATE_TIMEOUT_S or TEMPLATE_MEMORY_MB; render=False: only compiled."""
+# What the child gets of the environment: nothing of the web server's (DATABASE_URL,
+# DJANGO_SECRET_KEY, REDIS_URL...): it only needs Python and Jinja.
+CHILD_ENV = {"PATH": os.defpath, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+TEMPLATE_CHILDREN_MAX = 4  # template children at once per web process (submissions and previews)
+_children = threading.BoundedSemaphore(TEMPLATE_CHILDREN_MAX)
+
+
+def _template_child(template: str, row: dict, render: bool) -> str:
+    """The template compiled (and rendered over row) in a child process stopped after
+    TEMPLATE_TIMEOUT_S or TEMPLATE_MEMORY_MB (RLIMIT_AS), with an empty environment;
+    ValueError with the reason when it fails."""
     root = str(Path(workers.__file__).resolve().parents[1])
     job = json.dumps({"template": template, "row": row, "render": render, "max_chars": MAX_PROMPT_CHARS})
     cpu = max(1, int(TEMPLATE_TIMEOUT_S) + 1)
+    if not _children.acquire(timeout=TEMPLATE_TIMEOUT_S):
+        raise TooManyRequests(f"{TEMPLATE_CHILDREN_MAX} prompt templates are already being checked: try again "
+                              "shortly", retry_after_s=2)
     try:
         done = subprocess.run([sys.executable, "-I", "-c", _TEMPLATE_CHILD, root, str(TEMPLATE_MEMORY_MB), str(cpu)],
-                              input=job, capture_output=True, text=True, timeout=TEMPLATE_TIMEOUT_S)
+                              input=job, capture_output=True, text=True, timeout=TEMPLATE_TIMEOUT_S, env=CHILD_ENV)
     except subprocess.TimeoutExpired:
-        raise field_error(TEMPLATE_FIELD, f"compiling and rendering it took over {TEMPLATE_TIMEOUT_S:g} s on "
-                                          "the row") from None
+        raise ValueError(f"compiling and rendering it took over {TEMPLATE_TIMEOUT_S:g} s") from None
+    finally:
+        _children.release()
     try:
         result = json.loads(done.stdout)
     except ValueError:
-        raise field_error(TEMPLATE_FIELD, f"rendering it on the row ran out of memory ({TEMPLATE_MEMORY_MB} MB) or "
-                                          f"time") from None
+        raise ValueError(f"compiling or rendering it ran out of memory ({TEMPLATE_MEMORY_MB} MB) or time") from None
     if "error" in result:
-        raise field_error(TEMPLATE_FIELD, result["error"])
+        raise ValueError(result["error"])
     return result["text"]
+
+
+_checked: OrderedDict = OrderedDict()  # sha256 of templates that compiled: a stored spec is validated again on display
+_checked_lock = threading.Lock()
+CHECKED_CACHE_SIZE = 256
+
+
+def check_template(template: str) -> None:
+    """workers.prompts.compile_template's checker in the web process (runs/apps.py): a spec's
+    task.prompt_template is compiled in the bounded child, never here (Jinja allocates
+    while folding constants at compile time). ValueError "line N: ..." for a bad one."""
+    digest = hashlib.sha256(template.encode("utf-8", "surrogatepass")).digest()
+    with _checked_lock:
+        if digest in _checked:
+            _checked.move_to_end(digest)
+            return
+    _template_child(template, {}, render=False)
+    with _checked_lock:
+        _checked[digest] = True
+        while len(_checked) > CHECKED_CACHE_SIZE:
+            _checked.popitem(last=False)
+
+
+def render_template(template: str, row: dict, render: bool = True) -> str:
+    """task.prompt_template compiled and rendered over the row as PromptRenderer does it
+    (the same bounded sandbox, workers.prompts), in the child process (_template_child);
+    render=False: only compiled. A 400 naming spec.task.prompt_template when it fails."""
+    try:
+        return _template_child(template, row, render)
+    except ValueError as exc:
+        raise field_error(TEMPLATE_FIELD, str(exc)) from None
 
 
 # --- the preview -----------------------------------------------------------------------------

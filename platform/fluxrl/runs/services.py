@@ -9,7 +9,6 @@ from pathlib import Path
 from functools import partial
 from itertools import groupby
 
-import yaml
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Q, QuerySet
@@ -57,11 +56,27 @@ def spec_errors(errors: list[dict], prefix: str = "spec") -> InvalidInput:
 def parse_user_spec(spec_input) -> dict:
     """The submitted spec (a mapping, or YAML/JSON text) checked by workers.spec, the one
     validator: unknown fields and bad values are reported by their dotted name."""
+    if isinstance(spec_input, (str, bytes)):
+        spec_input = load_spec_text(spec_input)
     try:
         validate_spec(spec_input)
     except SpecError as exc:
         raise spec_errors(exc.errors) from None
-    return yaml.safe_load(spec_input) if isinstance(spec_input, (str, bytes)) else copy.deepcopy(spec_input)
+    return copy.deepcopy(spec_input)
+
+
+def load_spec_text(text: str | bytes, field: str = "spec") -> dict:
+    """Spec text (YAML or JSON) through the API's one checked YAML loader (no anchors or
+    aliases, bounded depth: an alias bomb would expand a billion-fold), or a 400 naming field."""
+    from fluxrl.api.parsers import load_yaml_mapping  # not at the top: DRF settings import the parsers
+    from rest_framework.exceptions import ParseError
+
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    try:
+        return load_yaml_mapping(text)
+    except ParseError as exc:
+        raise field_error(field, str(exc.detail)) from None
 
 
 BUILTIN_MODELS = ("builtin:tiny",)  # model.path names the engine builds itself (workers/__main__.py)
@@ -259,11 +274,14 @@ def filter_runs(runs: QuerySet, status: str = "", tag: str = "", owner: str = ""
 
 @transaction.atomic
 def transition(run: Run, status: str, *, failure_reason: str = "", worker_host: str | None = None,
-               worker_pid: int | None = None, rendezvous: str | None = None) -> Run:
+               worker_pid: int | None = None, rendezvous: str | None = None,
+               resumed_from_step: int | None = None) -> Run:
     """Move a run along queued -> starting -> running -> succeeded/failed/cancelled
     (any live state may fail or be cancelled; a failure after a cancel request counts as
     cancelled). Reporting the current status again is a heartbeat. Reaching a terminal
-    state revokes the run's tokens. Raises IllegalTransition (HTTP 409) for any other move."""
+    state revokes the run's tokens. Raises IllegalTransition (HTTP 409) for any other move.
+    ``resumed_from_step``: sent by an engine started with --resume as it starts running;
+    the points and samples after that step are dropped (prune_after), as it computes them again."""
     run = Run.objects.select_for_update().get(pk=run.pk)
     now = timezone.now()
     if status == RunStatus.FAILED and run.cancel_requested:
@@ -272,6 +290,10 @@ def transition(run: Run, status: str, *, failure_reason: str = "", worker_host: 
         if status not in ALLOWED_TRANSITIONS.get(run.status, ()):
             raise IllegalTransition(f"A run cannot go from {run.status} to {status}.",
                                     fields={"status": f"not allowed from {run.status}"})
+        if status == RunStatus.RUNNING and resumed_from_step is not None:
+            # Only as it starts running: a later report of the same step must not drop
+            # the points the resumed engine has sent since.
+            prune_after(run, resumed_from_step)
         run.status = status
         if status == RunStatus.RUNNING:
             run.started_at = now
@@ -312,11 +334,11 @@ def cancel_run(run: Run) -> Run:
 def resume_run(run: Run) -> Run:
     """Queue a failed or cancelled run again, to continue from its newest checkpoint: the
     dispatcher starts the engine with --resume on the same output folder, and the engine
-    loads the newest complete checkpoint it finds there. Metric points and samples after
-    the checkpoint are removed, since the resumed engine computes those steps again.
-    Raises IllegalTransition or NoCheckpoint (HTTP 409) otherwise."""
-    from fluxrl.metrics.models import MetricPoint
-
+    loads the newest complete checkpoint it finds there. Nothing is removed here: the
+    newest checkpoint on disk may be newer than the newest reported one (its report
+    failed), so the points and samples after the step the engine says it resumed from
+    are removed when it starts running (transition's resumed_from_step). Raises
+    IllegalTransition or NoCheckpoint (HTTP 409) otherwise."""
     run = Run.objects.select_for_update().get(pk=run.pk)
     if run.status not in RESUMABLE_STATUSES:
         raise IllegalTransition(f"Only a failed or cancelled run can be resumed; run {run.pk} is {run.status}.",
@@ -326,8 +348,6 @@ def resume_run(run: Run) -> Run:
         raise NoCheckpoint(f"Run {run.pk} has no checkpoint to resume from: it saves one every "
                            "trainer.checkpoint_every steps of its spec (0 = only at the end), and none was saved "
                            "before it stopped.")
-    MetricPoint.objects.filter(run=run, step__gt=checkpoint.step).delete()
-    run.samples.filter(step__gt=checkpoint.step).delete()
     run.status = RunStatus.QUEUED
     run.failure_reason = ""
     run.cancel_requested = False
@@ -336,6 +356,16 @@ def resume_run(run: Run) -> Run:
     transaction.on_commit(partial(enqueue_run, run))
     transaction.on_commit(partial(live.publish_status, run))
     return run
+
+
+def prune_after(run: Run, step: int) -> tuple[int, int]:
+    """Drop the run's metric points and samples after ``step`` (a resumed engine computes
+    those steps again; -1: all of them); returns how many (points, samples)."""
+    from fluxrl.metrics.models import MetricPoint
+
+    points, _ = MetricPoint.objects.filter(run=run, step__gt=step).delete()
+    samples, _ = run.samples.filter(step__gt=step).delete()
+    return points, samples
 
 
 def resume_from_checkpoint(run: Run) -> bool:

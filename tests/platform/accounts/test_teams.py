@@ -6,7 +6,7 @@ from fluxrl.accounts.services import authenticate_key
 
 def test_me_lists_my_teams_with_my_role(api_bob):
     body = api_bob.get("/api/me/").json()
-    assert body == {"username": "bob", "teams": [body["teams"][0]]}
+    assert body == {"username": "bob", "teams": [body["teams"][0]], "sandbox": body["sandbox"]}  # sandbox: test_sandbox_state.py
     assert body["teams"][0]["slug"] == "team-a" and body["teams"][0]["role"] == "member"
 
 

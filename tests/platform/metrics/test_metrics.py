@@ -30,30 +30,32 @@ def test_the_same_batch_twice_is_stored_once(run_a, worker_client):
     assert MetricPoint.objects.filter(run=run_a).count() == 3
 
 
-def test_first_value_of_a_key_and_step_wins(run_a):
+def test_the_last_value_sent_for_a_key_and_step_wins(run_a):
+    # A step a resumed engine computes again replaces what its first attempt sent.
     ingest_points(run_a, points(steps=[5], value=lambda s: 1.0))
     ingest_points(run_a, points(steps=[5], value=lambda s: 2.0) + points(steps=[5], value=lambda s: 3.0))
-    assert MetricPoint.objects.get(run=run_a).value == 1.0
+    assert MetricPoint.objects.get(run=run_a).value == 3.0
 
 
-def test_a_batch_overlapping_stored_points_stores_only_the_new_ones(run_a, worker_client):
+def test_a_batch_overlapping_stored_points_updates_them_and_adds_the_new_ones(run_a, worker_client):
     # On PostgreSQL the COPY of such a batch fails on the unique index and the
-    # ON CONFLICT DO NOTHING insert takes over: stored values stay, new ones arrive.
+    # ON CONFLICT DO UPDATE insert takes over: stored points take the new values.
     worker = worker_client(run_a)
     worker.post(f"/api/runs/{run_a.id}/metrics/", {"points": points(steps=range(3))})
     retry = points(steps=range(1, 5), value=lambda s: 100 + s)
     assert worker.post(f"/api/runs/{run_a.id}/metrics/", {"points": retry}).json() == {"received": 4}
     stored = dict(MetricPoint.objects.filter(run=run_a).values_list("step", "value"))
-    assert stored == {0: 0.0, 1: 0.1, 2: 0.2, 3: 103.0, 4: 104.0}
+    assert stored == {0: 0.0, 1: 101.0, 2: 102.0, 3: 103.0, 4: 104.0}
+    assert MetricPoint.objects.filter(run=run_a).count() == 5
 
 
 @pytest.mark.django_db(transaction=True)
-def test_an_overlapping_batch_outside_a_transaction_stores_only_the_new_points(run_a):
+def test_an_overlapping_batch_outside_a_transaction_updates_and_adds_points(run_a):
     # As in the web server (autocommit): the failed COPY is a transaction of its own.
     ingest_points(run_a, points(steps=range(3)))
     assert ingest_points(run_a, points(steps=range(1, 5), value=lambda s: 100 + s)) == 4
     stored = dict(MetricPoint.objects.filter(run=run_a).values_list("step", "value"))
-    assert stored == {0: 0.0, 1: 0.1, 2: 0.2, 3: 103.0, 4: 104.0}
+    assert stored == {0: 0.0, 1: 101.0, 2: 102.0, 3: 103.0, 4: 104.0}
 
 
 def test_a_key_and_step_repeated_in_a_batch_is_stored_once_with_its_last_value(run_a):

@@ -29,9 +29,16 @@ class MemberCreateSerializer(serializers.Serializer):
     role = serializers.ChoiceField(choices=Role.choices, default=Role.MEMBER)
 
 
+class SandboxStateSerializer(serializers.Serializer):
+    available = serializers.BooleanField(help_text="reward code can be contained on this server: a real sandbox "
+                                         "was started to prove it")
+    reason = serializers.CharField(help_text="what the probe found: what is missing and how to fix it, when not available")
+
+
 class MeSerializer(serializers.Serializer):
     username = serializers.CharField()
     teams = TeamSerializer(many=True)
+    sandbox = SandboxStateSerializer(help_text="whether this server can run reward code (reward functions, try it)")
 
 
 class ApiTokenSerializer(serializers.ModelSerializer):

@@ -4,6 +4,7 @@ from rest_framework import generics, status
 from rest_framework.response import Response
 
 from fluxrl.api.base import validated
+from fluxrl.rewards.services import sandbox_state
 
 from .. import services
 from ..models import ApiToken, Membership
@@ -28,7 +29,8 @@ class MeView(generics.GenericAPIView):
     serializer_class = MeSerializer
 
     def get(self, request):
-        return Response(MeSerializer({"username": request.user.username, "teams": teams_with_role(request)}).data)
+        return Response(MeSerializer({"username": request.user.username, "teams": teams_with_role(request),
+                                      "sandbox": sandbox_state()}).data)
 
 
 class TeamListView(generics.ListAPIView):

@@ -54,6 +54,10 @@ class RunStatusReportSerializer(serializers.Serializer):
     failure_reason = serializers.CharField(default="", allow_blank=True)
     worker_host = serializers.CharField(required=False, max_length=255)
     worker_pid = serializers.IntegerField(required=False, min_value=0, max_value=MAX_INT)
+    resumed_from_step = serializers.IntegerField(
+        required=False, min_value=-1, max_value=MAX_STEP,
+        help_text="with the first 'running' of an engine started with --resume: the checkpoint step it continues "
+                  "after (-1: none found, it starts over); the platform drops the points and samples after it")
 
 
 class RunStatusSerializer(serializers.ModelSerializer):

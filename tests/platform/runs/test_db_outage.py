@@ -1,0 +1,286 @@
+"""A PostgreSQL outage longer than FLUXRL_RUN_STALE_S must not fail the live runs: when
+the database comes back every heartbeat is old, and the first watcher to reconnect used
+to reap every other run. A PostgreSQL cluster of this test's own (initdb into a temporary
+folder, never the shared server) is stopped for longer than the stale window and started
+again, under a Celery-style watcher (dispatch.watch, heart-beating and reaping) and an
+engine that reports to a real daphne server (its heartbeat and metrics over the REST
+API). FLUXRL_RUN_STALE_S is 3 s and the outage 7 s: the ratio of the issue's 90 s outage
+against 60 s."""
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.db import close_old_connections, connections
+from django.utils import timezone
+
+from fluxrl.accounts.models import Membership, Role, Team
+from fluxrl.accounts.services import create_run_token
+from fluxrl.metrics.models import MetricPoint
+from fluxrl.runs import dispatch
+from fluxrl.runs.models import Run, RunStatus
+from fluxrl.runs.services import submit_run, transition
+from workers.heartbeat import Heartbeat
+from workers.report import PlatformClient, Reporter
+
+from ..servers import REPO, free_port, start_daphne, stop, wait_until
+
+STALE_S = 3.0
+OUTAGE_S = 7.0
+
+
+def _pg_bin(name: str) -> str | None:
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    return found[-1] if found else shutil.which(name)
+
+
+class PrivateCluster:
+    """A PostgreSQL cluster in a temporary folder, on a free port, trust authentication.
+    initdb refuses to run as root: as root it runs as the postgres user."""
+
+    def __init__(self):
+        self.initdb, self.pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
+        self.folder = Path(tempfile.mkdtemp(prefix="fluxrl-outage-pg-"))
+        self.data, self.log = self.folder / "data", self.folder / "postgres.log"
+        self.port = free_port()
+        self.as_user: list[str] = []
+        if os.geteuid() == 0:
+            user = pwd.getpwnam("postgres")
+            os.chown(self.folder, user.pw_uid, user.pw_gid)
+            self.as_user = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--init-groups"]
+
+    def _run(self, *command: str) -> None:
+        done = subprocess.run([*self.as_user, *command], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"{command[0]} failed:\n{done.stdout}\n{done.stderr}\n" + (
+            self.log.read_text(errors="replace")[-2000:] if self.log.exists() else "")
+
+    def init(self) -> None:
+        self._run(self.initdb, "-D", str(self.data), "-U", "postgres", "-A", "trust", "--no-sync", "-E", "UTF8")
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1 -c fsync=off"
+        self._run(self.pg_ctl, "-D", str(self.data), "-o", options, "-l", str(self.log), "-w", "-t", "60", "start")
+
+    def stop(self) -> None:
+        self._run(self.pg_ctl, "-D", str(self.data), "-m", "fast", "-w", "-t", "60", "stop")
+
+    @property
+    def url(self) -> str:
+        return f"postgres://postgres@127.0.0.1:{self.port}/postgres"
+
+
+@pytest.fixture(scope="module")
+def private_postgres():
+    cluster = PrivateCluster()
+    if not (cluster.initdb and cluster.pg_ctl):
+        shutil.rmtree(cluster.folder, ignore_errors=True)
+        pytest.skip("needs the PostgreSQL server binaries (initdb, pg_ctl) to run a cluster of the test's own")
+    if cluster.as_user and not shutil.which("setpriv"):
+        shutil.rmtree(cluster.folder, ignore_errors=True)
+        pytest.skip("running as root and no setpriv to run initdb as the postgres user")
+    cluster.init()
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        try:
+            cluster.stop()
+        except AssertionError:  # stopped already
+            pass
+        shutil.rmtree(cluster.folder, ignore_errors=True)
+
+
+@pytest.fixture
+def on_private_postgres(private_postgres, django_db_blocker, monkeypatch):
+    """This process's default database connection (every thread's) on the private
+    cluster, migrated; the test session's database is back afterwards, untouched."""
+    saved_settings, saved_connection = connections.settings["default"], connections["default"]
+    ours = {**saved_settings, "ENGINE": "django.db.backends.postgresql", "NAME": "postgres", "USER": "postgres",
+            "PASSWORD": "", "HOST": "127.0.0.1", "PORT": str(private_postgres.port), "OPTIONS": {},
+            "CONN_MAX_AGE": 60, "TEST": {**saved_settings.get("TEST", {}), "NAME": None}}
+    # A fresh process-wide record of database contact: other tests' reapers must not see this outage.
+    monkeypatch.setattr(dispatch, "db_contact", dispatch.DatabaseContact())
+    with django_db_blocker.unblock():
+        connections.settings["default"] = ours
+        connections["default"] = connections.create_connection("default")
+        try:
+            call_command("migrate", verbosity=0)
+            yield private_postgres
+        finally:
+            connections["default"].close()
+            connections.settings["default"] = saved_settings
+            connections["default"] = saved_connection
+
+
+def running_run(team, owner, name: str) -> Run:
+    run = submit_run(team, owner, {"name": name, "model": {"path": "builtin:tiny"}, "task": {"dataset": "gen:add"}})
+    return transition(transition(run, RunStatus.STARTING, worker_host="test", worker_pid=os.getpid()), RunStatus.RUNNING)
+
+
+class Engine:
+    """The reporting side of an engine: its heartbeat thread and its Reporter, logging one
+    point a step, as `python -m workers run --platform` does (no model: the database and
+    the server are what is under test)."""
+
+    def __init__(self, url: str, run: Run, out: Path):
+        key = create_run_token(run)[1]
+        # 1 s against a 3 s stale window: about the default 15 s against 60 s.
+        self.heartbeat = Heartbeat(PlatformClient(url, key, run.pk, timeout=3), every_s=1.0).start()
+        self.reporter = Reporter(out / f"metrics-{run.pk}.jsonl", PlatformClient(url, key, run.pk, timeout=3),
+                                 flush_every_s=0.2, max_backoff_s=1.0)
+        self.steps = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._train, daemon=True)
+        self._thread.start()
+
+    def _train(self):
+        while not self._stop.wait(0.1):
+            self.reporter.log(self.steps, {"loss/policy": 1.0 / (1 + self.steps)})
+            self.steps += 1
+
+    def stop_training(self):
+        """No more points logged; the reporter still sends what it holds."""
+        self._stop.set()
+        self._thread.join()
+
+    def stop(self):
+        self.stop_training()
+        self.heartbeat.stop()
+        self.reporter.close()
+
+
+def test_runs_outlive_a_database_outage_longer_than_the_stale_window(on_private_postgres, settings, monkeypatch,
+                                                                     tmp_path):
+    cluster = on_private_postgres
+    settings.FLUXRL_RUN_STALE_S = STALE_S
+    settings.FLUXRL_HEARTBEAT_S = 0.3
+    monkeypatch.setattr(dispatch, "POLL_S", 0.1)
+    monkeypatch.setattr(dispatch, "REAP_EVERY_S", 0.3)  # the watcher reaps as soon as it is back
+
+    team = Team.objects.create(name="Outage", slug="outage")
+    alice = get_user_model().objects.create(username="alice")
+    Membership.objects.create(user=alice, team=team, role=Role.MEMBER)
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")} | {
+        "DATABASE_URL": cluster.url, "FLUXRL_DATA_DIR": str(tmp_path / "data"), "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)]), "DJANGO_SETTINGS_MODULE": "fluxrl.settings",
+        "FLUXRL_RUN_STALE_S": str(STALE_S)}
+    port = free_port()
+    daphne = start_daphne(env, port, tmp_path / "daphne.log")
+    url = f"http://127.0.0.1:{port}"
+    watched, reporting, quiet, dead = (running_run(team, alice, name) for name in ("watched", "reporting", "quiet", "dead"))
+
+    # "watched": a Celery watcher beats for it (and reaps now and then), watching a live process.
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    codes = []
+
+    def watcher():
+        try:
+            codes.append(dispatch.watch(watched.pk, process))
+        finally:
+            connections.close_all()
+
+    watching = threading.Thread(target=watcher, daemon=True)
+    watching.start()
+    # "reporting": an engine started by hand, beating and sending metrics over the API.
+    engine = Engine(url, reporting, tmp_path)
+    # "quiet": its engine beats a little, then stops while the database is up (it died).
+    quiet_engine = Engine(url, quiet, tmp_path)
+    try:
+        # "dead" never beats: reaped while the database is up, as before.
+        wait_until(lambda: Run.objects.get(pk=dead.pk).status == RunStatus.FAILED, 15, "the dead run reaped")
+        assert "no heartbeat for more than 3 s" in Run.objects.get(pk=dead.pk).failure_reason
+        wait_until(lambda: MetricPoint.objects.filter(run=reporting, key="loss/policy").count() > 5, 30, "points stored")
+        quiet_engine.stop()  # its last beat: now; the outage starts before it is stale
+        time.sleep(0.5)
+
+        cluster.stop()
+        down_at = time.monotonic()
+        with pytest.raises(Exception):  # the reaper in this process sees the outage too
+            dispatch.reap_stale_runs()
+        time.sleep(OUTAGE_S - (time.monotonic() - down_at))
+        cluster.start()
+        close_old_connections()  # this thread's connection broke, as a Celery task's would between tasks
+        back = timezone.now()
+        outage = time.monotonic() - down_at
+        assert outage > 2 * STALE_S
+
+        # Back: every heartbeat is older than the stale window, yet nothing is reaped, not
+        # even "quiet" yet: the watcher and this thread judge only after a window of contact.
+        assert dispatch.reap_stale_runs() == []
+        assert set(Run.objects.filter(status=RunStatus.RUNNING).values_list("name", flat=True)) == {
+            "watched", "reporting", "quiet"}
+        # The runs beat again; "quiet" (that stopped while the database was up) is reaped
+        # once this process has been in contact for the stale window.
+        wait_until(lambda: Run.objects.get(pk=quiet.pk).status == RunStatus.FAILED, 4 * STALE_S, "quiet reaped")
+        time.sleep(STALE_S)  # a full window more of reaping in the watcher
+        statuses = dict(Run.objects.values_list("name", "status"))
+        assert statuses == {"watched": "running", "reporting": "running", "quiet": "failed", "dead": "failed"}
+        quiet.refresh_from_db()
+        assert "no heartbeat for more than 3 s" in quiet.failure_reason
+        assert (quiet.finished_at - back).total_seconds() > STALE_S - 0.5  # a full window after the return
+        for run in (watched, reporting):
+            assert Run.objects.get(pk=run.pk).heartbeat_at > back
+        assert dispatch.reap_stale_runs() == []
+
+        # Every point of the reporting engine landed, those logged during the outage included.
+        engine.stop_training()  # (a point logged every 0.1 s keeps the buffer from ever being empty)
+        steps_logged_during = engine.steps
+        wait_until(lambda: engine.reporter.pending == (0, 0), 30, "buffered points sent")
+        stored = sorted(MetricPoint.objects.filter(run=reporting, key="loss/policy").values_list("step", flat=True))
+        assert stored[: steps_logged_during] == list(range(steps_logged_during))
+        assert stored == list(range(len(stored))) and len(stored) >= steps_logged_during
+        assert engine.heartbeat.beats > 0 and engine.reporter.failures > 0  # it did fail during the outage
+    finally:
+        engine.stop()
+        quiet_engine.stop()
+        process.kill()
+        watching.join(30)
+        stop(daphne)
+    assert codes == [-9]
+
+
+# -- the same rule without a cluster to stop (the session's own database) ----------------------
+
+
+def test_only_a_lost_connection_breaks_contact_and_contact_counts_from_its_return():
+    from django.db import IntegrityError, OperationalError
+
+    contact = dispatch.DatabaseContact()
+    assert contact.unbroken_s() == float("inf")  # never seen failing: trusted
+    contact.failed(IntegrityError("duplicate key"))  # a query's own error
+    assert contact.unbroken_s() == float("inf")
+    contact.failed(OperationalError("connection refused"))
+    time.sleep(0.2)
+    assert contact.unbroken_s() == 0.0
+    contact.succeeded()
+    time.sleep(0.2)
+    assert 0.2 <= contact.unbroken_s() < 1.0  # from the return, not from the loss
+
+
+@pytest.mark.django_db
+def test_a_reaper_that_saw_the_database_fail_reaps_only_after_a_window_of_contact(team_a, alice, spec, settings,
+                                                                                    monkeypatch):
+    from datetime import timedelta
+
+    from django.db import OperationalError
+
+    settings.FLUXRL_RUN_STALE_S = 0.5
+    monkeypatch.setattr(dispatch, "db_contact", dispatch.DatabaseContact())
+    lost = running_run(team_a, alice, "lost")
+    Run.objects.filter(pk=lost.pk).update(heartbeat_at=timezone.now() - timedelta(seconds=60))
+    dispatch.db_contact.failed(OperationalError("server closed the connection unexpectedly"))
+    assert dispatch.reap_stale_runs() == []  # back this instant
+    assert Run.objects.get(pk=lost.pk).status == RunStatus.RUNNING
+    time.sleep(0.6)
+    assert dispatch.reap_stale_runs() == [lost.pk]

@@ -1,0 +1,20 @@
+"""A PATH like this machine's, less one program: the sandbox's probe then meets a machine
+without it for real (shutil.which, the shell), with no mock in between."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def path_without(program: str, folder: Path) -> str:
+    """Make ``folder`` hold a link to every program on PATH except ``program``; return it
+    as a PATH of one entry."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for entry in os.environ.get("PATH", "").split(os.pathsep):
+        if not os.path.isdir(entry):
+            continue
+        for name in os.listdir(entry):
+            target, link = os.path.join(entry, name), folder / name
+            if name != program and not link.exists() and not link.is_symlink() and os.access(target, os.X_OK):
+                link.symlink_to(target)
+    return str(folder)
