@@ -1,7 +1,10 @@
 """Checkpoint and resume with the real engine: a run is SIGKILLed (its whole process
 group, as a lost host would lose it) once a checkpoint exists, then resumed with
 --resume. The curves must hold every step exactly once, the resumed run must train from
-the checkpoint's step + 1, and the engine must generate with the checkpoint's weights."""
+the checkpoint's step + 1, and the engine must generate with the checkpoint's weights.
+A SIGTERM (a host shutting down, a scheduler pre-empting) instead lets the step in
+progress finish and saves a checkpoint after it, although the spec saves none before the
+end; the process exits 130, and --resume continues from that checkpoint."""
 import collections
 import json
 import os
@@ -17,7 +20,7 @@ import yaml
 from workers.checkpoint import latest_checkpoint
 from workers.weight_sync import serialize_state_dict, tensors_checksum
 
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 
 STEPS = 4
 SPEC = {
@@ -85,3 +88,40 @@ def test_a_killed_run_resumes_from_its_checkpoint_without_gaps_or_duplicate_step
     saved = tensors_checksum(st_load(serialize_state_dict(states["module"])))
     assert resumed["checkpoint_sha256"] == resumed["trainer_sha256"] == saved
     assert resumed["engine_sha256"] == [saved]
+
+
+def trained_steps(out) -> list[int]:
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line)["step"] for line in lines if '"version/current"' in line]
+
+
+def test_sigterm_saves_a_checkpoint_after_the_step_in_progress_and_resume_continues_from_it(tmp_path, tiny_model_path):
+    steps = 60  # a tiny-model step takes about 0.15 s: the signal lands mid-run
+    spec = {**SPEC, "name": "sigterm", "trainer": {"checkpoint_every": 0}, "stop": {"max_steps": steps, "max_minutes": 5},
+            "eval": {"every_steps": 0, "prompts": 4}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    out = tmp_path / "out"
+    first = engine(tmp_path)
+    deadline = time.monotonic() + 600  # vLLM starting on a busy CPU
+    while not trained_steps(out):
+        assert first.poll() is None, (tmp_path / "engine0.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "no trained step after 600 s"
+        time.sleep(0.1)
+    os.kill(first.pid, signal.SIGTERM)  # the engine process only, as `kill PID` would
+    assert first.wait(timeout=300) == 130, (tmp_path / "engine0.log").read_text()[-3000:]
+    checkpoint = latest_checkpoint(out)
+    assert checkpoint is not None, (tmp_path / "engine0.log").read_text()[-3000:]
+    done = trained_steps(out)
+    assert checkpoint.step == max(done) < steps and done == list(range(1, checkpoint.step + 1))
+    assert f"stopping after step {checkpoint.step}: checkpoint saved" in (tmp_path / "engine0.log").read_text()
+
+    second = engine(tmp_path, "--resume")
+    assert second.wait(timeout=400) == 0, (tmp_path / "engine1.log").read_text()[-3000:]
+    assert f"--resume: continuing from {checkpoint.path} (step {checkpoint.step}" in (tmp_path / "engine1.log").read_text()
+    assert json.loads((out / "resume.json").read_text())["from_step"] == checkpoint.step
+    points = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    counts = collections.Counter((p["key"], p["step"]) for p in points)
+    assert [k for k, n in counts.items() if n > 1] == []
+    assert trained_steps(out) == list(range(1, steps + 1))
+    assert json.loads((out / "result.json").read_text())["steps"] == steps

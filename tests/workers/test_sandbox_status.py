@@ -7,26 +7,10 @@ import sys
 
 import pytest
 
-from tests.sandbox_path import path_without
-from workers.sandbox import UNSAFE_ENV, forget_status, sandbox_status, uid_pool
+from tests.sandbox_path import MISSING, fresh_probe, no_bwrap  # noqa: F401 - fixtures
+from workers.sandbox import UNSAFE_ENV, sandbox_status, uid_pool
 
 POOL = f"{uid_pool().start}-{uid_pool().stop - 1}"  # 61000-61063 unless FLUXRL_SANDBOX_UID_BASE/COUNT say otherwise
-MISSING = "reward code cannot be contained on this machine: bubblewrap is not installed (apt-get install bubblewrap)"
-
-
-@pytest.fixture(autouse=True)
-def fresh_probe(monkeypatch):
-    monkeypatch.delenv(UNSAFE_ENV, raising=False)
-    forget_status()
-    yield
-    forget_status()  # later tests probe with the real PATH again
-
-
-@pytest.fixture
-def no_bwrap(monkeypatch, tmp_path):
-    path = path_without("bwrap", tmp_path / "bin")
-    monkeypatch.setenv("PATH", path)
-    return path
 
 
 def test_without_bubblewrap_the_check_says_what_is_missing_and_how_to_install_it(no_bwrap):

@@ -146,6 +146,19 @@ def create_run_token(run, ttl_hours: float | None = None) -> tuple[RunToken, str
     return RunToken.objects.create(run=run, expires_at=expires_at, **fields), key
 
 
+def renew_run_token(token: RunToken) -> None:
+    """A live run's heartbeat keeps its token valid for another FLUXRL_RUN_TOKEN_TTL_HOURS:
+    the TTL bounds how long a token outlives the engine that held it, not how long a run
+    may train (a two-week run would otherwise lose its reports on day 7)."""
+    ttl = settings.FLUXRL_RUN_TOKEN_TTL_HOURS
+    if not ttl or token.expires_at is None:
+        return
+    expires_at = timezone.now() + timedelta(hours=ttl)
+    # at most one write per minute of heartbeats
+    if expires_at - token.expires_at > timedelta(minutes=1):
+        RunToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(expires_at=expires_at)
+
+
 def revoke_run_tokens(run) -> None:
     RunToken.objects.filter(run=run, revoked_at__isnull=True).update(revoked_at=timezone.now())
 

@@ -10,25 +10,11 @@ import pytest
 from django.test import Client
 
 from tests.platform.servers import REPO, show_logs, start, stop, wait_until
-from tests.sandbox_path import path_without
-from workers.sandbox import UNSAFE_ENV, forget_status
+from tests.sandbox_path import MISSING, fresh_probe, no_bwrap  # noqa: F401 - fixtures
+from workers.sandbox import UNSAFE_ENV
 
-MISSING = "reward code cannot be contained on this machine: bubblewrap is not installed (apt-get install bubblewrap)"
 PAGES = ["/rewards/", "/runs/new/"]
 REAL_PATH = os.environ["PATH"]
-
-
-@pytest.fixture(autouse=True)
-def fresh_probe(monkeypatch):
-    monkeypatch.delenv(UNSAFE_ENV, raising=False)
-    forget_status()
-    yield
-    forget_status()  # later tests probe with the real PATH again
-
-
-@pytest.fixture
-def no_bwrap(monkeypatch, tmp_path):
-    monkeypatch.setenv("PATH", path_without("bwrap", tmp_path / "bin"))
 
 
 @pytest.fixture

@@ -176,3 +176,26 @@ def test_expired_run_token_is_401(run_a, assert_error):
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
     assert_error(client.post(f"/api/runs/{run_a.id}/status/", {"status": "starting"}), 401, "authentication_failed")
+
+
+def test_a_live_runs_heartbeat_renews_its_token_so_a_run_may_outlast_the_ttl(run_a, settings, assert_error):
+    from datetime import timedelta
+
+    from django.utils import timezone
+    from rest_framework.test import APIClient
+
+    from fluxrl.accounts.services import create_run_token
+
+    settings.FLUXRL_RUN_TOKEN_TTL_HOURS = 1
+    token, key = create_run_token(run_a)
+    RunToken.objects.filter(pk=token.pk).update(expires_at=timezone.now() + timedelta(minutes=5))  # almost gone
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+    assert client.post(f"/api/runs/{run_a.id}/status/", {"status": "starting"}).status_code == 200
+    token.refresh_from_db()
+    assert timedelta(minutes=59) < token.expires_at - timezone.now() <= timedelta(hours=1)
+    # a token whose run ended is not renewed: it is revoked
+    assert client.post(f"/api/runs/{run_a.id}/status/", {"status": "failed", "failure_reason": "x"}).status_code == 200
+    token.refresh_from_db()
+    assert token.revoked_at is not None
+    assert_error(client.post(f"/api/runs/{run_a.id}/status/", {"status": "running"}), 401, "authentication_failed")

@@ -7,7 +7,7 @@ from rest_framework.response import Response
 from rest_framework.settings import api_settings
 
 from fluxrl.accounts.models import RunToken
-from fluxrl.accounts.services import create_run_token, visible_teams
+from fluxrl.accounts.services import create_run_token, renew_run_token, visible_teams
 from fluxrl.api.base import TeamScopedMixin, is_schema_generation, validated
 from fluxrl.api.parsers import YAML_MEDIA_TYPES, YAML_PARSERS
 from fluxrl.api.permissions import RunWorkerOrTeamUser
@@ -140,6 +140,8 @@ class RunStatusView(RunReportMixin, generics.GenericAPIView):
     def post(self, request, pk):
         data = validated(RunStatusReportSerializer, request.data)
         run = services.transition(self.get_run(), data.pop("status"), **data)
+        if isinstance(request.auth, RunToken) and not run.is_terminal:
+            renew_run_token(request.auth)
         return Response(RunStatusSerializer(run).data)
 
 
