@@ -3,6 +3,7 @@ ranker's state copied consistently while it learns, and a restore that predicts 
 draws exactly as the saved controller would have."""
 import random
 import threading
+import time
 
 import numpy as np
 import torch
@@ -31,12 +32,16 @@ def test_a_ranker_state_taken_while_another_thread_learns_is_consistent():
 
     learner = threading.Thread(target=learn)
     learner.start()
+    states, deadline = [], time.monotonic() + 60
     try:
-        states = [ranker.state_dict() for _ in range(40)]
+        # States taken for as long as the learner needs to make 100 more observations (a
+        # fixed count of states could all be taken before a busy machine schedules it).
+        while ranker.observations < 70 + 100 or len(states) < 20:
+            assert time.monotonic() < deadline, (ranker.observations, len(states))
+            states.append(ranker.state_dict())
     finally:
         stop.set()
         learner.join()
-    assert ranker.observations > 70 + 40  # the learner did run alongside
     for state in states:
         # The window and its running sums are of one moment: the sums equal the window's.
         x, y = state["window_x"].numpy(), state["window_y"].numpy()
