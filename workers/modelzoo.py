@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 ARCHS = ("qwen2", "llama", "gpt2")
 MANIFEST = "fluxrl_zoo.json"  # recipe, held-out accuracy, checksum
+ASSETS = Path(__file__).resolve().parent / "assets"
 
 
 @dataclass(frozen=True)
@@ -680,14 +682,37 @@ def _zoo_cache_is_good(out: Path, recipe: dict) -> bool:
     return manifest.get("recipe") == recipe
 
 
+def shipped_zoo_model(arch: str, recipe: dict) -> Path | None:
+    """The warm start of ``arch`` shipped with the project (``workers/assets/zoo-<arch>``,
+    about 3 MB each), if it was built from ``recipe``. Shipped for the tiny model's reason:
+    the same recipe trained on another CPU is another model (its starting accuracy moves by
+    several points), and building the three takes minutes of every fresh install's tests."""
+    folder = ASSETS / f"zoo-{arch}"
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return folder if manifest.get("recipe") == recipe else None
+
+
 def ensure_zoo_model(arch: str, root: str | os.PathLike | None = None, *, steps: int | None = None, seed: int = 0,
                      progress: bool = False) -> Path:
-    """The folder of the zoo model ``arch``, built once and cached under
-    ``$FLUXRL_MODEL_CACHE`` (or ``root``) as ``zoo-<arch>-<recipe id>``; concurrent
-    callers wait for one builder, and a damaged cache is rebuilt."""
+    """The folder of the zoo model ``arch`` under ``$FLUXRL_MODEL_CACHE`` (or ``root``) as
+    ``zoo-<arch>-<recipe id>``: the shipped warm start for the default recipe (checked
+    against its SHA-256), else built once; concurrent callers wait for one builder, and a
+    damaged cache is replaced."""
     recipe = zoo_recipe(arch, steps, seed)
     out = Path(root or default_cache()) / f"zoo-{arch}-{recipe_id(recipe)}"
     if _zoo_cache_is_good(out, recipe):
         return out
-    return install_folder(out, lambda staging: build_zoo_model(arch, staging, steps=steps, seed=seed, progress=progress),
-                          lambda: _zoo_cache_is_good(out, recipe))
+    shipped = shipped_zoo_model(arch, recipe)
+
+    def build(staging: Path) -> None:
+        if shipped is not None:
+            shutil.copytree(shipped, staging)
+            verify_model_folder(staging, MANIFEST)  # a damaged copy is refused, never installed
+            logger.info("%s: shipped warm start -> %s", arch, out)
+        else:
+            build_zoo_model(arch, staging, steps=steps, seed=seed, progress=progress)
+
+    return install_folder(out, build, lambda: _zoo_cache_is_good(out, recipe))

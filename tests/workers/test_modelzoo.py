@@ -210,13 +210,29 @@ def fake_build(monkeypatch):
 
 def test_ensure_builds_once_into_the_cache_and_rebuilds_a_damaged_copy(tmp_path, monkeypatch, fake_build):
     monkeypatch.setenv("FLUXRL_MODEL_CACHE", str(tmp_path))
-    folder = ensure_zoo_model("gpt2")
+    folder = ensure_zoo_model("gpt2", steps=7)  # a recipe nothing is shipped for
     assert folder.parent == tmp_path and folder.name.startswith("zoo-gpt2-") and fake_build == ["gpt2"]
-    assert ensure_zoo_model("gpt2") == folder and fake_build == ["gpt2"]  # cached
+    assert ensure_zoo_model("gpt2", steps=7) == folder and fake_build == ["gpt2"]  # cached
     (folder / modelzoo.WEIGHTS).write_bytes(b"truncated")
-    assert ensure_zoo_model("gpt2") == folder and fake_build == ["gpt2", "gpt2"]
-    assert ensure_zoo_model("gpt2", steps=7) != folder  # another recipe, another folder
+    assert ensure_zoo_model("gpt2", steps=7) == folder and fake_build == ["gpt2", "gpt2"]
+    assert ensure_zoo_model("gpt2", steps=8) != folder  # another recipe, another folder
     assert not [p for p in tmp_path.iterdir() if ".staging-" in p.name or ".old-" in p.name]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_default_recipe_installs_the_shipped_warm_start_without_building(tmp_path, monkeypatch, fake_build, arch):
+    from workers.tinymodel import file_sha256
+
+    monkeypatch.setenv("FLUXRL_MODEL_CACHE", str(tmp_path))
+    shipped = modelzoo.shipped_zoo_model(arch, modelzoo.zoo_recipe(arch, None, 0))
+    assert shipped is not None
+    folder = ensure_zoo_model(arch)
+    assert fake_build == [] and folder.parent == tmp_path
+    expected = json.loads((shipped / modelzoo.MANIFEST).read_text())["sha256"]
+    assert file_sha256(folder / modelzoo.WEIGHTS) == expected
+    (folder / modelzoo.WEIGHTS).write_bytes(b"truncated")  # a damaged cache: the shipped copy again
+    assert ensure_zoo_model(arch) == folder and fake_build == []
+    assert file_sha256(folder / modelzoo.WEIGHTS) == expected
 
 
 def test_a_failed_build_installs_nothing(tmp_path, monkeypatch):
@@ -227,7 +243,7 @@ def test_a_failed_build_installs_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(modelzoo, "build_zoo_model", broken)
     with pytest.raises(RuntimeError, match="out of memory"):
-        ensure_zoo_model("qwen2", tmp_path)
+        ensure_zoo_model("qwen2", tmp_path, steps=7)
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
 
 
