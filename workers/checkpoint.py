@@ -81,6 +81,42 @@ def list_checkpoints(out: str | Path) -> list[CheckpointInfo]:
     return sorted(found, key=lambda c: c.step)
 
 
+class IncompleteCheckpoint(RuntimeError):
+    """A checkpoint that lacks some trainer rank's DeepSpeed shard (ranks on several nodes
+    without storage they share)."""
+
+
+def trainer_shards(world: int, zero_stage: int, bf16: bool = False) -> list[str]:
+    """The files DeepSpeed's ``save_checkpoint(folder, tag="ds")`` writes under
+    ``folder/ds`` for ``world`` data-parallel ranks, by DeepSpeed 0.19.8's own naming
+    (``DeepSpeedEngine._get_ckpt_name`` / ``_get_rank_zero_ckpt_name``): the module from
+    rank 0, or one per rank when ZeRO-3 partitions it; an optimiser shard per rank at
+    ZeRO 1-3."""
+    if zero_stage >= 3:
+        files = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)]
+    else:
+        files = ["mp_rank_00_model_states.pt"]
+    if zero_stage >= 1:
+        prefix = "bf16_" if bf16 else ""
+        files += [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)]
+    return files
+
+
+def missing_trainer_shards(trainer_folder: str | Path, world: int, zero_stage: int, bf16: bool = False) -> list[str]:
+    """Which of ``trainer_shards`` this process cannot see in ``trainer_folder/ds``."""
+    ds = Path(trainer_folder) / "ds"
+    return [name for name in trainer_shards(world, zero_stage, bf16) if not (ds / name).is_file()]
+
+
+def require_trainer_shards(trainer_folder: str | Path, world: int, zero_stage: int, bf16: bool = False) -> None:
+    missing = missing_trainer_shards(trainer_folder, world, zero_stage, bf16)
+    if missing:
+        raise IncompleteCheckpoint(
+            f"{trainer_folder} lacks {len(missing)} of the {world} trainer ranks' DeepSpeed files ({', '.join(missing)}): "
+            "ranks on other nodes wrote them to their own disks. A run over several nodes checkpoints and resumes "
+            "only with its output folder on storage every node shares")
+
+
 def latest_checkpoint(out: str | Path) -> Optional[CheckpointInfo]:
     found = list_checkpoints(out)
     return found[-1] if found else None

@@ -29,7 +29,7 @@ from typing import Optional
 from collections import deque
 
 from . import algorithms
-from .checkpoint import CheckpointInfo, save_checkpoint
+from .checkpoint import CheckpointInfo, IncompleteCheckpoint, require_trainer_shards, save_checkpoint
 from .preflight import check_run, resolve_model_path
 from .length_ranker import LengthRanker
 from .report import Reporter
@@ -558,11 +558,19 @@ class Controller:
 
         def write(folder: Path) -> None:
             self.trainer.save_state(str(folder / "trainer"))
+            # Every rank's shard must be here before the checkpoint is published as complete.
+            require_trainer_shards(folder / "trainer", *self._trainer_world())
             torch.save(state, folder / "state.pt")
             self.trainer.save(str(folder / "model"))
 
         meta = {"version": self.trainer.version, "weights_sha256": tensors_checksum(self.trainer.state_dict())}
-        info = await asyncio.to_thread(save_checkpoint, self.out, step, write, meta)
+        try:
+            info = await asyncio.to_thread(save_checkpoint, self.out, step, write, meta)
+        except IncompleteCheckpoint as exc:  # nothing published; training goes on without it
+            logger.warning("checkpoint step-%d not saved: %s", step, exc)
+            if on_request:
+                self.stop.set()
+            return
         if self.on_checkpoint is not None:
             try:
                 await asyncio.to_thread(self.on_checkpoint, step, info.version, str(info.path))
@@ -596,10 +604,16 @@ class Controller:
             "ranker": self.ranker.state_dict(),
         }
 
+    def _trainer_world(self) -> tuple[int, int, bool]:
+        """(data-parallel ranks, ZeRO stage, bf16): what names the trainer's checkpoint files."""
+        spec = self.spec
+        return getattr(self.trainer, "world", 1), spec.trainer.zero_stage, spec.model.dtype == "bfloat16"
+
     def _restore(self, info: CheckpointInfo) -> None:
         """Trainer (weights, optimiser, version) and controller state from a checkpoint."""
         import torch
 
+        require_trainer_shards(info.path / "trainer", *self._trainer_world())  # refused, not half-loaded
         self.trainer.load_state(str(info.path / "trainer"))
         # Plain tensors, lists, dicts, numbers and strings only: nothing in a checkpoint
         # folder runs code when loaded.

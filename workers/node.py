@@ -318,6 +318,11 @@ class ClusterTrainer:
     def version(self) -> int:
         return self.local.version
 
+    @property
+    def world(self) -> int:
+        """Trainer ranks on every node (this node's group knows the world it joined)."""
+        return self.local.world
+
     def _all(self, method: str, call_kwargs: dict, local_call: Callable):
         call = self.cluster.new_call(method, **call_kwargs)
         self.cluster.send_call(call)

@@ -146,3 +146,29 @@ def test_the_trainer_state_restores_exactly(tmp_path, tiny_model_path):
     b.train_step(batch(2))
     wa, wb = a.state_dict(), b.state_dict()
     assert b.version == 2 and all(bool((wa[k] == wb[k]).all()) for k in wa)
+
+
+def test_trainer_shards_are_named_as_deepspeed_names_them_per_rank_and_stage():
+    from workers.checkpoint import trainer_shards
+
+    assert trainer_shards(2, 0) == ["mp_rank_00_model_states.pt"]
+    assert trainer_shards(2, 2) == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                    "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert trainer_shards(2, 3, bf16=True) == [
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt",
+        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+
+
+def test_a_checkpoint_missing_another_nodes_shards_is_refused_naming_them(tmp_path):
+    from workers.checkpoint import IncompleteCheckpoint, missing_trainer_shards, require_trainer_shards
+
+    ds = tmp_path / "trainer" / "ds"
+    ds.mkdir(parents=True)
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                 "zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        (ds / name).write_bytes(b"x")
+    require_trainer_shards(tmp_path / "trainer", 2, 2)  # node 0 sees both ranks' shards: complete
+    assert missing_trainer_shards(tmp_path / "trainer", 4, 2) == [
+        "zero_pp_rank_2_mp_rank_00_optim_states.pt", "zero_pp_rank_3_mp_rank_00_optim_states.pt"]
+    with pytest.raises(IncompleteCheckpoint, match="lacks 2 of the 4 trainer ranks'.*storage every node shares"):
+        require_trainer_shards(tmp_path / "trainer", 4, 2)

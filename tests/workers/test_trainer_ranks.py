@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from workers.algorithms import pack_first_fit_decreasing
+from workers.checkpoint import IncompleteCheckpoint, missing_trainer_shards, require_trainer_shards
 from workers.spec import validate_spec
 from workers.tinymodel import encode
 from workers.trainer import Trainer, TrainSample
@@ -271,6 +272,13 @@ def test_each_rank_saves_and_restores_its_zero_shard(tiny_model_path, batch, tmp
         uninterrupted = group.state_dict()
     shards = sorted(p.name for p in (tmp_path / "trainer" / "ds").glob("*optim_states.pt"))
     assert len(shards) == 2 and "rank_0" in shards[0] and "rank_1" in shards[1]
+    # The names the coordinator checks before publishing a checkpoint (and before resuming)
+    # are the ones DeepSpeed wrote; without rank 1's (a node without shared storage) it is refused.
+    assert missing_trainer_shards(tmp_path / "trainer", 2, 2) == []
+    (tmp_path / "trainer" / "ds" / shards[1]).rename(tmp_path / shards[1])
+    with pytest.raises(IncompleteCheckpoint, match=f"lacks 1 of the 2 trainer ranks' DeepSpeed files \\({shards[1]}\\)"):
+        require_trainer_shards(tmp_path / "trainer", 2, 2)
+    (tmp_path / shards[1]).rename(tmp_path / "trainer" / "ds" / shards[1])
 
     with TrainerGroup(spec, tiny_model_path, 2, 1, 0) as group:
         assert group.load_state(str(tmp_path / "trainer")) == 1 and group.version == 1
