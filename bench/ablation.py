@@ -1,5 +1,8 @@
-"""Ablation of the long-tail techniques (StreamRL, RLHFuse) on the long-tailed chain
-task: the same spec with each technique off/on, one after another in one invocation.
+"""Ablation of the long-tail techniques on the long-tailed chain task: the same spec with
+each technique off/on, one after another in one invocation. Stream training is StreamRL's
+stream generation; fused scoring (per-sample rule scoring during generation) and
+longest-first (a task order) are simplified relatives of RLHFuse's inter-stage fusion and
+StreamRL's skewness-aware dispatch, not those mechanisms (README, issue 29).
 
     .venv/bin/python bench/ablation.py [--steps 20] [--rounds 3]
 

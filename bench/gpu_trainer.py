@@ -5,6 +5,13 @@ export over the collective to a receiver in another process.
 
     .venv/bin/python bench/gpu_trainer.py            # every check, a table at the end
     .venv/bin/python bench/gpu_trainer.py --steps 5 --stages 2 3 --ranks 2
+    .venv/bin/python bench/gpu_trainer.py --stages 0 1 2 3 --dtype bfloat16   # precision per stage
+
+Devices: rank r trains on GPU r (its process sees only that one, as cuda:0 with
+LOCAL_RANK 0: workers/train/ranks.py); the weight export's sender is cuda:0 of this
+process and its receiver cuda:1 of another (NCCL wants one device per member), each made
+the process's current device. Every store is bound once: the trainer world's by rank 0,
+the export's by host_group (port 0, the kernel's choice, read back).
 
 vLLM is not needed (a receiving WeightGroup stands in for an engine's worker), so it
 runs where vLLM cannot be installed. One rank per GPU (``--ranks``, default: every GPU,
@@ -19,17 +26,18 @@ import multiprocessing as mp
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
 from workers.spec import validate_spec  # noqa: E402
-from workers.tinymodel import encode, ensure_tiny_model  # noqa: E402
-from workers.trainer import TrainSample  # noqa: E402
-from workers.trainer_ranks import TrainerGroup  # noqa: E402
-from workers.weight_broadcast import WeightGroup, default_backend, describe_state_dict, host_group  # noqa: E402
-from workers.weight_sync import tensors_checksum  # noqa: E402
+from workers.models.tinymodel import encode, ensure_tiny_model  # noqa: E402
+from workers.train.trainer import TrainSample  # noqa: E402
+from workers.train.ranks import TrainerGroup  # noqa: E402
+from workers.weights.broadcast import WeightGroup, default_backend, describe_state_dict, host_group  # noqa: E402
+from workers.weights.sync import tensors_checksum  # noqa: E402
 
 log = logging.getLogger("gpu_trainer")
 
@@ -57,7 +65,13 @@ def _device(rank: int):
     return torch.device("cuda", rank) if default_backend() == "nccl" else None
 
 
+def _use(device) -> None:
+    if device is not None:  # what NCCL and current-stream calls without a device then use
+        torch.cuda.set_device(device)
+
+
 def _receive(join: dict, world: int, meta: dict, queue) -> None:
+    _use(_device(1))
     group = WeightGroup("127.0.0.1", join["port"], 1, world, default_backend(), 60.0, _device(1),
                         nccl_id=join.get("nccl_id"))
     queue.put(tensors_checksum(group.receive(meta)))
@@ -66,6 +80,7 @@ def _receive(join: dict, world: int, meta: dict, queue) -> None:
 
 def _export(state: dict, version: int) -> tuple[bool, float]:
     """Broadcast the state to a receiver process; (checksums agree, ms)."""
+    _use(_device(0))
     join, form = host_group("127.0.0.1", 2, default_backend(), 60.0, _device(0))  # one bound store, one port
     meta, sources = describe_state_dict(state, version, 32 * 2**20)
     ctx = mp.get_context("spawn")
@@ -84,9 +99,9 @@ def _export(state: dict, version: int) -> tuple[bool, float]:
     return received == tensors_checksum(state), ms
 
 
-def run_stage(model: str, stage: int, ranks: int, steps: int) -> dict:
+def run_stage(model: str, stage: int, ranks: int, steps: int, dtype: Optional[str] = None) -> dict:
     gpu = torch.cuda.is_available()
-    dtype = "bfloat16" if gpu else "float32"
+    dtype = dtype or ("bfloat16" if gpu else "float32")
     spec = _spec(stage, dtype)
     devices = [str(i) for i in range(ranks)] if gpu else None
     row = {"stage": stage, "ranks": ranks, "dtype": dtype, "backend": "nccl" if gpu else "gloo"}
@@ -115,6 +130,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     p.add_argument("--ranks", type=int, default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="model.dtype (default: bfloat16 on GPUs, float32 on the CPU)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     gpu = torch.cuda.is_available()
@@ -122,7 +139,9 @@ def main() -> int:
     model = str(ensure_tiny_model(progress=False))
     print(f"device: {torch.cuda.get_device_name(0) if gpu else 'cpu'} x{torch.cuda.device_count() if gpu else 0}, "
           f"torch {torch.__version__}, {ranks} rank(s)")
-    rows = [run_stage(model, stage, ranks, args.steps) for stage in args.stages]
+    if gpu and ranks > torch.cuda.device_count():
+        p.error(f"--ranks {ranks}: one GPU per rank, {torch.cuda.device_count()} visible")
+    rows = [run_stage(model, stage, ranks, args.steps, args.dtype) for stage in args.stages]
     keys = list(rows[0])
     print(" | ".join(keys))
     for row in rows:

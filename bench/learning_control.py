@@ -7,7 +7,7 @@ beside two runs that cannot learn, measured by the same held-out greedy accuracy
   random    the same with a reward that is a coin flip, blind to the answer
 
 Each final model is evaluated a second time, independently of the engine (plain HF
-generation, no vLLM). The demo test's threshold (tests/workers/test_cli.py,
+generation, no vLLM). The demo test's threshold (tests/workers/cli/test_cli.py,
 DEMO_MIN_GAIN) is set between the broken runs and the working ones measured here.
 
   .venv/bin/python bench/learning_control.py --steps 250 --rounds 2
@@ -17,15 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import yaml
 
-from sync_vs_async import ROOT, interleaved, merged
+from sync_vs_async import ROOT, interleaved, merged, run_cli
 
 logger = logging.getLogger("learning_control")
 
@@ -43,8 +40,8 @@ def independent_accuracy(spec: dict, model_dir: Path) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from workers.tasks import load_rows
-    from workers.tinymodel import greedy_accuracy
+    from workers.tasks.datasets import load_rows
+    from workers.models.tinymodel import greedy_accuracy
 
     torch.set_num_threads(1)
     task = spec["task"]
@@ -58,16 +55,9 @@ def one_run(name: str, tag: str, steps: int, workdir: Path) -> dict:
     spec = merged(merged(base, VARIANTS[name]), {"name": f"control-{name}",
                                                   "stop": {"max_steps": steps, "max_minutes": 30},
                                                   "eval": {"every_steps": steps}})
-    path = workdir / f"{name}-{tag}.yaml"
-    path.write_text(yaml.safe_dump(spec))
+    result, _, wall = run_cli(spec, workdir, f"{name}-{tag}")
     out = workdir / f"{name}-{tag}"
-    t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "workers", "run", str(path), "--out", str(out), "--no-progress"],
-                          cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-    result = json.loads((out / "result.json").read_text())
-    row = {"variant": name, "steps": result["steps"], "wall_s": round(time.time() - t0, 1),
+    row = {"variant": name, "steps": result["steps"], "wall_s": round(wall, 1),
            "accuracy_before": result["accuracy_before"], "accuracy_after": result["accuracy_after"],
            "gain": round(result["accuracy_after"] - result["accuracy_before"], 4),
            "independent_after": independent_accuracy(spec, out / "final_model")}

@@ -11,7 +11,7 @@ go to ``bench/results/profile-<mode>.txt`` (open them with speedscope or flamegr
 and the summary to ``bench/results/profile-<mode>.json``.
 
 Roles are read off each stack: a frame in vLLM's engine core or its model runner is the
-engine core; the trainer's frames (workers/trainer.py, trainer_ranks.py, torch autograd)
+engine core; the trainer's frames (workers/train/trainer.py, trainer_ranks.py, torch autograd)
 are the trainer, in its own process or in a thread of the coordinator; reward scoring,
 vLLM's client-side output processing and the controller's own code are the
 coordinator's parts.

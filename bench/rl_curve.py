@@ -15,8 +15,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from simulator import Panel, Series, svg_chart  # noqa: E402
-from workers.checkpoint import read_metrics  # noqa: E402
+from simulator.plot import Panel, Series, svg_chart  # noqa: E402
+from workers.io.checkpoint import read_metrics  # noqa: E402
 
 
 def curves(run_dir: Path, window: int) -> dict[str, list[tuple[int, float]]]:

@@ -26,9 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from workers import rewards, tasks, tinymodel  # noqa: E402
-from workers.tinymodel import complete, greedy_accuracy  # noqa: E402
-from workers.algorithms import group_advantages  # noqa: E402
+from workers.models import tinymodel  # noqa: E402
+from workers.tasks import builtin_rewards as rewards, datasets as tasks  # noqa: E402
+from workers.models.tinymodel import complete, greedy_accuracy  # noqa: E402
+from workers.train.algorithms import group_advantages  # noqa: E402
 
 PAD = tinymodel.PAD_ID
 

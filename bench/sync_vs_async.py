@@ -72,24 +72,30 @@ def median_run(runs: list[dict]) -> dict:
     return mid
 
 
-def run(mode: str, steps: int, workdir: Path, overrides: dict | None = None, base: dict = BASE) -> dict:
-    """One run of ``python -m workers run`` with ``base`` + ``overrides`` (default: MODES[mode])."""
-    over = MODES[mode] if overrides is None else overrides
-    spec = merged(merged(base, over), {"name": f"bench-{mode}", "stop": {"max_steps": steps}})
+def run_cli(spec: dict, workdir: Path, stem: str) -> tuple[dict, list[dict], float]:
+    """``python -m workers run`` on ``spec`` (written to ``workdir/stem.yaml``, the run in
+    ``workdir/stem``): its result.json, its metric points and the wall time."""
     workdir.mkdir(parents=True, exist_ok=True)
-    path = workdir / f"{mode}.yaml"
+    path = workdir / f"{stem}.yaml"
     path.write_text(yaml.safe_dump(spec))
-    out = workdir / mode
+    out = workdir / stem
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "workers", "run", str(path), "--out", str(out), "--no-progress"],
                           cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"{mode} failed:\n{proc.stderr[-3000:]}")
-    result = json.loads((out / "result.json").read_text())
-    points = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+        raise SystemExit(f"{stem} failed:\n{proc.stderr[-3000:]}")
+    points = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return json.loads((out / "result.json").read_text()), points, time.time() - t0
+
+
+def run(mode: str, steps: int, workdir: Path, overrides: dict | None = None, base: dict = BASE) -> dict:
+    """One run of ``python -m workers run`` with ``base`` + ``overrides`` (default: MODES[mode])."""
+    over = MODES[mode] if overrides is None else overrides
+    spec = merged(merged(base, over), {"name": f"bench-{mode}", "stop": {"max_steps": steps}})
+    result, points, wall = run_cli(spec, workdir, mode)
     series = lambda key: [p["value"] for p in points if p["key"] == key]  # noqa: E731
     result.update(
-        mode=mode, wall_s=time.time() - t0,
+        mode=mode, wall_s=wall,
         sync_ms=statistics.median(series("weights/sync_ms")),
         load_ms=statistics.median(series("weights/load_ms")),
         stall_ms=statistics.median(series("weights/gen_stall_ms")) if series("weights/gen_stall_ms") else None,

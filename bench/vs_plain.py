@@ -46,9 +46,10 @@ from tqdm.contrib import DummyTqdmFile  # noqa: E402
 
 from rl_regime import grpo_optimizer, grpo_step  # noqa: E402
 from sync_vs_async import ROOT, interleaved, median_run, merged, run as run_engine  # noqa: E402
-from workers import rewards, tasks, tinymodel  # noqa: E402
-from workers.checkpoint import read_metrics  # noqa: E402
-from workers.tinymodel import greedy_accuracy  # noqa: E402
+from workers.models import tinymodel  # noqa: E402
+from workers.tasks import builtin_rewards as rewards, datasets as tasks  # noqa: E402
+from workers.io.checkpoint import read_metrics  # noqa: E402
+from workers.models.tinymodel import greedy_accuracy  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "add-async.yaml"
 # Overrides of the example spec per engine system (plain reads the same spec).

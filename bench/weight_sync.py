@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from workers.rollout import RolloutEngine, configure_cpu_environment
-from workers.tinymodel import encode, ensure_tiny_model
-from workers.weight_broadcast import WeightBroadcaster
-from workers.weight_sync import serialize_state_dict
+from workers.rollout.engine import RolloutEngine, configure_cpu_environment
+from workers.models.tinymodel import encode, ensure_tiny_model
+from workers.weights.broadcast import WeightBroadcaster
+from workers.weights.sync import serialize_state_dict
 
 logger = logging.getLogger("weight_sync")
 TRANSPORTS = ("rpc", "collective")

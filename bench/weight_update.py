@@ -19,9 +19,9 @@ import time
 
 from transformers import AutoModelForCausalLM
 
-from workers.rollout import RolloutEngine, configure_cpu_environment
-from workers.tinymodel import encode, ensure_tiny_model
-from workers.weight_sync import serialize_state_dict
+from workers.rollout.engine import RolloutEngine, configure_cpu_environment
+from workers.models.tinymodel import encode, ensure_tiny_model
+from workers.weights.sync import serialize_state_dict
 
 
 async def naive_update(engine: RolloutEngine, blob: bytes, version: int) -> float:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The reward sandbox's boundary (workers/sandbox.py): bubblewrap, setpriv (util-linux) and
+# The reward sandbox's boundary (workers/rewards/sandbox.py): bubblewrap, setpriv (util-linux) and
 # libseccomp. Installs the missing Debian packages where it may (root with apt-get, or sudo
 # without a password); otherwise prints the one command to run. Never fails: without them,
 # built-in rewards still work and reward code is refused with the reason.
@@ -9,7 +9,10 @@ set -uo pipefail
 missing=()
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
 command -v setpriv >/dev/null 2>&1 || missing+=(util-linux)
-{ /sbin/ldconfig -p 2>/dev/null || ldconfig -p 2>/dev/null; } | grep -q 'libseccomp\.so\.2' || missing+=(libseccomp2)
+# The library list read whole first: `ldconfig -p | grep -q` under pipefail fails at random
+# (grep exits at the first match, ldconfig then dies of SIGPIPE), which reported it missing.
+libraries=$(/sbin/ldconfig -p 2>/dev/null || ldconfig -p 2>/dev/null)
+[[ $libraries == *libseccomp.so.2* ]] || missing+=(libseccomp2)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 command="apt-get install -y ${missing[*]}"

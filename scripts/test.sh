@@ -10,6 +10,9 @@ echo "== phase install: $((SECONDS - t)) s"; t=$SECONDS
 .venv/bin/python -m workers bootstrap
 echo "== phase model: $((SECONDS - t)) s"; t=$SECONDS
 status=0
-.venv/bin/python -m pytest -p no:cacheprovider --durations=25 "$@" || status=$?
+# FLUXRL_TEST_WORKERS=2: two workers (tests/conftest.py schedules them), the engine tests on one,
+# the platform tests beside them; off by default: on 2 cores the contention made timing-bound tests fail.
+.venv/bin/python -m pytest -p no:cacheprovider --durations=60 -n "${FLUXRL_TEST_WORKERS:-0}" "$@" \
+  || status=$?
 echo "== phase tests: $((SECONDS - t)) s (pytest exit $status)"
 exit $status

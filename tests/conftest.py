@@ -5,6 +5,34 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_path():
     """The tiny model folder (built once per machine, then cached)."""
-    from workers.tinymodel import ensure_tiny_model
+    from workers.models.tinymodel import ensure_tiny_model
 
     return str(ensure_tiny_model(progress=False))
+
+
+
+# Where each test runs under pytest-xdist (scripts/test.sh: -n 2). Two scopes, one per
+# worker: "platform" (tests/platform, tests/browser, the reward sandbox's tests and the
+# top-level ones) and "workers" (the engine's and the benches'). So the CPU-bound engine
+# runs go one after another on one worker, and everything that touches the shared
+# PostgreSQL/Redis servers or the sandbox's uid pool runs on the other: two tests never
+# flush or share a Redis database, a channel group or a sandbox uid at the same time.
+# (By path, in the controller, which does not collect: xdist 3.8's xdist_group marks do
+# not reach its scheduler under pytest 9, whose nodeid no longer reads Item._nodeid.)
+PLATFORM_SCOPES = ("tests/platform/", "tests/browser/", "tests/workers/rewards/")
+
+
+def test_scope(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    top_level = path.startswith("tests/") and "/" not in path[len("tests/"):]
+    return "platform" if top_level or path.startswith(PLATFORM_SCOPES) else "workers"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RoleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return test_scope(nodeid)
+
+    return RoleScheduling(config, log)

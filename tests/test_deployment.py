@@ -124,3 +124,15 @@ def test_the_user_rewards_override_privileges_only_the_workers_with_disjoint_uid
     # each pool is 64 uids by default (FLUXRL_SANDBOX_UID_COUNT); the ranges must not meet
     starts = sorted(int(b) for b in bases)
     assert len(starts) == 3 and all(b - a >= 64 for a, b in zip(starts, starts[1:]))
+
+
+def _gigabytes(size: str) -> float:
+    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)b?", str(size).lower()).groups()
+    return float(number) * {"": 1 / 2**30, "k": 1 / 2**20, "m": 1 / 2**10, "g": 1}[unit]
+
+
+def test_the_gpu_worker_has_shared_memory_for_nccl_without_the_hosts_ipc_namespace(services):
+    # Docker's 64 MB /dev/shm fails NCCL's first large collective between the container's processes
+    assert _gigabytes(services["celery-gpu"].get("shm_size", "64m")) >= 8
+    for name, service in services.items():
+        assert service.get("ipc") != "host", name

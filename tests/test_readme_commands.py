@@ -60,11 +60,11 @@ NOT_RUN = [
     (r"(\w+=\S+ )*\.venv/bin/python -m workers run .*",
      "trains the tiny model for minutes; the engine tests (tests/workers, marker `engine`) run `workers run`"),
     (r"\.venv/bin/python -m workers build-model .*",
-     "trains a tokenizer and warm-starts a model for minutes; tests/workers/test_modelzoo.py builds every "
-     "architecture briefly and tests/workers/test_model_zoo_engine.py runs RL on the full builds"),
+     "trains a tokenizer and warm-starts a model for minutes; tests/workers/models/test_modelzoo.py builds every "
+     "architecture briefly and tests/workers/models/test_model_zoo_engine.py runs RL on the full builds"),
     (r"export FLUXRL_CLUSTER_KEY=.*", "sets the shared key for a run over two machines (the next two commands)"),
     (r"\.venv/bin/python -m workers node .*",
-     "joins a run on a second machine; tests/workers/test_two_node_run.py runs a node agent in its own process "
+     "joins a run on a second machine; tests/workers/cluster/test_two_node_run.py runs a node agent in its own process "
      "tree on loopback"),
     (r"for i in [\d ]+; do .*\.venv/bin/python -m workers run .*",
      "trains the demo several times in a row (minutes each); the engine tests run `workers run`"),
@@ -74,7 +74,7 @@ NOT_RUN = [
      "needs a Docker engine, which CI machines lack; tests/test_deployment.py checks docker-compose.yml and the "
      "Dockerfile as files, and tests/platform/accounts/test_create_admin.py the create_admin command"),
     (r"\.venv/bin/python -m workers evaluate .*",
-     "needs a finished run's final_model; tests/workers/test_model_zoo_engine.py makes the same evaluation"),
+     "needs a finished run's final_model; tests/workers/models/test_model_zoo_engine.py makes the same evaluation"),
 ]
 RUN_PROGRAMS = ("curl", "fluxrl")
 LOCAL_URL = re.compile(r"https?://(?:127\.0\.0\.1|localhost):8000")

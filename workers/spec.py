@@ -17,6 +17,11 @@ class SpecError(ValueError):
         super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in errors))
 
 
+# algorithm.minibatches for loss ppo when the spec leaves it out: measured on the demo by
+# bench/minibatches.py (README, "Trainer": why 2).
+DEFAULT_PPO_MINIBATCHES = 2
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -27,14 +32,14 @@ class ModelSpec(_Strict):
 
 
 class TaskSpec(_Strict):
-    # A JSONL file path, or a built-in generator "gen:<name>" (see workers.tasks.GENERATORS).
+    # A JSONL file path, or a built-in generator "gen:<name>" (see workers.tasks.datasets.GENERATORS).
     dataset: str
     prompt_field: str = "prompt"
     answer_field: str = "answer"
     size: int = Field(4000, ge=1, description="rows to generate for gen: datasets")
     eval_size: int = Field(200, ge=0, description="held-out rows (taken out of training)")
     seed: int = 0
-    # How a row becomes the model's input (workers/prompts.py). auto: chat when the row has
+    # How a row becomes the model's input (workers/tasks/prompts.py). auto: chat when the row has
     # a ``messages`` list or a ``system`` field (or system_prompt is set), raw text otherwise.
     prompt_format: Literal["auto", "raw", "chat"] = "auto"
     prompt_template: Optional[str] = Field(None, max_length=20000, description=(
@@ -47,7 +52,7 @@ class TaskSpec(_Strict):
     @classmethod
     def _template_compiles(cls, value):
         if value is not None:
-            from .prompts import compile_template
+            from workers.tasks.prompts import compile_template
 
             compile_template(value)  # ValueError naming the line
         return value
@@ -56,7 +61,7 @@ class TaskSpec(_Strict):
 class RewardComponent(_Strict):
     """One term of a weighted-sum reward (``reward.components``): weight x
     function(prompt, completion, **row fields, **params)."""
-    function: str = Field(description="a built-in reward (workers.rewards.BUILTIN_REWARDS), or 'user': the "
+    function: str = Field(description="a built-in reward (workers.tasks.builtin_rewards.BUILTIN_REWARDS), or 'user': the "
                           "run's reward.code")
     weight: float = Field(1.0, allow_inf_nan=False, description="multiplies the component's reward; negative: a "
                           "penalty; 0: scored and reported, not trained on")
@@ -70,7 +75,7 @@ class RewardComponent(_Strict):
     def _known_function(cls, function: str) -> str:
         from pydantic_core import PydanticCustomError
 
-        from .rewards import BUILTIN_REWARDS
+        from workers.tasks.builtin_rewards import BUILTIN_REWARDS
 
         if function != "user" and function not in BUILTIN_REWARDS:
             raise PydanticCustomError("reward_function", "unknown built-in {function}; choose one of {builtins}, "
@@ -86,7 +91,7 @@ class RewardComponent(_Strict):
 
         from pydantic_core import PydanticCustomError
 
-        from .rewards import BUILTIN_REWARDS
+        from workers.tasks.builtin_rewards import BUILTIN_REWARDS
 
         clash = sorted({"prompt", "completion"} & set(params))
         if clash:
@@ -114,7 +119,7 @@ class RewardComponent(_Strict):
 class RewardSpec(_Strict):
     """How each sample is scored: one ``function``, or a weighted sum of ``components``.
 
-    - ``function``: a built-in name (workers.rewards.BUILTIN_REWARDS), "user" with
+    - ``function``: a built-in name (workers.tasks.builtin_rewards.BUILTIN_REWARDS), "user" with
       ``code``, or (on the platform) a team function "name@version".
     - ``components``: reward = sum of weight x component; ``function`` is then "sum" (or
       omitted). Each component is a built-in, or "user": the run's ``code`` (at most one
@@ -192,16 +197,30 @@ class AlgorithmSpec(_Strict):
     lr_floor: float = Field(0.0, ge=0, le=1, description="the decayed lr's last value, as a share of lr")
     clip: float = Field(0.2, gt=0)
     kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k2", "k3"] = Field("k2", description="the KL(π‖π_ref) penalty's per-token form "
+                                              "(kl_coef > 0): k2 = ½(log π − log π_ref)², whose gradient is "
+                                              "that of KL(π‖π_ref); k3 = GRPO's estimator, whose gradient as a "
+                                              "loss is that of the reverse KL(π_ref‖π). Stale tokens are "
+                                              "importance-weighted as in the policy loss")
     behav_weight_cap: float = Field(5.0, gt=0)
     normalize: Literal["tokens", "batch"] = "tokens"
     adv_std_norm: bool = False
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
-    minibatches: int = Field(1, ge=1, le=1024, description="optimiser steps per batch (its samples split "
-                             "evenly); π_prox of decoupled PPO stays fixed at the start of the batch")
+    minibatches: Optional[int] = Field(
+        None, ge=1, le=1024, description="optimiser steps per batch (its samples split evenly); π_prox of "
+        "decoupled PPO stays fixed at the start of the batch. Left out: 2 for loss ppo, so that its clip binds "
+        "(with one step π_prox is the policy being differentiated, and ppo is REINFORCE with a behaviour "
+        "weight), 1 for reinforce and with schedule.stream_train (bench/minibatches.py)")
     ppo_epochs: int = Field(1, ge=1, le=64, description="passes over each batch, each split into minibatches")
     drop_uniform_groups: bool = Field(False, description="async: skip prompt groups whose rewards are all equal "
                                       "(zero advantages) and fill the batch with others (DAPO's dynamic sampling)")
+    advantage: Literal["group", "gae"] = Field(
+        "group", description="group: GRPO's reward minus its prompt group's mean; gae: a critic (a value model "
+        "trained beside the policy, see critic) and GAE(gamma, lam) per token, as PPO-RLHF does")
+    gamma: float = Field(1.0, ge=0, le=1, description="gae: the discount per token")
+    lam: float = Field(0.95, ge=0, le=1, description="gae: the bias/variance trade-off of GAE (1 = Monte Carlo "
+                       "returns minus the value, 0 = one-step TD)")
 
 
 class RolloutSpec(_Strict):
@@ -229,11 +248,15 @@ class RolloutSpec(_Strict):
                                  "long fails the run (a wedged engine) instead of hanging it")
     # rpc: the state dict as safetensors bytes through each engine's RPC; collective: a
     # torch.distributed broadcast from the trainer to every engine (gloo on CPU, NCCL
-    # between GPUs; workers/weight_broadcast.py)
+    # between GPUs; workers/weights/broadcast.py)
     weight_transport: Literal["collective", "rpc"] = "rpc"
     cpu_single_process: bool = Field(False, description="vLLM on a CPU: run the model in the engine core process "
                                      "itself, with no worker process (the two spin-wait on each other). Measured "
                                      "1.3x faster sync runs on 2 cores, 0.67x async ones")
+    enforce_eager: Optional[bool] = Field(None, description="vLLM without CUDA graphs or torch.compile. Default: "
+                                          "eager on the CPU (compiling there costs minutes at start-up), CUDA graphs "
+                                          "on GPUs (faster decoding; memory for the graphs and seconds to capture "
+                                          "them at start-up); true: eager everywhere, false: compiled on the CPU too")
     group_requests: bool = Field(True, description="send a prompt group to its engine as one request of group_size "
                                  "samples (vLLM parallel sampling); off = one request per sample. Interrupt updates "
                                  "and migrate_tail always use one request per sample")
@@ -257,6 +280,15 @@ class TrainerSpec(_Strict):
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
 
 
+class CriticSpec(_Strict):
+    """The value model of algorithm.advantage 'gae': the policy's own model folder with a scalar
+    head (initialised to 0) in place of the LM head, trained by its own DeepSpeed engine."""
+    lr: Optional[float] = Field(None, gt=0, description="default: algorithm.lr")
+    value_clip: float = Field(0.2, gt=0, description="how far one batch may move a value from the one its "
+                              "advantages were computed with (PPO's clipped value loss)")
+    zero_stage: Literal[0, 1, 2, 3] = 0
+
+
 class StopSpec(_Strict):
     max_steps: int = Field(200, ge=1)
     max_minutes: float = Field(10.0, gt=0)
@@ -270,7 +302,7 @@ class EvalSpec(_Strict):
 
 
 class ResourcesSpec(_Strict):
-    """Where the run's processes go; workers/placement.py turns this and the machine into a
+    """Where the run's processes go; workers/cluster/placement.py turns this and the machine into a
     plan (GPUs, memory share and CPU cores per process). The engine count stays
     ``rollout.engines``. ``gpus: N`` alone (older specs) means one node with N GPUs."""
     queue: Literal["cpu", "gpu"] = "cpu"
@@ -284,14 +316,16 @@ class ResourcesSpec(_Strict):
                                  "of engines is rollout.engines")
     gpu_memory_utilization: Optional[float] = Field(None, gt=0, le=1, description="share of an engine GPU's "
                                                     "memory vLLM takes; default 0.9, 0.5 with colocate")
-    engine_processes: bool = Field(False, description="each rollout engine in a server process of its own, with "
-                                   "its own devices (always so when nodes > 1); otherwise the engines are clients "
-                                   "in the controller's process")
+    engine_processes: Optional[bool] = Field(None, description="each rollout engine in a server process of its "
+                                             "own, with its own devices. Default: always on GPUs and when nodes > 1 "
+                                             "(false there is refused); on the CPU the engines are clients in the "
+                                             "controller's process unless this is true")
     trainer_process: bool = Field(False, description="the trainer in a process of its own even with one rank "
                                   "(always so with trainer_ranks > 1): it then shares no interpreter lock with "
                                   "the coordinator's event loop")
-    colocate: bool = Field(False, description="engines share the trainer's GPUs and sleep while it steps "
-                           "(schedule.mode sync)")
+    colocate: bool = Field(False, description="engines share the trainer's GPUs (schedule.mode sync); they keep "
+                           "their memory while it steps (vLLM sleep mode is not built yet), so both must fit a "
+                           "GPU together")
 
     @field_validator("nodes")
     @classmethod
@@ -326,6 +360,7 @@ class RunSpec(_Strict):
     rollout: RolloutSpec = RolloutSpec()
     schedule: ScheduleSpec = ScheduleSpec()
     trainer: TrainerSpec = TrainerSpec()
+    critic: CriticSpec = CriticSpec()
     stop: StopSpec = StopSpec()
     eval: EvalSpec = EvalSpec()
     resources: ResourcesSpec = ResourcesSpec()
@@ -333,6 +368,9 @@ class RunSpec(_Strict):
 
     @model_validator(mode="after")
     def _stream_needs_exact_scaling(self):
+        if self.algorithm.minibatches is None:  # the default depends on the loss and the schedule
+            one = self.algorithm.loss != "ppo" or self.schedule.stream_train
+            self.algorithm.minibatches = 1 if one else DEFAULT_PPO_MINIBATCHES
         if self.schedule.stream_train and self.schedule.mode != "sync":
             raise ValueError("schedule.stream_train applies to schedule.mode 'sync' (async mode streams already)")
         if self.schedule.stream_train and self.trainer.zero_stage > 0:
@@ -351,10 +389,20 @@ class RunSpec(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _colocated_engines_sleep_while_training(self):
+    def _critic_beside_one_trainer(self):
+        if self.algorithm.advantage == "gae" and self.resources.nodes > 1:
+            raise ValueError("algorithm.advantage 'gae' runs on one node for now (resources.nodes 1): its critic "
+                             "trains beside each trainer rank there, but has not been tried across nodes")
+        if self.algorithm.advantage == "gae" and self.schedule.stream_train and self.critic.zero_stage > 0:
+            # as for the policy: the streamed step's gradients are rescaled at its end, unpartitioned
+            raise ValueError("schedule.stream_train with algorithm.advantage 'gae' needs critic.zero_stage 0")
+        return self
+
+    @model_validator(mode="after")
+    def _colocated_engines_wait_while_training(self):
         if self.resources.colocate and (self.schedule.mode != "sync" or self.schedule.stream_train):
             raise ValueError("resources.colocate needs schedule.mode 'sync' without stream_train: colocated engines "
-                             "sleep while the trainer steps, so generation and training cannot overlap")
+                             "share the trainer's GPUs, so generation and training cannot overlap")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The Python client and the `fluxrl` CLI (workers/client.py, workers/client_cli.py)
+"""The Python client and the `fluxrl` CLI (workers/io/client.py, workers/cli/fluxrl.py)
 against a live server of the platform over HTTP. Their websocket side is exercised
 against daphne in runs/test_dispatch_engine.py."""
 import json
@@ -8,8 +8,8 @@ import pytest
 
 from fluxrl.runs.models import Run
 from fluxrl.runs.services import add_samples
-from workers.client import ApiError, FluxClient
-from workers.client_cli import main
+from workers.io.client import ApiError, FluxClient
+from workers.cli.fluxrl import main
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the live server runs in another thread
 

@@ -8,7 +8,7 @@ import pytest
 def templates_compile_in_process(monkeypatch):
     """The engine compiles prompt templates itself; a Django process (pytest-django sets one
     up in this session) hands them to a bounded child instead (fluxrl/runs/apps.py)."""
-    from workers import prompts
+    from workers.tasks import prompts
 
     monkeypatch.setattr(prompts, "_template_checker", None)
 
@@ -29,7 +29,7 @@ def loop():
 @pytest.fixture(scope="module")
 def engine(loop, tiny_model_path):
     """A warm vLLM engine on the tiny model (keep updates), for the module."""
-    from workers.rollout import RolloutEngine, configure_cpu_environment
+    from workers.rollout.engine import RolloutEngine, configure_cpu_environment
 
     configure_cpu_environment(None, 1.0)
     eng = RolloutEngine(tiny_model_path, update_mode="keep", max_model_len=256)

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from workers.spec import SpecError, validate_spec
@@ -9,6 +11,18 @@ def test_minimal_spec_gets_documented_defaults():
     spec = validate_spec(GOOD)
     assert spec.schedule.mode == "async" and spec.schedule.max_staleness == 2
     assert spec.rollout.update_mode == "keep" and spec.algorithm.loss == "ppo"
+
+
+def test_ppo_takes_two_minibatches_unless_told_and_reinforce_or_stream_training_one():
+    assert validate_spec(GOOD).algorithm.minibatches == 2  # decoupled PPO's clip binds from the second
+    assert validate_spec({**GOOD, "algorithm": {"loss": "reinforce"}}).algorithm.minibatches == 1
+    streamed = {**GOOD, "schedule": {"mode": "sync", "stream_train": True}, "trainer": {"zero_stage": 0}}
+    assert validate_spec(streamed).algorithm.minibatches == 1
+    assert validate_spec({**GOOD, "algorithm": {"minibatches": 1}}).algorithm.minibatches == 1
+    with pytest.raises(SpecError, match="minibatches and ppo_epochs must be 1"):
+        validate_spec({**streamed, "algorithm": {"minibatches": 2}})
+    resolved = validate_spec(GOOD).to_dict()  # a stored spec says what ran
+    assert resolved["algorithm"]["minibatches"] == 2 and validate_spec(resolved).algorithm.minibatches == 2
 
 
 def test_unknown_field_is_rejected_by_name():
@@ -42,8 +56,6 @@ def test_yaml_text_is_accepted_and_garbage_is_not():
 
 
 def test_the_cli_only_examples_are_valid_specs():
-    from pathlib import Path
-
     from workers.spec import load_spec_file
 
     folder = Path(__file__).resolve().parents[2] / "examples" / "own-model"
@@ -51,3 +63,9 @@ def test_the_cli_only_examples_are_valid_specs():
     assert examples
     for example in examples:
         assert load_spec_file(str(example)).task.dataset.endswith(".jsonl")
+
+
+@pytest.mark.parametrize("example", sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_example_spec_is_valid(example):
+    assert validate_spec(example.read_text()).name

@@ -10,6 +10,7 @@ function readValue(input) {
   if (type === "bool") return input.checked;
   const raw = input.value.trim();
   if (raw === "") return undefined; // left empty: the spec's default applies
+  if (type === "optbool") return raw === "true"; // a yes/no whose default depends (e.g. engine processes on GPUs)
   if (type === "int") return /^-?\d+$/.test(raw) ? Number(raw) : raw; // let the API name a bad number
   if (type === "float") return Number.isFinite(Number(raw)) ? Number(raw) : raw;
   if (type === "json") { // a list or mapping, e.g. reward.components: [{"function": "math_answer", "weight": 0.9}]

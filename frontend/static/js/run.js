@@ -29,6 +29,9 @@ const CHARTS = [
   { id: "loss", title: "Loss, KL and clipping", y2title: "fraction / entropy", traces: [
     { key: "loss/policy", name: "policy loss" }, { key: "loss/kl", name: "KL" },
     { key: "policy/clip_frac", name: "clip fraction", axis: "y2" }, { key: "policy/entropy", name: "entropy", axis: "y2" }] },
+  { id: "critic", title: "Critic (algorithm.advantage gae)", advantage: "gae", y2title: "explained variance", traces: [
+    { key: "critic/value_loss", name: "value loss" }, { key: "critic/explained_var", name: "explained variance", axis: "y2" },
+    { key: "critic/adv_std", name: "advantage std" }] },
   { id: "lengths", title: "Output lengths (tokens)", traces: [
     { key: "lengths/mean", name: "mean" }, { key: "lengths/p99", name: "p99" }] },
   { id: "queue", title: "Queue depth and policy version", y2title: "version", traces: [
@@ -40,7 +43,7 @@ const CHARTS = [
 const charts = [];
 const known = new Set();
 const container = document.getElementById("charts");
-for (const def of CHARTS) {
+for (const def of CHARTS.filter((d) => !d.advantage || d.advantage === run.advantage)) {
   const emptyText = run.terminal ? "This run reported none of these metrics." : "No data yet: waiting for the workers";
   const chart = def.heatmap ? new HistogramChart(container, { ...def, emptyText }) : new LiveChart(container, { ...def, emptyText });
   charts.push(chart);

@@ -1,14 +1,13 @@
 """Parsers that refuse an oversized body before reading it (413). A view sets
 `max_body_bytes`; otherwise Django's DATA_UPLOAD_MAX_MEMORY_SIZE applies."""
-import math
 from io import BytesIO
 
-import yaml
 from django.conf import settings
 from rest_framework.exceptions import ParseError
 from rest_framework.parsers import BaseParser, JSONParser, MultiPartParser
 
 from fluxrl.api.errors import PayloadTooLarge
+from fluxrl.safe_yaml import BadYAML, load_yaml_mapping
 from fluxrl.validation import contains_nul
 
 
@@ -69,63 +68,9 @@ class LimitedMultiPartParser(MultiPartParser):
         return super().parse(stream, media_type, parser_context)
 
 
-MAX_YAML_DEPTH = 100  # safe_load's composer recurses per level (~500 levels hit Python's limit); specs use ~3
-
-
-def check_json_like(value, path: str = "") -> None:
-    """Only what a JSON body could hold, so YAML reaches the serializers as JSON would:
-    YAML alone has dates, bytes, sets, non-string keys and .nan/.inf; and no NUL (PostgreSQL)."""
-    where = f" at {path}" if path else ""
-    if isinstance(value, str):
-        if "\x00" in value:
-            raise ParseError(f"YAML strings must not contain NUL characters{where}.")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise ParseError(f"YAML mapping keys must be strings; quote {key!r}{where}.")
-            check_json_like(key, path)
-            check_json_like(item, f"{path}.{key}" if path else key)
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            check_json_like(item, f"{path}.{index}" if path else str(index))
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise ParseError(f"YAML .nan/.inf are not allowed (JSON has none){where}.")
-    elif value is not None and not isinstance(value, (bool, int, float)):
-        raise ParseError(f"YAML {type(value).__name__} values are not allowed{where}; quote it to make it a string.")
-
-
-def load_yaml_mapping(text: str) -> dict:
-    """A YAML document holding one mapping (a run spec), as JSON could hold it, or a
-    ParseError. Anchors/aliases are refused before loading: safe_load shares aliased nodes,
-    but a spec is deep-copied and stored as JSON, so `*a` nested 9 deep would expand a
-    billion-fold."""
-    if "\x00" in text:
-        raise ParseError("The YAML must not contain NUL characters.")
-    try:
-        depth = 0
-        for event in yaml.parse(text, Loader=yaml.SafeLoader):  # events only: cheap, builds nothing
-            if getattr(event, "anchor", None) is not None:
-                raise ParseError(f"YAML anchors and aliases are not allowed (line {event.start_mark.line + 1}).")
-            depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
-            if depth > MAX_YAML_DEPTH:
-                raise ParseError(f"The YAML is nested more than {MAX_YAML_DEPTH} levels deep.")
-        data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ParseError(f"YAML syntax error{where}: {exc.problem or exc.context}") from None
-    except yaml.YAMLError as exc:
-        raise ParseError(f"Invalid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        found = "an empty document" if data is None else f"a {type(data).__name__}"
-        raise ParseError(f"The run spec must be a YAML mapping, not {found}.")
-    check_json_like(data)
-    return data
-
-
 class LimitedYAMLParser(BaseParser):
     """A YAML body holding one mapping (a run spec), with the JSON parser's size limit
-    (load_yaml_mapping: no anchors or aliases)."""
+    (fluxrl.safe_yaml.load_yaml_mapping: no anchors or aliases)."""
 
     media_type = "application/yaml"
 
@@ -138,7 +83,10 @@ class LimitedYAMLParser(BaseParser):
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ParseError(f"The YAML body is not valid UTF-8 (byte {exc.start}).") from None
-        return load_yaml_mapping(text)
+        try:
+            return load_yaml_mapping(text)
+        except BadYAML as exc:
+            raise ParseError(str(exc)) from None
 
 
 # DRF picks a parser by its one media_type: one class per YAML media type.

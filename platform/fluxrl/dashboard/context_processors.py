@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import os
 
-from workers.sandbox import UNSAFE_ENV, SandboxUnavailable, boundary
+from workers.rewards.sandbox import UNSAFE_ENV, SandboxUnavailable, boundary
 
 
 def sandbox_warning(request) -> dict:
     """A warning for every page while the operator lets reward code run without the
-    operating-system sandbox (FLUXRL_UNSAFE_REWARD_CODE=1, workers/sandbox.py)."""
+    operating-system sandbox (FLUXRL_UNSAFE_REWARD_CODE=1, workers/rewards/sandbox.py)."""
     if os.environ.get(UNSAFE_ENV) != "1":
         return {}
     try:

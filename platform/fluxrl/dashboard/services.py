@@ -19,9 +19,9 @@ from fluxrl.metrics.models import MetricPoint
 from fluxrl.rewards.models import RewardVersion
 from fluxrl.runs.models import Run, RunStatus, RunTag
 from fluxrl.runs.services import filter_runs
-from workers.rewards import BUILTIN_REWARDS
+from workers.tasks.builtin_rewards import BUILTIN_REWARDS
 from workers.spec import RunSpec, SpecError, validate_spec
-from workers.tasks import GENERATORS
+from workers.tasks.datasets import GENERATORS
 
 SESSION_TEAM = "dashboard_team"
 REWARD_KEY = "reward/mean"
@@ -184,6 +184,7 @@ FORM_HIDDEN = {"reward.code"}  # user code is saved as a reward function and ref
 
 def form_field(name: str, info, initial: dict) -> dict:
     annotation = info.annotation
+    optional = get_origin(annotation) is Union and type(None) in get_args(annotation)
     if get_origin(annotation) is Union:  # Optional[x]
         annotation = next(a for a in get_args(annotation) if a is not type(None))
     field = {"name": name, "label": name.rsplit(".", 1)[-1].replace("_", " "), "help": info.description or "",
@@ -191,6 +192,8 @@ def form_field(name: str, info, initial: dict) -> dict:
     if get_origin(annotation) is Literal:
         choices = list(get_args(annotation))
         field.update(widget="select", type="int" if isinstance(choices[0], int) else "str", choices=choices)
+    elif annotation is bool and optional:  # three states: a checkbox would always send true or false
+        field.update(widget="select", type="optbool", choices=["", "true", "false"])
     elif annotation is bool:
         field.update(widget="checkbox", type="bool")
     elif annotation in (int, float):
@@ -209,6 +212,8 @@ def form_field(name: str, info, initial: dict) -> dict:
     value = initial.get(name, field["default"])
     if field["type"] == "json" and isinstance(value, (list, dict)):
         value = json.dumps(value) if value else ""  # empty: the spec's default
+    if field["type"] == "optbool" and isinstance(value, bool):
+        value = "true" if value else "false"
     field["value"] = "" if value is None else value  # a cloned run's null: left empty, not "None"
     return field
 

@@ -121,7 +121,9 @@ def run_detail(request, team, pk):
     samples = run.samples.order_by("-step", "-id")[:RECENT_SAMPLES]
     data = {
         "run": {"id": run.pk, "name": run.name, "status": run.status, "failure_reason": run.failure_reason,
-                "cancel_requested": run.cancel_requested, "terminal": run.is_terminal},
+                "cancel_requested": run.cancel_requested, "terminal": run.is_terminal,
+                # which charts apply: a GAE run's critic has its own (static/js/run.js)
+                "advantage": ((run.resolved_spec or {}).get("algorithm") or {}).get("advantage", "group")},
         "series": index,  # key -> last step; the charts load each series' history from the API
         "since_step": max(index.values(), default=None),
         "samples": SampleSerializer(samples, many=True).data,

@@ -20,7 +20,7 @@ from django.db import transaction
 from fluxrl.errors import NotFound, TooLarge, field_error
 from fluxrl.validation import contains_nul
 from fluxrl.versioned import check_name, find_version, next_version_number
-from workers.tasks import GENERATORS, DatasetError, check_messages, generate
+from workers.tasks.datasets import GENERATORS, DatasetError, check_messages, generate
 
 from .models import Dataset, DatasetVersion
 
@@ -217,7 +217,7 @@ def generator_catalog() -> list[dict]:
 
 def generate_version(team, user, name: str, generator: str, n: int, seed: int = 0, params: dict | None = None,
                      description: str = "") -> DatasetVersion:
-    """A version made by a built-in generator of workers.tasks (add, chain, countdown)."""
+    """A version made by a built-in generator of workers.tasks.datasets (add, chain, countdown)."""
     check_name(name)
     if generator not in GENERATORS:
         raise field_error("generator", f"unknown generator '{generator}'; choose one of {sorted(GENERATORS)}")

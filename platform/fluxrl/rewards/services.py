@@ -1,26 +1,27 @@
-"""Reward functions: built-ins (workers.rewards) and a team's versioned Python code,
-and "try it", which scores a few rows in workers.sandbox — never in the web process."""
+"""Reward functions: built-ins (workers.tasks.builtin_rewards) and a team's versioned Python code,
+and "try it", which scores a few rows in workers.rewards.sandbox — never in the web process."""
 from __future__ import annotations
 
 import ast
 import inspect
 import logging
-import os
-import socket
 import threading
 import time
 
 from django.conf import settings
 from django.db import connection, transaction
 
-import workers.rewards
+import workers.tasks.builtin_rewards
 from fluxrl.datasets.services import read_rows
 from fluxrl.errors import Conflict, DomainError, InvalidInput, TooManyRequests, field_error
 from fluxrl.versioned import check_name, find_version, next_version_number
-from workers.rewards import BUILTIN_REWARDS
-from workers.sandbox import sandbox_status, try_reward
+from workers.tasks.builtin_rewards import BUILTIN_REWARDS
+from workers.rewards.sandbox import sandbox_status, try_reward
 
+from . import scoring
 from .models import RewardFunction, RewardVersion
+from .tasks import sandbox_check
+from .tasks import try_reward as try_task
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def builtin_catalog() -> list[dict]:
 def builtin_code(name: str) -> str:
     """Source that defines `reward` as a built-in, so built-ins are tried in the same
     sandbox as user code (their fields, e.g. a regex pattern, come from the user)."""
-    return inspect.getsource(workers.rewards) + f"\nreward = {name}\n"
+    return inspect.getsource(workers.tasks.builtin_rewards) + f"\nreward = {name}\n"
 
 
 def check_code(code: str) -> None:
@@ -99,7 +100,7 @@ _service_state_lock = threading.Lock()
 
 def sandbox_state() -> dict:
     """Whether reward code can be contained where try-it scores: {available, reason}. A
-    real sandbox is started to prove it (workers.sandbox.sandbox_status): in this process
+    real sandbox is started to prove it (workers.rewards.sandbox.sandbox_status): in this process
     (once while it works, at most every 30 s while it does not), or, with FLUXRL_TRY_QUEUE,
     in the sandbox service, which is asked at most every 5 min (30 s while it says no or
     does not answer). Cheap enough for every request."""
@@ -112,8 +113,6 @@ def sandbox_state() -> dict:
         checked_at, state = _service_state
         if state is not None and time.monotonic() - checked_at < SERVICE_STATE_TTL_S[0 if state["available"] else 1]:
             return state
-        from .tasks import sandbox_check
-
         try:
             pending = sandbox_check.apply_async(queue=queue, expires=SERVICE_STATE_WAIT_S, retry=False)
             try:
@@ -212,12 +211,9 @@ class SandboxServiceUnavailable(DomainError):
 
 
 def score_here(code: str, rows: list[dict], timeout_s: float, memory_mb: int) -> dict:
-    """Score in a sandbox child of this process (the sandbox service's task, or the web
-    process itself in the embedded default). scored_by: which process did (the API
-    response leaves it out)."""
-    outcome = try_reward(code, rows, timeout_s=timeout_s, memory_mb=memory_mb)
-    outcome["scored_by"] = {"host": socket.gethostname(), "pid": os.getpid()}
-    return outcome
+    """Score in a sandbox child of this (the web) process, the embedded default: what the
+    sandbox service's task does (scoring.score_here), through this module's try_reward."""
+    return scoring.score_here(code, rows, timeout_s, memory_mb, score=try_reward)
 
 
 def _score(code: str, rows: list[dict], timeout_s: float, memory_mb: int) -> dict:
@@ -229,8 +225,6 @@ def _score(code: str, rows: list[dict], timeout_s: float, memory_mb: int) -> dic
         return score_here(code, rows, timeout_s, memory_mb)
     from celery.exceptions import TimeoutError as ResultTimeout
     from kombu.exceptions import OperationalError
-
-    from .tasks import try_reward as try_task
 
     deadline = settings.FLUXRL_TRY_DEADLINE_S
     unavailable = (f"the reward sandbox service did not answer within {deadline:g} s "

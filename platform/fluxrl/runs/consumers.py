@@ -1,6 +1,7 @@
 """Websocket ws/runs/<id>/?since_step=N&max_points=M: on connect a run's status, its
 metric history after step N (each series downsampled to M points) and recent samples;
-then every change as it is pushed to the group run-<id> (live.py).
+then every change as it is pushed to the group run-<id> (live.py; the history on connect:
+fluxrl.metrics.live.snapshot).
 
 Close codes: 4400 bad query, 4401 not signed in, 4403 not a member of the run's team
 (or a token without the read scope), 4404 no such run. The same check is made again
@@ -15,6 +16,7 @@ from django.contrib.auth import get_user_model
 from django.http import QueryDict
 
 from fluxrl.errors import DomainError, Unauthorized, field_error
+from fluxrl.metrics.live import snapshot
 
 from . import live
 
@@ -66,7 +68,7 @@ class RunConsumer(AsyncJsonWebsocketConsumer):
             # twice (subscribers key points by key and step) instead of not at all.
             self.group = live.group_name(run.pk)
             await self.channel_layer.group_add(self.group, self.channel_name)
-            messages = await database_sync_to_async(live.snapshot)(run, since_step, max_points)
+            messages = await database_sync_to_async(snapshot)(run, since_step, max_points)
         except DomainError as exc:
             await self.close(code=4000 + exc.status, reason=exc.message[:120])
             return

@@ -37,15 +37,9 @@ from django.utils import timezone
 from fluxrl.accounts.services import create_run_token
 from fluxrl.errors import DomainError
 
+from .engine_inputs import resolve_spec, run_dir, run_output_dir  # the one place run folders are named
+from .lifecycle import IllegalTransition, resume_from_checkpoint, transition
 from .models import Run, RunStatus
-from .services import (  # run_dir, run_output_dir: the one place run folders are named
-    IllegalTransition,
-    resolve_spec,
-    resume_from_checkpoint,
-    run_dir,
-    run_output_dir,
-    transition,
-)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +52,7 @@ LOG_TAIL_CHARS = 3000
 # the engine runs user reward code.
 PRIVATE_ENV = ("DATABASE_URL", "DJANGO_SECRET_KEY", "POSTGRES_PASSWORD", "FLUXRL_CLUSTER_KEY_SECRET", "REDIS_URL")
 RUN_TOKEN_ENV = "FLUXRL_RUN_TOKEN"
-CLUSTER_KEY_ENV = "FLUXRL_CLUSTER_KEY"  # workers/wire.py: the processes of a run over several nodes  # read by `python -m workers run` when --token is not given
+CLUSTER_KEY_ENV = "FLUXRL_CLUSTER_KEY"  # workers/io/wire.py: the processes of a run over several nodes  # read by `python -m workers run` when --token is not given
 
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None

@@ -1,5 +1,7 @@
-"""Live updates of a run for its page: what is pushed to the Channels group run-<id>
-and what a subscriber gets on connect. RunConsumer (consumers.py) forwards both.
+"""Live updates of a run for its page: what is pushed to the Channels group run-<id>,
+and who may subscribe. RunConsumer (consumers.py) forwards it. What a subscriber gets on
+connect, with the metric history, is fluxrl.metrics.live.snapshot (metrics builds on
+runs; the domain modules of runs never import metrics).
 
 Messages (docs/architecture.md §7): {"type": "status", ...}, {"type": "metrics", "points": [...]},
 {"type": "samples", "samples": [...]}. Points are keyed by (key, step); a retried batch
@@ -21,10 +23,6 @@ from .models import Run, Sample
 
 log = logging.getLogger(__name__)
 
-RECENT_SAMPLES = 20  # sent on connect; the samples API has the rest
-# daphne closes a socket (1011) rather than send a message over 1 MiB: the history on
-# connect (up to max_points per series, ~90 bytes a point) goes in messages of this many.
-HISTORY_POINTS_PER_MESSAGE = 5000
 # Samples go in messages of at most this many bytes of JSON (with their per-token texts
 # they can be long): a sample larger than that alone is sent in a message of its own.
 SAMPLE_BYTES_PER_MESSAGE = 512 * 1024
@@ -123,26 +121,6 @@ def run_for_subscriber(user, token, run_id: int) -> Run:
     if not visible_teams(user, token).filter(pk=run.team_id).exists():
         raise Forbidden("Only members of the run's team may follow it.")
     return run
-
-
-def snapshot(run: Run, since_step: int | None = None, max_points: int = 1000) -> list[dict]:
-    """What a subscriber gets on connect: the status, the metric history after
-    since_step (each series downsampled to max_points; in one or more messages), and
-    the recent samples."""
-    from fluxrl.metrics.services import read_points  # metrics builds on runs
-
-    run.refresh_from_db()
-    samples = run.samples.all()
-    if since_step is not None:
-        samples = samples.filter(step__gt=since_step)
-    recent = list(samples.order_by("-step", "-id")[:RECENT_SAMPLES])[::-1]
-    points = read_points(run, since_step=since_step, max_points=max_points)
-    size = HISTORY_POINTS_PER_MESSAGE
-    return [
-        status_message(run),
-        *({"type": "metrics", "points": points[i:i + size], "history": True} for i in range(0, max(len(points), 1), size)),
-        *sample_messages([sample_dict(s) for s in recent], history=True),
-    ]
 
 
 def current_status(run_id: int) -> dict | None:

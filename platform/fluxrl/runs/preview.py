@@ -1,12 +1,12 @@
 """Prompt preview: a run spec's model and dataset -> one row's prompt exactly as the
-engine renders it for the model (workers.prompts: format, template, system prompt, the
+engine renders it for the model (workers.tasks.prompts: format, template, system prompt, the
 model folder's own tokenizer and chat template), with its token ids and their texts.
 
 It runs in the web process: the model path is scoped as a run's is (check_model_path),
 tokenizers are loaded once and kept (a small LRU), and the model's chat template renders
 in transformers' sandboxed Jinja environment. The spec's own task.prompt_template is
 compiled and rendered only in a short-lived child process with a time and memory limit
-and an empty environment (a template is user input; the sandbox, workers.prompts, bounds
+and an empty environment (a template is user input; the sandbox, workers.tasks.prompts, bounds
 each operation but not loops or the total): here and whenever a spec is validated in the
 web process (check_template, installed by runs/apps.py).
 No user Python runs. Without the engine's libraries (a web-only install) the answer is
@@ -29,10 +29,10 @@ from django.db import connection
 import workers
 from fluxrl.datasets import services as datasets
 from fluxrl.errors import DomainError, InvalidInput, NotFound, TooManyRequests, field_error
-from workers.preflight import ModelCheckError, resolve_model_path
-from workers.prompts import TOKENIZER_FILES, PromptError, PromptRenderer, load_tokenizer, row_is_chat
+from workers.models.preflight import ModelCheckError, resolve_model_path
+from workers.tasks.prompts import TOKENIZER_FILES, PromptError, PromptRenderer, load_tokenizer, row_is_chat
 from workers.spec import SpecError, TaskSpec, validate_spec
-from workers.tasks import GENERATORS, DatasetError, check_messages, load_rows
+from workers.tasks.datasets import GENERATORS, DatasetError, check_messages, load_rows
 
 from .services import MODEL_FIELD, check_model_path, load_spec_text, spec_errors
 
@@ -189,7 +189,7 @@ resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 cpu = int(sys.argv[3])
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
 sys.path.insert(0, sys.argv[1])
-from workers.prompts import compile_template
+from workers.tasks.prompts import compile_template
 job = json.load(sys.stdin)
 def answer(**reply):
     print(json.dumps(reply))
@@ -255,7 +255,7 @@ CHECKED_CACHE_SIZE = 256
 
 
 def check_template(template: str) -> None:
-    """workers.prompts.compile_template's checker in the web process (runs/apps.py): a spec's
+    """workers.tasks.prompts.compile_template's checker in the web process (runs/apps.py): a spec's
     task.prompt_template is compiled in the bounded child, never here (Jinja allocates
     while folding constants at compile time). ValueError "line N: ..." for a bad one."""
     digest = hashlib.sha256(template.encode("utf-8", "surrogatepass")).digest()
@@ -272,7 +272,7 @@ def check_template(template: str) -> None:
 
 def render_template(template: str, row: dict, render: bool = True) -> str:
     """task.prompt_template compiled and rendered over the row as PromptRenderer does it
-    (the same bounded sandbox, workers.prompts), in the child process (_template_child);
+    (the same bounded sandbox, workers.tasks.prompts), in the child process (_template_child);
     render=False: only compiled. A 400 naming spec.task.prompt_template when it fails."""
     try:
         return _template_child(template, row, render)

@@ -1,35 +1,53 @@
-"""Runs: submission (validate with workers.spec, resolve team references), the status
-state machine, cooperative cancellation, and what workers report (samples, checkpoints)."""
+"""Runs: submission (validate with workers.spec, resolve team references), cooperative
+cancellation, resuming, and what workers report (samples, checkpoints).
+
+The status state machine lives in lifecycle.py and what the engine is given in
+engine_inputs.py, which the worker host's dispatcher (dispatch.py) uses too. This module
+sends the Celery tasks (tasks.py, which call dispatch.py) and imports them at the top;
+none of those imports this module. Their names stay importable from here
+(runs.services.transition, ...)."""
 from __future__ import annotations
 
 import copy
-import os
 import re
-from pathlib import Path
 from functools import partial
 from itertools import groupby
 
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Q, QuerySet
-from django.utils import timezone
 
-from fluxrl.accounts.services import revoke_run_tokens
 from fluxrl.datasets import services as datasets
 from fluxrl.errors import Conflict, InvalidInput, NotFound, TooLarge, field_error
 from fluxrl.rewards import services as rewards
-from workers.rewards import BUILTIN_REWARDS
+from fluxrl.safe_yaml import BadYAML, load_yaml_mapping
+from workers.tasks.builtin_rewards import BUILTIN_REWARDS
 from workers.spec import SpecError, validate_spec
-from workers.tasks import GENERATORS
+from workers.tasks.datasets import GENERATORS
 
-from . import live
-from .models import TERMINAL_STATUSES, Checkpoint, Run, RunStatus, RunTag, Sample
+from . import live, tasks
+from .engine_inputs import (  # noqa: F401 - re-exported: callers name them as runs.services.X
+    BUILTIN_MODELS,
+    MODEL_FIELD,
+    MODEL_ROOTS_ENV,
+    check_model_path,
+    engine_spec,
+    model_roots,
+    resolve_spec,
+    run_dir,
+    run_output_dir,
+    runs_root,
+    spec_errors,
+)
+from .lifecycle import (  # noqa: F401 - re-exported as above
+    ALLOWED_TRANSITIONS,
+    IllegalTransition,
+    prune_after,
+    resume_from_checkpoint,
+    transition,
+)
+from .models import Checkpoint, Run, RunStatus, RunTag, Sample
 
-ALLOWED_TRANSITIONS = {
-    RunStatus.QUEUED: {RunStatus.STARTING, RunStatus.FAILED, RunStatus.CANCELLED},
-    RunStatus.STARTING: {RunStatus.RUNNING, RunStatus.FAILED, RunStatus.CANCELLED},
-    RunStatus.RUNNING: {RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED},
-}
 TAG_PATTERN = re.compile(r"[\w.:/+-]{1,50}")
 MAX_TAGS = 20
 
@@ -37,20 +55,11 @@ MAX_TAGS = 20
 RESUMABLE_STATUSES = (RunStatus.FAILED, RunStatus.CANCELLED)
 
 
-class IllegalTransition(Conflict):
-    code = "illegal_transition"
-
-
 class NoCheckpoint(Conflict):
     code = "no_checkpoint"
 
 
 # --- submission ------------------------------------------------------------------------
-
-
-def spec_errors(errors: list[dict], prefix: str = "spec") -> InvalidInput:
-    fields = {f"{prefix}.{e['field']}": e["message"] for e in errors}
-    return InvalidInput("; ".join(f"{k}: {v}" for k, v in fields.items()), fields=fields)
 
 
 def parse_user_spec(spec_input) -> dict:
@@ -66,94 +75,15 @@ def parse_user_spec(spec_input) -> dict:
 
 
 def load_spec_text(text: str | bytes, field: str = "spec") -> dict:
-    """Spec text (YAML or JSON) through the API's one checked YAML loader (no anchors or
-    aliases, bounded depth: an alias bomb would expand a billion-fold), or a 400 naming field."""
-    from fluxrl.api.parsers import load_yaml_mapping  # not at the top: DRF settings import the parsers
-    from rest_framework.exceptions import ParseError
-
+    """Spec text (YAML or JSON) through the one checked YAML loader the API's YAML bodies
+    use (fluxrl.safe_yaml: no anchors or aliases, bounded depth: an alias bomb would expand
+    a billion-fold), or a 400 naming field."""
     if isinstance(text, bytes):
         text = text.decode("utf-8", "replace")
     try:
         return load_yaml_mapping(text)
-    except ParseError as exc:
-        raise field_error(field, str(exc.detail)) from None
-
-
-BUILTIN_MODELS = ("builtin:tiny",)  # model.path names the engine builds itself (workers/__main__.py)
-MODEL_ROOTS_ENV = "FLUXRL_MODEL_ROOTS"
-MODEL_FIELD = "spec.model.path"
-_ROOT_RELATIVE = re.compile(r"[\w-][\w.-]*(/[\w.-]+)*")  # "Qwen/Qwen2-0.5B": a hub id, or a name under a model root
-
-
-def model_roots() -> list[Path]:
-    """Folders whose models any team may name (FLUXRL_MODEL_ROOTS, os.pathsep-separated;
-    default FLUXRL_DATA_DIR/models), resolved. Read on every check, so a changed
-    environment is followed without a restart."""
-    configured = os.environ.get(MODEL_ROOTS_ENV)
-    roots = configured.split(os.pathsep) if configured else [str(Path(settings.FLUXRL_DATA_DIR) / "models")]
-    return [Path(os.path.realpath(r)) for r in roots if r.strip()]
-
-
-def runs_root() -> Path:
-    """Where the dispatcher keeps run folders: run_dir(id) = runs_root()/<id>."""
-    return Path(settings.FLUXRL_DATA_DIR) / "runs"
-
-
-def run_dir(run_id: int) -> Path:
-    """A run's folder on its worker host (spec.json, engine.log, and out/)."""
-    return runs_root() / str(run_id)
-
-
-def run_output_dir(run_id: int) -> Path:
-    """Where a run's engine writes its outputs (--out): checkpoints, final_model, metrics."""
-    return run_dir(run_id) / "out"
-
-
-def _inside(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
-
-
-def _own_run_output(team, real: Path) -> bool:
-    runs = Path(os.path.realpath(runs_root()))
-    if runs not in real.parents:
-        return False
-    run_id = real.relative_to(runs).parts[0]
-    return (run_id.isdigit() and _inside(real, Path(os.path.realpath(run_output_dir(int(run_id)))))
-            and Run.objects.filter(pk=int(run_id), team=team).exists())
-
-
-def check_model_path(team, path: str) -> str:
-    """The model.path a worker of `team` may load, or a 400 naming spec.model.path.
-
-    Allowed: a built-in name (BUILTIN_MODELS); a folder under a model root (an absolute
-    path, or a name relative to a root such as "Qwen/Qwen2-0.5B" when that folder exists
-    there); the outputs of one of the team's own runs (run_output_dir). Never another
-    team's outputs or any other folder of the worker host. Symlinks and `..` are resolved
-    (os.path.realpath) before the check, and the resolved path is what is returned, for
-    the engine to load: call this at submission and again at dispatch."""
-    if "\0" in path:
-        raise field_error(MODEL_FIELD, "a path cannot hold a NUL character")
-    if path.startswith("builtin:"):
-        if path not in BUILTIN_MODELS:
-            raise field_error(MODEL_FIELD, f"unknown built-in model {path!r}; choose one of {list(BUILTIN_MODELS)}")
-        return path
-    roots = model_roots()
-    where = (f"a built-in name ({', '.join(BUILTIN_MODELS)}), a folder under a model root "
-             f"({', '.join(map(str, roots)) or 'none configured'}; {MODEL_ROOTS_ENV}) or the outputs of one of "
-             "your team's runs")
-    if not os.path.isabs(path):
-        if _ROOT_RELATIVE.fullmatch(path) and ".." not in path.split("/"):
-            for root in roots:
-                real = Path(os.path.realpath(root / path))
-                if _inside(real, root) and real.is_dir():
-                    return str(real)
-            raise field_error(MODEL_FIELD, f"{path!r} is not a folder under any model root, and workers do not "
-                                           f"download hub models: put the model there, or give {where}")
-        raise field_error(MODEL_FIELD, f"{path!r} is a relative path; give {where}")
-    real = Path(os.path.realpath(path))
-    if any(_inside(real, root) for root in roots) or _own_run_output(team, real):
-        return str(real)
-    raise field_error(MODEL_FIELD, f"{path} is not allowed: a model must be {where}")
+    except BadYAML as exc:
+        raise field_error(field, str(exc)) from None
 
 
 def resolve_references(team, spec: dict):
@@ -174,32 +104,6 @@ def resolve_references(team, spec: dict):
     except NotFound as exc:  # a dangling reference is a bad spec, not a missing URL
         raise InvalidInput("; ".join(f"{f}: {exc.message}" for f in exc.fields), fields=exc.fields) from None
     return dataset_version, reward_version
-
-
-def engine_spec(spec: dict, dataset_version=None, reward_version=None, model_path: str | None = None) -> dict:
-    """The spec with team references replaced by what a worker can use: the dataset's
-    immutable JSONL file (fields normalized to prompt/answer), the reward's code, and the
-    model folder as check_model_path resolved it."""
-    resolved = copy.deepcopy(spec)
-    if model_path is not None:
-        resolved.setdefault("model", {})["path"] = model_path
-    if dataset_version is not None:
-        resolved["task"].update(dataset=str(dataset_version.path), prompt_field="prompt", answer_field="answer")
-    if reward_version is not None:
-        resolved.setdefault("reward", {}).update(function="user", code=reward_version.code)
-    try:
-        return validate_spec(resolved).to_dict()
-    except SpecError as exc:
-        raise spec_errors(exc.errors) from None
-
-
-def resolve_spec(run: Run) -> dict:
-    """Engine-ready spec of a run, from its spec and pinned versions (paths computed now,
-    so a moved FLUXRL_DATA_DIR is followed). Use this at dispatch time. The model path is
-    checked again (a spec stored before the rule, or a symlink swapped after submission,
-    must not slip through), and the engine is given the folder it resolved to."""
-    model_path = check_model_path(run.team, (run.spec.get("model") or {}).get("path", ""))
-    return engine_spec(run.spec, run.dataset_version, run.reward_version, model_path=model_path)
 
 
 def clean_tags(tags) -> list[str]:
@@ -237,12 +141,10 @@ def enqueue_run(run: Run) -> None:
     """Hand a queued run to a Celery worker on the queue its spec asks for (cpu | gpu); a
     run over several nodes is one task per node: node 0 runs the coordinator, each other
     one a node agent that joins it (dispatch.join_run)."""
-    from .tasks import execute_run, join_run  # tasks -> dispatch -> this module
-
     resources = run.resolved_spec["resources"]
-    execute_run.apply_async((run.pk,), queue=resources["queue"])
+    tasks.execute_run.apply_async((run.pk,), queue=resources["queue"])
     for node_rank in range(1, int(resources.get("nodes", 1))):
-        join_run.apply_async((run.pk, node_rank), queue=resources["queue"])
+        tasks.join_run.apply_async((run.pk, node_rank), queue=resources["queue"])
 
 
 def update_run(run: Run, tags=None, notes: str | None = None) -> Run:
@@ -269,50 +171,7 @@ def filter_runs(runs: QuerySet, status: str = "", tag: str = "", owner: str = ""
     return runs.distinct() if tag else runs
 
 
-# --- lifecycle -----------------------------------------------------------------------------
-
-
-@transaction.atomic
-def transition(run: Run, status: str, *, failure_reason: str = "", worker_host: str | None = None,
-               worker_pid: int | None = None, rendezvous: str | None = None,
-               resumed_from_step: int | None = None) -> Run:
-    """Move a run along queued -> starting -> running -> succeeded/failed/cancelled
-    (any live state may fail or be cancelled; a failure after a cancel request counts as
-    cancelled). Reporting the current status again is a heartbeat. Reaching a terminal
-    state revokes the run's tokens. Raises IllegalTransition (HTTP 409) for any other move.
-    ``resumed_from_step``: sent by an engine started with --resume as it starts running;
-    the points and samples after that step are dropped (prune_after), as it computes them again."""
-    run = Run.objects.select_for_update().get(pk=run.pk)
-    now = timezone.now()
-    if status == RunStatus.FAILED and run.cancel_requested:
-        status = RunStatus.CANCELLED  # an engine stopped on request may report the interruption as a failure
-    if status != run.status:
-        if status not in ALLOWED_TRANSITIONS.get(run.status, ()):
-            raise IllegalTransition(f"A run cannot go from {run.status} to {status}.",
-                                    fields={"status": f"not allowed from {run.status}"})
-        if status == RunStatus.RUNNING and resumed_from_step is not None:
-            # Only as it starts running: a later report of the same step must not drop
-            # the points the resumed engine has sent since.
-            prune_after(run, resumed_from_step)
-        run.status = status
-        if status == RunStatus.RUNNING:
-            run.started_at = now
-        if status in TERMINAL_STATUSES:
-            run.finished_at = now
-            run.failure_reason = failure_reason if status == RunStatus.FAILED else ""
-    if not run.is_terminal:
-        run.heartbeat_at = now
-    if worker_host is not None:
-        run.worker_host = worker_host
-    if worker_pid is not None:
-        run.worker_pid = worker_pid
-    if rendezvous is not None:
-        run.rendezvous = rendezvous
-    run.save()
-    if run.is_terminal:
-        revoke_run_tokens(run)
-    transaction.on_commit(partial(live.publish_status, run))
-    return run
+# --- cancelling and resuming (the state machine itself: lifecycle.transition) --------------
 
 
 @transaction.atomic
@@ -356,22 +215,6 @@ def resume_run(run: Run) -> Run:
     transaction.on_commit(partial(enqueue_run, run))
     transaction.on_commit(partial(live.publish_status, run))
     return run
-
-
-def prune_after(run: Run, step: int) -> tuple[int, int]:
-    """Drop the run's metric points and samples after ``step`` (a resumed engine computes
-    those steps again; -1: all of them); returns how many (points, samples)."""
-    from fluxrl.metrics.models import MetricPoint
-
-    points, _ = MetricPoint.objects.filter(run=run, step__gt=step).delete()
-    samples, _ = run.samples.filter(step__gt=step).delete()
-    return points, samples
-
-
-def resume_from_checkpoint(run: Run) -> bool:
-    """Whether the dispatcher starts this run's engine with --resume: it has reported a
-    checkpoint (only a run queued again by resume_run can have one when it starts)."""
-    return run.checkpoints.exists()
 
 
 # --- what workers report ------------------------------------------------------------------

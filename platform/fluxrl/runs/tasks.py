@@ -1,5 +1,6 @@
 """Celery tasks for runs, thin on purpose: the work is in dispatch.py. Queues, acks_late,
-prefetch 1 and the broker's visibility timeout are set in settings (CELERY_*)."""
+prefetch 1 and the broker's visibility timeout are set in settings (CELERY_*).
+services.enqueue_run sends them; nothing here or in dispatch.py imports services."""
 from celery import shared_task
 from celery.signals import worker_ready
 

@@ -102,7 +102,7 @@ def test_the_template_child_gets_none_of_the_web_environment(monkeypatch):
     seen = preview.render_template("{{ env }}", {"env": "x"})
     assert seen == "x"
     # What the child's os.environ holds, read by the child itself through a probe module.
-    probe = preview._TEMPLATE_CHILD.replace("from workers.prompts import compile_template",
+    probe = preview._TEMPLATE_CHILD.replace("from workers.tasks.prompts import compile_template",
                                            "import os; print(json.dumps(dict(text=json.dumps(sorted(os.environ))))); "
                                            "sys.exit()")
     monkeypatch.setattr(preview, "_TEMPLATE_CHILD", probe)

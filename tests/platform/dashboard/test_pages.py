@@ -149,6 +149,14 @@ def test_run_page_data_lists_each_series_with_its_last_step(page_a, run_a):
     assert data["since_step"] == 6 and data["run"]["status"] == "queued" and data["samples"] == []
 
 
+def test_run_page_data_says_which_advantage_the_run_uses_so_a_gae_run_gets_its_critic_chart(page_a, run_a):
+    assert page_data(page_a.get(f"/runs/{run_a.pk}/"))["run"]["advantage"] == "group"
+    run_a.resolved_spec = {**run_a.resolved_spec, "algorithm": {**run_a.resolved_spec.get("algorithm", {}),
+                                                                "advantage": "gae"}}
+    run_a.save(update_fields=["resolved_spec"])
+    assert page_data(page_a.get(f"/runs/{run_a.pk}/"))["run"]["advantage"] == "gae"
+
+
 def test_run_page_without_metrics_has_no_since_step(page_a, run_a):
     response = page_a.get(f"/runs/{run_a.pk}/")
     assert page_data(response)["series"] == {} and page_data(response)["since_step"] is None
@@ -207,6 +215,20 @@ def test_new_run_form_edits_lists_as_json_and_clones_reward_components(page_a, t
         ("math_answer", 0.9), ("format_boxed", 0.1)]
     assert re.search(r'name="reward.function" data-spec data-type="str" value="sum"', body)
     assert "0.9 × math_answer + 0.1 × format_boxed" in page_a.get(f"/runs/{run.pk}/").content.decode()
+
+
+def test_a_yes_no_field_whose_default_depends_is_three_way_so_the_form_sends_nothing_unless_asked(
+        page_a, team_a, alice, spec):
+    # resources.engine_processes: null = processes on GPUs; a checkbox would send false and be refused there
+    body = page_a.get("/runs/new/").content.decode()
+    field = re.search(r'<select id="f-resources.engine_processes"[^>]*>(.*?)</select>', body, re.S)
+    assert field and 'data-type="optbool"' in field.group(0)
+    assert re.findall(r'<option value="([^"]*)"\s*(selected)?', field.group(1)) == [
+        ("", "selected"), ("true", ""), ("false", "")]
+    run = submit_run(team_a, alice, spec(resources={"engine_processes": True}))
+    body = page_a.get(f"/runs/new/?from={run.pk}").content.decode()
+    field = re.search(r'<select id="f-resources.engine_processes"[^>]*>(.*?)</select>', body, re.S)
+    assert re.search(r'<option value="true"\s*selected', field.group(1))
 
 
 def test_compare_shows_what_differs(page_a, team_a, alice, spec):

@@ -11,7 +11,7 @@ from django.test import Client
 
 from tests.platform.servers import REPO, show_logs, start, stop, wait_until
 from tests.sandbox_path import MISSING, fresh_probe, no_bwrap  # noqa: F401 - fixtures
-from workers.sandbox import UNSAFE_ENV
+from workers.rewards.sandbox import UNSAFE_ENV
 
 PAGES = ["/rewards/", "/runs/new/"]
 REAL_PATH = os.environ["PATH"]

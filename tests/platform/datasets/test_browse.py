@@ -1,7 +1,7 @@
 import json
 
 from fluxrl.datasets.models import DatasetVersion
-from workers.tasks import generate
+from workers.tasks.datasets import generate
 
 
 def test_generators_are_listed_with_their_parameters(api_a):

@@ -1,9 +1,10 @@
 """The platform briefly unreachable while an engine reports: the engine's Reporter
-(workers/report.py) posts metrics and samples to a real daphne (a subprocess on the test
+(workers/io/report.py) posts metrics and samples to a real daphne (a subprocess on the test
 database); the server is stopped mid-run for a few seconds and started again on the same
 port. Once it is back, every point and sample is stored exactly once: the Reporter kept
 them buffered and retried with backoff, and ingest skips what it stored already (a batch
 whose answer was lost to the shutdown is sent again)."""
+import logging
 import signal
 import threading
 import time
@@ -20,7 +21,7 @@ from fluxrl.runs.services import engine_spec
 from tests.platform.servers import (
     free_port, needs_postgres, reachable, server_env, show_logs, start_daphne, stop, wait_for_server_sessions_to_end,
 )
-from workers.report import PlatformClient, Reporter
+from workers.io.report import PlatformClient, Reporter
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.django_db(transaction=True), needs_postgres]
 
@@ -87,7 +88,8 @@ def train(reporter: Reporter, reached: dict[int, threading.Event]) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["stopped", "killed"])
-def test_metrics_reported_while_the_platform_restarts_are_stored_once_each(platform, run, tmp_path, capfd, sig):
+def test_metrics_reported_while_the_platform_restarts_are_stored_once_each(platform, run, tmp_path, caplog, sig):
+    caplog.set_level(logging.INFO, logger="workers.io.report")  # "reachable again" is info
     client = PlatformClient(platform.url, create_run_token(run)[1], run.pk, timeout=5)
     reporter = Reporter(tmp_path / "metrics.jsonl", client, flush_every_s=0.2, max_backoff_s=2.0)
     reached = {OUTAGE_AT_STEP: threading.Event()}
@@ -115,7 +117,7 @@ def test_metrics_reported_while_the_platform_restarts_are_stored_once_each(platf
     values = {(p.key, p.step): p.value for p in MetricPoint.objects.filter(run=run)}
     assert all(values[key, step] == step + i / 10 for i, key in enumerate(KEYS) for step in range(STEPS))
     assert sorted(run.samples.values_list("step", flat=True)) == list(range(0, STEPS, 10))
-    err = capfd.readouterr().err
+    err = caplog.text  # the Reporter's log (on stderr under the engine CLI: tests/workers/io/test_report.py)
     assert "cannot reach the platform" in err and "reachable again" in err
     print(f"platform down {outage:.1f} s (restart included); {reporter.failures} failed posts; "
           f"{stored_while_down} of {STEPS * len(KEYS)} points stored before it went down; all stored once")

@@ -31,8 +31,8 @@ from fluxrl.metrics.models import MetricPoint
 from fluxrl.runs import dispatch
 from fluxrl.runs.models import Run, RunStatus
 from fluxrl.runs.services import submit_run, transition
-from workers.heartbeat import Heartbeat
-from workers.report import PlatformClient, Reporter
+from workers.io.heartbeat import Heartbeat
+from workers.io.report import PlatformClient, Reporter
 
 from ..servers import REPO, free_port, start_daphne, stop, wait_until
 

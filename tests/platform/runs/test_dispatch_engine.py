@@ -25,7 +25,7 @@ from fluxrl.accounts.services import create_api_token
 from fluxrl.metrics.models import MetricPoint
 from fluxrl.runs.models import Run
 from tests.platform.servers import free_port, start, stop, wait_until
-from workers.client import FluxClient
+from workers.io.client import FluxClient
 
 psutil = pytest.importorskip("psutil")
 pytestmark = [

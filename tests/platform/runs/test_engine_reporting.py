@@ -15,8 +15,8 @@ from fluxrl.accounts.services import create_run_token
 from fluxrl.runs.dispatch import reap_stale_runs
 from fluxrl.runs.models import Run, RunStatus
 from fluxrl.runs.services import cancel_run, transition
-from workers.heartbeat import Heartbeat
-from workers.report import PlatformClient
+from workers.io.heartbeat import Heartbeat
+from workers.io.report import PlatformClient
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from fluxrl.metrics.models import MetricPoint
-from fluxrl.runs import live
+from fluxrl.metrics import live
 
 pytestmark = pytest.mark.django_db
 

@@ -10,7 +10,7 @@ import pytest
 
 from fluxrl.datasets.services import read_rows
 from fluxrl.runs import preview
-from workers.tasks import load_rows
+from workers.tasks.datasets import load_rows
 
 URL = "/api/prompt-preview/"
 CHATML = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"

@@ -20,7 +20,7 @@ from tests.platform.servers import (
     free_port, needs_postgres_and_redis, server_env, show_logs, start_celery_worker, start_daphne, stop, wait_until,
     wait_for_server_sessions_to_end,
 )
-from workers.client import FluxClient
+from workers.io.client import FluxClient
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.django_db(transaction=True), needs_postgres_and_redis]
 

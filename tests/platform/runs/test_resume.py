@@ -1,7 +1,7 @@
 """Resuming a run from the platform (POST /api/runs/<id>/resume/, `fluxrl resume`): only a
 failed or cancelled run with a checkpoint is queued again; the dispatcher then starts the
 engine with --resume on the same output folder (the stand-in engine, fake_engine.py,
-records its arguments). tests/workers/test_resume.py resumes the real engine."""
+records its arguments). tests/workers/coord/test_resume.py resumes the real engine."""
 import json
 import sys
 from pathlib import Path
@@ -118,7 +118,7 @@ def test_the_dispatcher_resumes_the_engine_on_the_same_output_folder(run_a, sett
 @pytest.mark.django_db(transaction=True)  # the live server runs in another thread
 def test_fluxrl_resume(live_server, alice, run_a, tmp_path, monkeypatch, capsys):
     from fluxrl.accounts.services import create_api_token
-    from workers.client_cli import main
+    from workers.cli.fluxrl import main
 
     monkeypatch.setattr(services, "enqueue_run", lambda run: None)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))

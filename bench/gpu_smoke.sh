@@ -1,0 +1,186 @@
+#!/usr/bin/env bash
+# The GPU smoke test (issue 27 item 6): the one script to run the day a GPU is available.
+#
+#   bench/gpu_smoke.sh [OUT_DIR]          # default OUT_DIR: /tmp/fluxrl-gpu-smoke
+#
+# On whatever GPUs are visible it runs, one after the other, real `python -m workers run`
+# specs (bench/gpu_specs/) and the trainer bench (bench/gpu_trainer.py), then prints one
+# table: each check, what it ran, its status, seconds and the peak GPU memory seen while it
+# ran (nvidia-smi, sampled every second, the most on any one GPU). A check that needs more
+# GPUs than are visible says how many; one whose feature does not exist yet says "not built
+# yet" (nothing is skipped silently). Exit code: 0 when every check that could run passed,
+# 1 when one failed, 2 at once when no GPU is visible.
+#
+# Environment: PYTHON (default .venv/bin/python), SMOKE_KEEP=1 keeps OUT_DIR's run folders.
+set -u -o pipefail
+
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+OUT=${1:-/tmp/fluxrl-gpu-smoke}
+
+# -- a GPU, or a loud stop --------------------------------------------------------------
+smi_gpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+    smi_gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+fi
+torch_gpus="not asked"  # importing torch takes seconds: only when nvidia-smi sees a GPU
+if [ "${smi_gpus:-0}" -gt 0 ]; then
+    torch_gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+fi
+if [ "${smi_gpus:-0}" -eq 0 ] || [ "$torch_gpus" = 0 ]; then
+    echo "gpu_smoke: FAILED: no CUDA GPU visible: nvidia-smi/torch.cuda.device_count() = 0" >&2
+    echo "  (nvidia-smi -L lists ${smi_gpus:-0} GPU(s)$(command -v nvidia-smi >/dev/null || echo ': no nvidia-smi');" \
+         "torch.cuda.device_count() = $torch_gpus with $PY; CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset})" >&2
+    exit 2
+fi
+GPUS=$torch_gpus
+mkdir -p "$OUT"
+export SMOKE_OUT="$OUT"
+echo "gpu_smoke: $GPUS GPU(s): $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sort | uniq -c | xargs)"
+echo "gpu_smoke: logs and run folders under $OUT"
+
+ROWS=()  # "check|what|status|seconds|peak MiB"
+FAILED=0
+
+peak_sampler() {  # writes the most memory used on any one GPU, each second, to $1
+    while :; do
+        nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | sort -n | tail -1 >>"$1"
+        sleep 1
+    done
+}
+
+# check NAME NEED_GPUS WHAT COMMAND...: runs COMMAND (its output to $OUT/NAME.log), times it,
+# samples GPU memory meanwhile and adds a row.
+check() {
+    local name=$1 need=$2 what=$3
+    shift 3
+    if [ "$GPUS" -lt "$need" ]; then
+        ROWS+=("$name|$what|needs $need GPUs ($GPUS visible)|-|-")
+        return
+    fi
+    local log="$OUT/$name.log" mem="$OUT/$name.mem" start end rc peak
+    : >"$mem"
+    echo "gpu_smoke: [$name] $what ..."
+    peak_sampler "$mem" &
+    local sampler=$!
+    start=$(date +%s.%N)
+    "$@" >"$log" 2>&1
+    rc=$?
+    end=$(date +%s.%N)
+    kill "$sampler" 2>/dev/null
+    wait "$sampler" 2>/dev/null
+    peak=$(sort -n "$mem" | tail -1)
+    local seconds
+    seconds=$(awk -v a="$start" -v b="$end" 'BEGIN { printf "%.1f", b - a }')
+    if [ "$rc" -eq 0 ]; then
+        ROWS+=("$name|$what|ok|$seconds|${peak:-?}")
+    else
+        ROWS+=("$name|$what|FAILED (exit $rc, $log)|$seconds|${peak:-?}")
+        FAILED=1
+        echo "gpu_smoke: [$name] FAILED (exit $rc); the end of $log:" >&2
+        tail -20 "$log" >&2
+    fi
+}
+
+not_built() {  # not_built NAME WHAT WHY: a row for a check whose feature does not exist yet
+    ROWS+=("$1|$2|not built yet ($3)|-|-")
+}
+
+# run SPEC: `python -m workers run` on a rendered copy of bench/gpu_specs/SPEC.yaml (${VARS}
+# expanded), then checks its result.json: every step trained, finite numbers.
+run_spec() {
+    local spec=$1 rendered="$OUT/$1.yaml" out="$OUT/run-$1"
+    rm -rf "$out"
+    "$PY" -c 'import os, sys; open(sys.argv[2], "w").write(os.path.expandvars(open(sys.argv[1]).read()))' \
+        "bench/gpu_specs/$spec.yaml" "$rendered" || return 1
+    "$PY" -m workers run "$rendered" --out "$out" --no-progress || return $?
+    "$PY" - "$rendered" "$out/result.json" <<'EOF'
+import json, math, sys
+from workers.spec import load_spec_file
+spec, result = load_spec_file(sys.argv[1]), json.load(open(sys.argv[2]))
+print("result:", json.dumps(result))
+assert result["steps"] >= 1, f"no step trained: {result}"
+assert all(math.isfinite(v) for v in result.values() if isinstance(v, float)), result
+if result["steps"] < spec.stop.max_steps:
+    print(f"note: {result['steps']} of {spec.stop.max_steps} steps before stop.max_minutes")
+EOF
+}
+
+# A probe of the code as it is: does the feature exist? (So the day it is built, this runs it.)
+has() { "$PY" -c "$1" >/dev/null 2>&1; }
+
+build_05b() {  # the 0.5B-class model and a chat dataset for it, built locally (no download)
+    "$PY" -m workers build-model qwen2 --out "$OUT/zoo-qwen2" --steps 1 --dataset "$OUT/zoo-qwen2.jsonl" --rows 2000 \
+        || return $?
+    "$PY" - "$OUT/zoo-qwen2" "$OUT/qwen2-05b" <<'EOF'
+import shutil, sys
+from pathlib import Path
+import torch, transformers
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+small = transformers.AutoConfig.from_pretrained(src)
+cfg = transformers.Qwen2Config(
+    vocab_size=small.vocab_size, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+    num_attention_heads=14, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+    tie_word_embeddings=True, bos_token_id=small.bos_token_id, eos_token_id=small.eos_token_id,
+    pad_token_id=small.pad_token_id)
+torch.manual_seed(0)
+model = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+print(f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
+model.save_pretrained(dst, safe_serialization=True)
+for f in src.iterdir():  # the tokenizer and generation files
+    if f.is_file() and not f.name.startswith(("model", "config", "fluxrl_zoo")):
+        shutil.copy(f, dst / f.name)
+EOF
+}
+
+# -- the checks ------------------------------------------------------------------------
+check trainer-bf16 1 "bench/gpu_trainer.py: DeepSpeed ranks (1/GPU), ZeRO 0-3 bf16 (fp32 grad accumulation), KL reference, weight export (NCCL with 2+ GPUs)" \
+    "$PY" bench/gpu_trainer.py --stages 0 1 2 3 --dtype bfloat16 --steps 3
+check trainer-fp16 1 "bench/gpu_trainer.py: fp16, ZeRO 0 (autocast + GradScaler) and 2 (dynamic loss scaling)" \
+    "$PY" bench/gpu_trainer.py --stages 0 2 --dtype float16 --steps 3
+check disaggregated 2 "workers run gpu_specs/disaggregated.yaml: trainer GPU 0, engine GPU 1, async, CUDA graphs" \
+    run_spec disaggregated
+check colocated 1 "workers run gpu_specs/colocated.yaml: engine and trainer on one GPU, sync" \
+    run_spec colocated
+if has 'from workers.rollout.engine import RolloutEngine; assert hasattr(RolloutEngine, "sleep")'; then
+    check sleep-wake 1 "colocated with vLLM sleep/wake" run_spec colocated
+else
+    not_built sleep-wake "colocated engines sleep (free their GPU memory) while the trainer steps" \
+        "issue 27: RolloutEngine has no sleep/wake; placement says so"
+fi
+if has 'import inspect; from workers.rollout.engine import RolloutEngine; assert "tensor_parallel" in inspect.signature(RolloutEngine).parameters'; then
+    check tp2 3 "workers run gpu_specs/tp2.yaml: one engine over 2 GPUs" run_spec tp2
+else
+    not_built tp2 "workers run gpu_specs/tp2.yaml: one engine over 2 GPUs (tensor_parallel 2)" \
+        "issue 27: the engine passes no tensor_parallel_size to vLLM (uni executor)"
+fi
+check collective 2 "workers run gpu_specs/collective.yaml: weights over NCCL to an engine server process" \
+    run_spec collective
+check zero3 3 "workers run gpu_specs/zero3.yaml: 2 trainer ranks ZeRO-3 + KL, engine on a third GPU" \
+    run_spec zero3
+check build-05b 1 "build a 0.5B-class Qwen2 locally (build-model qwen2 + Qwen2.5-0.5B's body)" build_05b
+if [ -d "$OUT/qwen2-05b" ]; then
+    export SMOKE_MODEL_05B="$OUT/qwen2-05b" SMOKE_DATASET="$OUT/zoo-qwen2.jsonl"
+    check model-05b 2 "workers run gpu_specs/model_05b.yaml: the 0.5B-class model, ZeRO-2 bf16, engine GPU 1" \
+        run_spec model_05b
+else
+    ROWS+=("model-05b|workers run gpu_specs/model_05b.yaml|not run: build-05b failed|-|-")
+fi
+
+# -- one table -------------------------------------------------------------------------
+echo
+printf '%-14s | %-9s | %7s | %13s | %s\n' check status seconds "peak GPU MiB" "what ran"
+printf '%s\n' "---------------+-----------+---------+---------------+---------"
+for row in "${ROWS[@]}"; do
+    IFS='|' read -r name what status seconds peak <<<"$row"
+    short=$status
+    case $status in ok) ;; FAILED*) short=FAILED ;; "not built"*) short="not built" ;; *) short="not run" ;; esac
+    printf '%-14s | %-9s | %7s | %13s | %s\n' "$name" "$short" "$seconds" "$peak" "$what"
+    [ "$short" = ok ] || echo "               ↳ $status"
+done
+[ "${SMOKE_KEEP:-0}" = 1 ] || [ "$FAILED" -ne 0 ] || rm -rf "$OUT"/run-* "$OUT"/qwen2-05b
+if [ "$FAILED" -ne 0 ]; then
+    echo "gpu_smoke: FAILED (logs in $OUT)" >&2
+    exit 1
+fi
+echo "gpu_smoke: every check that could run passed"

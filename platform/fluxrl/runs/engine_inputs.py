@@ -1,0 +1,125 @@
+"""What a run's engine is given: the model folder it may load (check_model_path), its
+engine-ready spec (engine_spec, resolve_spec) and its folders on the worker host (run_dir,
+run_output_dir). Checked at submission (services) and again at dispatch (dispatch), which
+both import this module and not each other."""
+from __future__ import annotations
+
+import copy
+import os
+import re
+from pathlib import Path
+
+from django.conf import settings
+
+from fluxrl.errors import InvalidInput, field_error
+from workers.spec import SpecError, validate_spec
+
+from .models import Run
+
+
+def spec_errors(errors: list[dict], prefix: str = "spec") -> InvalidInput:
+    fields = {f"{prefix}.{e['field']}": e["message"] for e in errors}
+    return InvalidInput("; ".join(f"{k}: {v}" for k, v in fields.items()), fields=fields)
+
+
+BUILTIN_MODELS = ("builtin:tiny",)  # model.path names the engine builds itself (workers/cli/engine.py)
+MODEL_ROOTS_ENV = "FLUXRL_MODEL_ROOTS"
+MODEL_FIELD = "spec.model.path"
+_ROOT_RELATIVE = re.compile(r"[\w-][\w.-]*(/[\w.-]+)*")  # "Qwen/Qwen2-0.5B": a hub id, or a name under a model root
+
+
+def model_roots() -> list[Path]:
+    """Folders whose models any team may name (FLUXRL_MODEL_ROOTS, os.pathsep-separated;
+    default FLUXRL_DATA_DIR/models), resolved. Read on every check, so a changed
+    environment is followed without a restart."""
+    configured = os.environ.get(MODEL_ROOTS_ENV)
+    roots = configured.split(os.pathsep) if configured else [str(Path(settings.FLUXRL_DATA_DIR) / "models")]
+    return [Path(os.path.realpath(r)) for r in roots if r.strip()]
+
+
+def runs_root() -> Path:
+    """Where the dispatcher keeps run folders: run_dir(id) = runs_root()/<id>."""
+    return Path(settings.FLUXRL_DATA_DIR) / "runs"
+
+
+def run_dir(run_id: int) -> Path:
+    """A run's folder on its worker host (spec.json, engine.log, and out/)."""
+    return runs_root() / str(run_id)
+
+
+def run_output_dir(run_id: int) -> Path:
+    """Where a run's engine writes its outputs (--out): checkpoints, final_model, metrics."""
+    return run_dir(run_id) / "out"
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _own_run_output(team, real: Path) -> bool:
+    runs = Path(os.path.realpath(runs_root()))
+    if runs not in real.parents:
+        return False
+    run_id = real.relative_to(runs).parts[0]
+    return (run_id.isdigit() and _inside(real, Path(os.path.realpath(run_output_dir(int(run_id)))))
+            and Run.objects.filter(pk=int(run_id), team=team).exists())
+
+
+def check_model_path(team, path: str) -> str:
+    """The model.path a worker of `team` may load, or a 400 naming spec.model.path.
+
+    Allowed: a built-in name (BUILTIN_MODELS); a folder under a model root (an absolute
+    path, or a name relative to a root such as "Qwen/Qwen2-0.5B" when that folder exists
+    there); the outputs of one of the team's own runs (run_output_dir). Never another
+    team's outputs or any other folder of the worker host. Symlinks and `..` are resolved
+    (os.path.realpath) before the check, and the resolved path is what is returned, for
+    the engine to load: call this at submission and again at dispatch."""
+    if "\0" in path:
+        raise field_error(MODEL_FIELD, "a path cannot hold a NUL character")
+    if path.startswith("builtin:"):
+        if path not in BUILTIN_MODELS:
+            raise field_error(MODEL_FIELD, f"unknown built-in model {path!r}; choose one of {list(BUILTIN_MODELS)}")
+        return path
+    roots = model_roots()
+    where = (f"a built-in name ({', '.join(BUILTIN_MODELS)}), a folder under a model root "
+             f"({', '.join(map(str, roots)) or 'none configured'}; {MODEL_ROOTS_ENV}) or the outputs of one of "
+             "your team's runs")
+    if not os.path.isabs(path):
+        if _ROOT_RELATIVE.fullmatch(path) and ".." not in path.split("/"):
+            for root in roots:
+                real = Path(os.path.realpath(root / path))
+                if _inside(real, root) and real.is_dir():
+                    return str(real)
+            raise field_error(MODEL_FIELD, f"{path!r} is not a folder under any model root, and workers do not "
+                                           f"download hub models: put the model there, or give {where}")
+        raise field_error(MODEL_FIELD, f"{path!r} is a relative path; give {where}")
+    real = Path(os.path.realpath(path))
+    if any(_inside(real, root) for root in roots) or _own_run_output(team, real):
+        return str(real)
+    raise field_error(MODEL_FIELD, f"{path} is not allowed: a model must be {where}")
+
+
+def engine_spec(spec: dict, dataset_version=None, reward_version=None, model_path: str | None = None) -> dict:
+    """The spec with team references replaced by what a worker can use: the dataset's
+    immutable JSONL file (fields normalized to prompt/answer), the reward's code, and the
+    model folder as check_model_path resolved it."""
+    resolved = copy.deepcopy(spec)
+    if model_path is not None:
+        resolved.setdefault("model", {})["path"] = model_path
+    if dataset_version is not None:
+        resolved["task"].update(dataset=str(dataset_version.path), prompt_field="prompt", answer_field="answer")
+    if reward_version is not None:
+        resolved.setdefault("reward", {}).update(function="user", code=reward_version.code)
+    try:
+        return validate_spec(resolved).to_dict()
+    except SpecError as exc:
+        raise spec_errors(exc.errors) from None
+
+
+def resolve_spec(run: Run) -> dict:
+    """Engine-ready spec of a run, from its spec and pinned versions (paths computed now,
+    so a moved FLUXRL_DATA_DIR is followed). Use this at dispatch time. The model path is
+    checked again (a spec stored before the rule, or a symlink swapped after submission,
+    must not slip through), and the engine is given the folder it resolved to."""
+    model_path = check_model_path(run.team, (run.spec.get("model") or {}).get("path", ""))
+    return engine_spec(run.spec, run.dataset_version, run.reward_version, model_path=model_path)

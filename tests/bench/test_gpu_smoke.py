@@ -1,0 +1,90 @@
+"""bench/gpu_smoke.sh without a GPU: it stops at once, loudly; and its control flow and table,
+with stand-ins for nvidia-smi and Python that say two GPUs are there and pass every command."""
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "bench" / "gpu_smoke.sh"
+NO_GPU = "no CUDA GPU visible: nvidia-smi/torch.cuda.device_count() = 0"
+
+
+def _run(env: dict, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env}, cwd=REPO)
+
+
+def _stub(folder: Path, name: str, body: str) -> Path:
+    path = folder / name
+    path.write_text("#!/usr/bin/env bash\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has nvidia-smi")
+def test_without_a_gpu_it_fails_at_once_with_a_clear_message(tmp_path):
+    result = _run({"PATH": os.environ["PATH"]}, tmp_path / "out")
+    assert result.returncode == 2
+    assert NO_GPU in result.stderr
+    assert "no nvidia-smi" in result.stderr
+    assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_nvidia_smi_without_a_gpu_torch_sees_fails_too(tmp_path):
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    _stub(bin_, "nvidia-smi", 'echo "GPU 0: NVIDIA H100 (UUID: GPU-x)"\n')
+    python = _stub(tmp_path, "python", "echo 0\n")  # torch.cuda.device_count() = 0 (a CPU-only torch)
+    result = _run({"PATH": f"{bin_}:{os.environ['PATH']}", "PYTHON": str(python)}, tmp_path / "out")
+    assert result.returncode == 2
+    assert NO_GPU in result.stderr and "nvidia-smi -L lists 1 GPU(s)" in result.stderr
+
+
+def test_the_table_lists_every_check_including_those_not_built_or_needing_more_gpus(tmp_path):
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    _stub(bin_, "nvidia-smi", """case "$*" in
+  -L) echo "GPU 0: H100"; echo "GPU 1: H100" ;;
+  *name,memory.total*) echo "H100, 81559 MiB"; echo "H100, 81559 MiB" ;;
+  *memory.used*) echo 1000; echo 2345 ;;
+esac
+""")
+    # device_count 2; the feature probes (sleep/wake, tensor parallel) fail; everything else passes
+    python = _stub(tmp_path, "python", """case "$*" in
+  *device_count*) echo 2 ;;
+  *RolloutEngine*) exit 1 ;;
+  *) exit 0 ;;
+esac
+""")
+    result = _run({"PATH": f"{bin_}:{os.environ['PATH']}", "PYTHON": str(python)}, tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")]
+            for line in result.stdout.splitlines() if line.count("|") >= 4}
+    for name in ("trainer-bf16", "trainer-fp16", "disaggregated", "colocated", "collective", "build-05b"):
+        assert rows[name][1] == "ok", rows[name]
+        assert float(rows[name][2]) >= 0 and rows[name][3] == "2345"  # the most on any one GPU
+    for name in ("sleep-wake", "tp2"):
+        assert rows[name][1] == "not built", rows[name]
+    assert "not built yet (issue 27" in result.stdout
+    assert rows["zero3"][1] == "not run" and "needs 3 GPUs (2 visible)" in result.stdout
+    assert rows["model-05b"][1] == "not run"  # the stand-in built no model folder
+
+
+def test_a_failing_check_fails_the_script(tmp_path):
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    _stub(bin_, "nvidia-smi", 'case "$*" in -L) echo "GPU 0: H100" ;; *) echo 10 ;; esac\n')
+    python = _stub(tmp_path, "python", """case "$*" in
+  *device_count*) echo 1 ;;
+  *gpu_trainer.py*float16*) echo "loss nan" >&2; exit 1 ;;
+  *RolloutEngine*) exit 1 ;;
+  *) exit 0 ;;
+esac
+""")
+    result = _run({"PATH": f"{bin_}:{os.environ['PATH']}", "PYTHON": str(python)}, tmp_path / "out")
+    assert result.returncode == 1
+    assert "[trainer-fp16] FAILED (exit 1)" in result.stderr and "loss nan" in result.stderr
+    assert "trainer-fp16   | FAILED" in result.stdout

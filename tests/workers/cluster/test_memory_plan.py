@@ -1,0 +1,172 @@
+"""workers/cluster/memory.py through the planner: what each GPU of a plan holds, the runs
+refused before anything starts and their exact messages (GiB = 2**30 bytes; 7e9 bf16
+parameters are 13.04 GiB)."""
+import json
+
+import pytest
+
+from workers.cluster.memory import ModelSize, model_size, trainer_memory
+from workers.cluster.placement import Machine, PlacementError, plan_placement
+from workers.spec import validate_spec
+
+SEVEN_B = ModelSize(7 * 10**9)
+ONE = Machine(cpu_cores=8, gpus_per_node=1, gpu_memory_gib=80)
+TWO = Machine(cpu_cores=8, gpus_per_node=2, gpu_memory_gib=80)
+FOUR = Machine(cpu_cores=8, gpus_per_node=4, gpu_memory_gib=80)
+
+
+def spec(resources, engines=1, mode="sync", rollout=None, path="m", **extra):
+    return validate_spec({"name": "t", "model": {"path": path, "dtype": "bfloat16"}, "task": {"dataset": "gen:add"},
+                          "rollout": {"engines": engines, **(rollout or {})}, "schedule": {"mode": mode},
+                          "resources": {"queue": "gpu", **resources}, **extra})
+
+
+def refused(run, machine, model=SEVEN_B) -> str:
+    with pytest.raises(PlacementError) as err:
+        plan_placement(run, machine, model)
+    return str(err.value)
+
+
+COLOCATED_ZERO3 = {"gpus": 2, "trainer_ranks": 2, "tensor_parallel": 2, "colocate": True,
+                   "gpu_memory_utilization": 0.1}
+
+
+def test_7b_bf16_on_one_80gb_gpu_colocated_with_an_engine_is_refused():
+    # ZeRO 0 in bfloat16 trains under autocast: fp32 weights, gradients and Adam states (16 bytes a parameter)
+    assert refused(spec({"gpus": 1, "colocate": True}), ONE) == (
+        "resources: GPU 0 of node 0 needs 157.3 GiB, it has 80.0: trainer rank 0 weights 26.1, gradients 26.1, "
+        "Adam states 52.2, low-precision weight copies for the backward (autocast) 13.0; engine 0 vLLM share "
+        "(gpu_memory_utilization 0.5) 40.0. The largest is trainer rank 0's Adam states. "
+        "Colocated engines keep their share while the trainer steps (vLLM sleep mode is not built yet). To fit: "
+        "raise trainer.zero_stage (now 0) or resources.trainer_ranks (now 1); lower resources.gpu_memory_utilization, "
+        "or set resources.colocate false")
+
+
+def test_the_same_split_over_2_gpus_with_zero3_fits():
+    # ZeRO-3 in bf16 (DeepSpeed's bf16 mode): 1 + 2 (fp32 gradients) + 6 + 2 (the step's fp32 copy) bytes a parameter
+    plan = plan_placement(spec(COLOCATED_ZERO3, trainer={"zero_stage": 3}), TWO, SEVEN_B)
+    assert [(g.node, g.gpu, round(g.total_gib, 2)) for g in plan.memory.gpus] == [(0, 0, 79.71), (0, 1, 79.71)]
+    assert [(i.owner, i.what, round(i.gib, 2)) for i in plan.memory.gpus[1].items] == [
+        ("trainer rank 1", "weights", 6.52),
+        ("trainer rank 1", "gradients", 13.04),
+        ("trainer rank 1", "fp32 master weights and Adam states", 39.12),
+        ("trainer rank 1", "fp32 gradients at the optimizer step", 13.04),
+        ("engine 0", "vLLM share (gpu_memory_utilization 0.1)", 8.0),
+    ]
+    text = plan.describe()
+    assert "  GPU 0 of node 0: 79.7 of 80.0 GiB (trainer rank 0 weights 6.5, gradients 13.0, fp32 master weights and " \
+           "Adam states 39.1, fp32 gradients at the optimizer step 13.0; engine 0 vLLM share " \
+           "(gpu_memory_utilization 0.1) 8.0)" in text
+    assert "  an engine's share per GPU: 8.0 GiB, its weights 6.5, left for the KV cache and activations 1.5" in text
+
+
+def test_a_kl_reference_tips_the_plan_over():
+    assert refused(spec(COLOCATED_ZERO3, trainer={"zero_stage": 3}, algorithm={"kl_coef": 0.1}), TWO) == (
+        "resources: GPU 0 of node 0 needs 92.8 GiB, it has 80.0: trainer rank 0 weights 6.5, gradients 13.0, "
+        "fp32 master weights and Adam states 39.1, fp32 gradients at the optimizer step 13.0, KL reference model "
+        "13.0; engine 0 vLLM share (gpu_memory_utilization 0.1) 8.0. The largest is trainer rank 0's fp32 master "
+        "weights and Adam states. Colocated engines keep their share while the trainer steps (vLLM sleep mode is "
+        "not built yet). To fit: raise resources.trainer_ranks (now 2, ZeRO-3); set algorithm.kl_coef 0 (its "
+        "reference model is a full copy on every trainer GPU); lower resources.gpu_memory_utilization, or set "
+        "resources.colocate false")
+
+
+def test_collective_receive_buffers_must_fit_beside_the_engines_share():
+    three_b = ModelSize(3 * 10**9)  # trainer: 18 bytes a parameter (autocast), 50.3 GiB
+    run = spec({"gpus": 2}, mode="async", rollout={"weight_transport": "collective"})
+    assert refused(run, TWO, three_b) == (
+        "resources: GPU 1 of node 0 needs 83.2 GiB, it has 80.0: engine 0 vLLM share (gpu_memory_utilization 0.9) "
+        "72.0, weight-receive buffers (collective transport, 2 model copies) 11.2. The largest is engine 0's vLLM "
+        "share (gpu_memory_utilization 0.9). To fit: lower resources.gpu_memory_utilization; set "
+        "rollout.weight_transport rpc (it receives the weights in host memory)")
+    plan = plan_placement(spec({"gpus": 2}, mode="async"), TWO, three_b)  # rpc: received in host memory
+    assert [round(g.total_gib, 2) for g in plan.memory.gpus] == [50.29, 72.0]
+    plan = plan_placement(spec({"gpus": 2, "gpu_memory_utilization": 0.85}, mode="async",
+                               rollout={"weight_transport": "collective"}), TWO, three_b)
+    assert round(plan.memory.gpus[1].total_gib, 2) == 79.18
+
+
+def test_an_engines_weights_must_leave_room_in_its_share():
+    # checked before the GPUs' sums: vLLM itself would refuse ("No available memory for the cache blocks")
+    assert refused(spec({"gpus": 2}, mode="async"), TWO, ModelSize(70 * 10**9)) == (
+        "resources.gpu_memory_utilization: an engine's weights take 130.4 GiB per GPU, its share of a GPU is 72.0 "
+        "GiB: nothing is left for the KV cache; raise resources.gpu_memory_utilization or resources.tensor_parallel")
+
+
+def test_one_max_model_len_sequence_must_fit_the_kv_cache():
+    llama_7b = ModelSize(7 * 10**9, kv_values_per_token=2 * 32 * 32 * 128)  # 512 KiB a token in bf16
+    long = {"weight_transport": "rpc", "max_model_len": 131072}  # 64 GiB of KV cache on one GPU
+    assert refused(spec({"gpus": 2}, mode="async", rollout=long, trainer={"zero_stage": 3}), TWO, llama_7b) == (
+        "rollout.max_model_len: one sequence's KV cache takes 64.0 GiB per GPU, an engine's share leaves 59.0 GiB "
+        "after its weights (activations come on top); lower rollout.max_model_len, or raise "
+        "resources.gpu_memory_utilization or resources.tensor_parallel")
+    plan = plan_placement(spec({"gpus": 4, "trainer_ranks": 2, "tensor_parallel": 2}, mode="async", rollout=long,
+                               trainer={"zero_stage": 3}), FOUR, llama_7b)
+    assert (round(plan.memory.kv_needed_gib, 2), round(plan.memory.kv_cache_gib, 2)) == (32.0, 65.48)
+
+
+def test_a_colocated_plan_needs_the_model_size():
+    assert refused(spec({"gpus": 1, "colocate": True}), ONE, None) == (
+        "resources.colocate: the size of model.path 'm' is unknown (no model folder there), so the planner cannot "
+        "check that the trainer and the engines fit a GPU together; they must, since colocated engines keep their "
+        "memory while the trainer steps (vLLM sleep mode is not built yet)")
+    plan = plan_placement(spec({"gpus": 2}, mode="async"), TWO)  # disaggregated: planned as before, unchecked
+    assert plan.memory is None and "GPU memory not checked (model size unknown)" in plan.describe()
+
+
+def test_trainer_bytes_per_parameter_by_dtype_and_stage():
+    gib = 2**30  # parameters, so that bytes per parameter read as GiB
+
+    def row(dtype, stage, ranks):
+        m = trainer_memory(gib, dtype, stage, ranks)
+        return (m.weights_gib, m.gradients_gib, m.optimizer_gib, m.step_gib, m.gather_gib, m.cast_gib, m.total_gib,
+                m.reference_gib)
+
+    # autocast: fp32 weights, gradients and moments, the forward's fp16 copies kept for the backward
+    assert row("float16", 0, 1) == (4, 4, 8, 0, 0, 2, 18, 4)
+    assert row("float32", 2, 4) == (4, 1, 3, 0, 0, 0, 8, 4)  # stage 1/2 clone an fp32 master partition even from fp32
+    assert row("float32", 3, 4) == (1, 1, 2, 0, 4, 0, 8, 4)  # stage 3: the fp32 partition is its own master
+    # bf16 mode: fp32 gradient partition, master + moments 12 / 4, the step's fp32 copy 4 / 4
+    assert row("bfloat16", 2, 4) == (2, 1, 3, 1, 0, 0, 7, 2)
+    # stage 1: BF16_Optimizer keeps the bf16 .grad and a full fp32 gradient buffer; float16's ZeRO optimizer also
+    # flattens its partition at the step
+    assert row("bfloat16", 1, 4) == (2, 6, 3, 0, 0, 0, 11, 2)
+    assert row("float16", 1, 4) == (2, 6, 3, 1, 0, 0, 12, 2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_precision_counted_is_the_trainers(dtype, stage):
+    """workers/cluster/memory.py counts the precision workers/train/trainer.py configures."""
+    from workers.cluster.memory import trainer_precision
+    from workers.train.trainer import deepspeed_config
+
+    config = deepspeed_config(spec({}, trainer={"zero_stage": stage}, model={"path": "m", "dtype": dtype}))
+    if "torch_autocast" in config:
+        actual = "autocast"
+    elif config.get("bf16", {}).get("enabled") or config.get("fp16", {}).get("enabled"):
+        assert config["data_types"] == {"grad_accum_dtype": "fp32"}
+        actual = "mixed"
+    else:
+        actual = "fp32"
+    assert trainer_precision(dtype, stage) == actual
+
+
+def _tiny_llama(folder, tied=False):
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+        "tie_word_embeddings": tied}))
+    return str(folder)
+
+
+def test_model_size_counts_parameters_on_the_meta_device(tmp_path):
+    # per layer: q 64x64 + k 64x32 + v 64x32 + o 64x64 + MLP 3x64x128 + 2 norms of 64 = 36992
+    assert model_size(_tiny_llama(tmp_path / "untied")) == ModelSize(2 * 36992 + 2 * 6400 + 64, 2 * 2 * 2 * 16)
+    assert model_size(_tiny_llama(tmp_path / "tied", tied=True)).params == 2 * 36992 + 6400 + 64
+    assert model_size(str(tmp_path / "none")) is None
+    # the planner reads model.path itself (the controller has resolved it by then); CPU plans are not counted
+    run = spec({"gpus": 1, "colocate": True}, path=_tiny_llama(tmp_path / "run"))
+    assert plan_placement(run, ONE).memory.gpus[0].items[0].what == "weights"
+    assert plan_placement(spec({}, mode="async", path=str(tmp_path / "run")), Machine(cpu_cores=2)).memory is None

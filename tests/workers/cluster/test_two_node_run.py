@@ -1,0 +1,184 @@
+"""A run over two "nodes" on loopback: node 0 is the coordinator (this test's process,
+with one trainer rank and one engine server), node 1 a node agent started as a separate
+process tree (``python -m workers node``) with the other trainer rank and engine server.
+The two ranks form one DeepSpeed world (ZeRO 2 and 3, gloo); the engines are served
+over the typed protocol of workers/rollout/server.py. It trains, keeps staleness within
+η, and after every update both engines hold exactly the trainer's weights. A killed
+rank fails the run naming it, every process of the run is gone, and a resumed run
+continues from the checkpoint with no gap in its steps."""
+import asyncio
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from workers.io.checkpoint import latest_checkpoint
+from workers.coord.controller import Controller, TrainerError
+from workers.spec import validate_spec
+from workers.weights.sync import tensors_checksum
+
+pytestmark = [pytest.mark.engine, pytest.mark.distributed, pytest.mark.timeout(900)]
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout.split("\n")
+    children: dict[int, list[int]] = {}
+    for line in out:
+        if line.strip():
+            p, pp = map(int, line.split())
+            children.setdefault(pp, []).append(p)
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class CheckingController(Controller):
+    """After every weight update, every engine's checksum against the trainer's weights."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.checks: list[tuple[int, list[bool]]] = []
+
+    async def _send_weights(self, version):
+        timings = await super()._send_weights(version)
+        trainer = tensors_checksum(await asyncio.to_thread(self.trainer.state_dict))
+        self.checks.append((version, [await e.weights_checksum() == trainer for e in self.engines]))
+        return timings
+
+
+def _spec(stage: int, transport: str, steps: int, **trainer) -> dict:
+    return {
+        "name": f"two-nodes-zero{stage}", "model": {"path": "builtin:tiny"},
+        "task": {"dataset": "gen:add?max_digits=2", "size": 400, "eval_size": 16},
+        "algorithm": {"lr": 3e-4, "group_size": 4, "warmup_steps": 0},
+        "rollout": {"engines": 2, "max_tokens": 8, "update_mode": "keep", "weight_transport": transport},
+        "schedule": {"mode": "async", "max_staleness": 1, "batch_prompts": 4},
+        "trainer": {"zero_stage": stage, **trainer},
+        "resources": {"nodes": 2, "trainer_ranks": 2},
+        "stop": {"max_steps": steps, "max_minutes": 8},
+        "eval": {"every_steps": 0, "prompts": 16},
+    }
+
+
+@pytest.fixture
+def cluster_env(monkeypatch):
+    monkeypatch.setenv("FLUXRL_CLUSTER_KEY", secrets.token_hex(32))
+    return f"127.0.0.1:{_free_port()}"
+
+
+def _start_node(rendezvous: str, log_path: Path) -> subprocess.Popen:
+    """Node 1: its own process tree (a new session), as on another machine."""
+    return subprocess.Popen([sys.executable, "-m", "workers", "node", "--rendezvous", rendezvous, "--node-rank", "1"],
+                            cwd=ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _run(controller) -> object:
+    return asyncio.run(controller.run())
+
+
+# ZeRO 2 with the RPC transport trains over two nodes in the resumed run of the killed-rank
+# test below, which asserts all of this on it (one run and one node start-up fewer).
+@pytest.mark.parametrize("stage, transport", [(3, "collective")])
+def test_two_nodes_train_with_two_ranks_and_two_engine_processes(stage, transport, tmp_path, cluster_env):
+    steps = 4
+    node = _start_node(cluster_env, tmp_path / "node1.log")
+    try:
+        controller = CheckingController(validate_spec(_spec(stage, transport, steps)), tmp_path / "out",
+                                        progress=False, rendezvous=cluster_env)
+        result = _run(controller)
+        assert node.wait(timeout=60) == 0, (tmp_path / "node1.log").read_text()[-3000:]
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+    _assert_trained_on_both_nodes(controller, result, steps, steps)
+    if transport == "collective":  # trainer rank 0 broadcast to both nodes' engines itself
+        from workers.weights.broadcast import RankZeroSender
+
+        assert isinstance(controller.broadcaster.sender, RankZeroSender) and controller.broadcaster.last_send_ms
+
+
+def _assert_trained_on_both_nodes(controller, result, steps, trained_here):
+    """Every step trained within η = 1, both nodes' engines generated and held the trainer's
+    weights after every update (``trained_here`` of them in this run), nothing left behind."""
+    assert result.steps == steps and result.staleness_max <= 1
+    assert len(controller.engines) == 2 and {e.index for e in controller.engines} == {0, 1}
+    assert len(controller.checks) >= trained_here and all(all(ok) and len(ok) == 2 for _, ok in controller.checks), \
+        controller.checks
+    # both engines generated: the work was spread over the two nodes
+    assert all(e.generated_tokens > 0 for e in controller.engines)
+    servers = [e.server_pid for e in controller.engines]
+    assert not any(_alive(pid) for pid in servers + controller.trainer.pids)  # nothing left behind
+
+
+def test_a_killed_rank_fails_the_two_node_run_and_the_resumed_run_trains_on_both_nodes_without_gaps(tmp_path,
+                                                                                                     cluster_env):
+    out = tmp_path / "out"
+    spec = _spec(2, "rpc", 6, checkpoint_every=2)
+    node = _start_node(cluster_env, tmp_path / "node1.log")
+
+    class KillAtStep3(Controller):
+        async def _train_on(self, groups, step, t_start, stats=None):
+            if step == 3:  # node 1's trainer rank dies mid-run (before this step trains)
+                rank1 = self.node_trainer_pids[1][0]
+                assert rank1 in _descendants(node.pid)  # in node 1's process tree
+                os.kill(rank1, signal.SIGKILL)
+                self.killed_at = time.monotonic()
+            return await super()._train_on(groups, step, t_start, stats)
+
+    controller = KillAtStep3(validate_spec(spec), out, progress=False, rendezvous=cluster_env)
+    try:
+        with pytest.raises(TrainerError) as failure:
+            _run(controller)
+        failed_after = time.monotonic() - controller.killed_at
+        node.wait(timeout=30)
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+    assert "trainer rank 1" in str(failure.value) and "SIGKILL" in str(failure.value), str(failure.value)
+    assert failed_after < 30
+    assert not any(_alive(e.server_pid) for e in controller.engines + controller._dead)
+    assert not any(_alive(pid) for pid in controller.trainer.pids)
+
+    # resume: a new node agent, the same run folder, from the step-2 checkpoint
+    info = latest_checkpoint(out)
+    assert info is not None and info.step == 2
+    node = _start_node(cluster_env, tmp_path / "node1-resumed.log")
+    try:
+        resumed = CheckingController(validate_spec(spec), out, progress=False, resume=info, rendezvous=cluster_env)
+        result = _run(resumed)
+        assert node.wait(timeout=60) == 0, (tmp_path / "node1-resumed.log").read_text()[-3000:]
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+    # The resumed run is a full two-node run with ZeRO 2 and the RPC transport: steps 3-6 here.
+    _assert_trained_on_both_nodes(resumed, result, 6, 6 - info.step)
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if "reward/mean" in line]
+    assert sorted(set(steps)) == list(range(1, 7)), steps  # no step missing
+    record = json.loads((out / "resume.json").read_text())
+    assert record["from_step"] == 2 and record["trainer_sha256"] == record["checkpoint_sha256"]
+    assert all(e == record["trainer_sha256"] for e in record["engine_sha256"]) and len(record["engine_sha256"]) == 2

@@ -1,0 +1,375 @@
+"""The run's wire (workers/io/wire.py) under a hostile network, with real sockets and processes:
+mutual TLS 1.3 keyed by the run's cluster key, a handshake deadline per connection, a
+connect timeout, capped frames, and readers (node.py, engine_server.py) that fail the run
+instead of hanging; plus the node agent's path confinement and the engine server's
+environment allow-list."""
+import asyncio
+import os
+import socket
+import ssl
+import struct
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+from pydantic import TypeAdapter, ValidationError
+
+from workers.io import wire
+from workers.rollout.server import REQUESTS, EngineClient, EngineServerConfig, StartRequest
+from workers.cluster.node import (TO_COORDINATOR, TO_NODE, Cluster, Join, NodeError, PathRefused, TrainerCall, _call_group,
+                          confined)
+from workers.rollout.engine import EngineDied
+
+ROOT = Path(__file__).resolve().parents[3]
+KEY = bytes(range(32))
+OTHER_KEY = bytes(range(1, 33))
+
+
+class Note(wire.Message):
+    text: str
+    n: int = 0
+
+
+NOTES = TypeAdapter(Note)
+
+
+@pytest.fixture
+def fast_deadline(monkeypatch):
+    monkeypatch.setenv(wire.HANDSHAKE_ENV, "1")
+    return 1.0
+
+
+@pytest.fixture
+def listener():
+    lst = wire.listen("127.0.0.1", 0, key=KEY)
+    yield lst
+    lst.close()
+
+
+def _pair(listener, key=KEY):
+    client = wire.connect(listener.address, NOTES, key=key)
+    server = listener.accept(NOTES, timeout=5)
+    return client, server
+
+
+def _raw_frame(size: int, kind: bytes = b"M") -> bytes:
+    return struct.pack(">IB", size, kind[0])
+
+
+def _send_raw(channel: wire.Channel, data: bytes) -> None:
+    """What a key holder that does not follow the protocol could send."""
+    with channel.tls._send:
+        channel.tls.write(data)
+
+
+# -- the handshake ----------------------------------------------------------------------------
+def test_messages_and_blobs_cross_between_two_processes_holding_the_key(listener):
+    """Every process derives the same certificate authority from the key: a child process
+    (its own interpreter) connects, and a message and a blob go both ways."""
+    script = ("import sys; from pydantic import TypeAdapter; from workers.io import wire\n"
+              "class Note(wire.Message):\n text: str\n n: int = 0\n"
+              f"c = wire.connect(('127.0.0.1', {listener.address[1]}), TypeAdapter(Note))\n"
+              "m, blob = c.recv(); c.send(Note(text=m.text[::-1], n=len(blob)), blob[::-1]); c.recv()\n")
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT,
+                             env={**os.environ, wire.KEY_ENV: KEY.hex()})
+    try:
+        server = listener.accept(NOTES, timeout=60)
+        blob = os.urandom(3 << 20)
+        server.send(Note(text="hello"), blob)
+        reply, back = server.recv()
+        assert reply == Note(text="olleh", n=3 << 20) and back == blob[::-1]
+        server.close()
+        assert child.wait(timeout=30) != 0  # its last recv saw the channel close
+    finally:
+        child.kill()
+
+
+def test_a_client_with_another_runs_key_is_refused_and_the_listener_serves_on(listener):
+    with pytest.raises(wire.KeyRefused):
+        wire.connect(listener.address, NOTES, key=OTHER_KEY)
+    with pytest.raises(TimeoutError):  # nothing was handed to the application
+        listener.accept(NOTES, timeout=0.5)
+    client, server = _pair(listener)
+    client.send(Note(text="still here"))
+    assert server.recv()[0].text == "still here"
+
+
+def test_a_tls_client_without_a_certificate_is_refused(listener):
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    with socket.create_connection(listener.address, timeout=5) as raw, ctx.wrap_socket(raw) as tls:
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            tls.sendall(_raw_frame(20) + b'{"text": "forged"}  ')
+            tls.recv(1)  # the server's alert: a certificate is required
+    with pytest.raises(TimeoutError):
+        listener.accept(NOTES, timeout=0.5)
+
+
+def test_a_silent_connection_is_dropped_at_the_deadline_and_does_not_delay_a_real_client(fast_deadline, listener):
+    silent = socket.create_connection(listener.address)
+    time.sleep(0.1)  # the listener has taken it and is waiting for its handshake
+    started = time.monotonic()
+    client, server = _pair(listener)
+    assert time.monotonic() - started < 0.5 * fast_deadline  # not behind the silent one
+    client.send(Note(text="through"))
+    assert server.recv()[0].text == "through"
+    silent.settimeout(5)
+    assert silent.recv(1) == b""  # closed by the listener ...
+    assert time.monotonic() - started < fast_deadline + 1.0  # ... at its deadline
+    silent.close()
+
+
+def test_connect_gives_up_on_a_server_that_never_answers(fast_deadline):
+    with socket.create_server(("127.0.0.1", 0)) as mute:  # the kernel completes TCP; nobody speaks
+        started = time.monotonic()
+        with pytest.raises(wire.HandshakeFailed):
+            wire.connect(mute.getsockname(), NOTES, key=KEY)
+        assert fast_deadline <= time.monotonic() - started < fast_deadline + 1.0
+
+
+def test_the_rendezvous_serves_agents_past_a_silent_connection(fast_deadline, monkeypatch):
+    from workers.cluster.node import _connect
+
+    monkeypatch.setenv(wire.KEY_ENV, KEY.hex())
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("cluster", Cluster(f"127.0.0.1:{port}", 2, 20.0)))
+    thread.start()
+    silent = None
+    for _ in range(100):
+        try:
+            silent = socket.create_connection(("127.0.0.1", port))
+            break
+        except ConnectionRefusedError:
+            time.sleep(0.05)
+    started = time.monotonic()
+    agent = [_connect(("127.0.0.1", port), Join(node_rank=1, channel=c, host="127.0.0.1", pid=os.getpid()))
+             for c in ("control", "watch")]
+    thread.join(timeout=10)
+    assert "cluster" in result and time.monotonic() - started < 0.5 * fast_deadline
+    result["cluster"].close()
+    assert isinstance(agent[0].recv()[0], type(TO_NODE.validate_python({"kind": "shutdown"})))
+    silent.close()
+
+
+# -- frames on the stream ------------------------------------------------------------------------
+class _Proxy:
+    """A TCP relay between client and server that can alter the client's next bytes."""
+
+    def __init__(self, target):
+        self.target = target
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = self.sock.getsockname()
+        self.tamper = None  # bytes -> bytes, applied once to the next client->server chunk
+        self.tampered = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        down, _ = self.sock.accept()
+        up = socket.create_connection(self.target)
+        threading.Thread(target=self._pump, args=(up, down, False), daemon=True).start()
+        self._pump(down, up, True)
+
+    def _pump(self, src, dst, from_client):
+        try:
+            while data := src.recv(65536):
+                if from_client and self.tamper is not None:
+                    data, self.tamper = self.tamper(data), None
+                    self.tampered.set()
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def _flip_one_byte(data: bytes) -> bytes:
+    middle = len(data) // 2
+    return data[:middle] + bytes([data[middle] ^ 0x01]) + data[middle + 1:]
+
+
+def _inject_a_cleartext_frame(data: bytes) -> bytes:
+    forged = b'{"text": "forged", "n": 666}'
+    return data + _raw_frame(len(forged)) + forged
+
+
+@pytest.mark.parametrize("tamper", [_flip_one_byte, _inject_a_cleartext_frame])
+def test_bytes_altered_on_the_stream_fail_the_receiver_and_deliver_nothing(listener, tamper):
+    proxy = _Proxy(listener.address)
+    client = wire.connect(proxy.address, NOTES, key=KEY)
+    server = listener.accept(NOTES, timeout=5)
+    client.send(Note(text="genuine", n=1))
+    assert server.recv()[0] == Note(text="genuine", n=1)
+    proxy.tamper = tamper
+    client.send(Note(text="genuine", n=2))
+    assert proxy.tampered.wait(5)
+    delivered = []
+    with pytest.raises((wire.WireError, EOFError)) as failure:
+        while True:
+            delivered.append(server.recv()[0])
+    # a flipped byte fails the record's authentication; injected cleartext is no TLS record
+    assert isinstance(failure.value, wire.WireError) and "TLS" in str(failure.value), failure.value
+    assert all(m.text == "genuine" for m in delivered) and not any(m.n == 666 for m in delivered)
+    assert delivered in ([], [Note(text="genuine", n=2)])  # only the injection may follow a whole record
+    assert server.tls.closed
+    with pytest.raises((EOFError, OSError)):  # the sender sees the connection end too
+        client.send(Note(text="after"))
+        client.recv()
+
+
+@pytest.mark.parametrize("what", ["header", "blob"])
+def test_an_oversized_length_prefix_is_refused_without_allocating(listener, monkeypatch, what):
+    monkeypatch.setenv(wire.MAX_BLOB_ENV, "1")  # 1 MiB blobs at most
+    client, server = _pair(listener)
+    if what == "header":
+        _send_raw(client, _raw_frame(0xFFFFFFF0))  # 4 GiB of JSON announced
+    else:
+        body = b'{"text": "big"}'
+        _send_raw(client, _raw_frame(len(body), b"B") + body + struct.pack(">Q", 1 << 40))  # a 1 TiB blob
+    tracemalloc.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(wire.FrameTooLarge, match="over"):
+            server.recv()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 512 * 1024, peak  # one socket read (256 KiB), not the gigabytes announced
+    assert time.monotonic() - started < 1.0 and server.tls.closed
+    with pytest.raises(EOFError):  # the peer is cut off
+        client.recv()
+
+
+def test_an_oversized_blob_is_refused_before_sending_and_the_channel_stays_usable(listener, monkeypatch):
+    monkeypatch.setenv(wire.MAX_BLOB_ENV, "1")
+    client, server = _pair(listener)
+    with pytest.raises(wire.FrameTooLarge):
+        client.send(Note(text="weights"), bytes((1 << 20) + 1))
+    client.send(Note(text="small"), bytes(1 << 20))
+    message, blob = server.recv()
+    assert message.text == "small" and len(blob) == 1 << 20
+
+
+def test_a_message_that_does_not_validate_closes_the_channel_with_a_named_error(listener):
+    client, server = _pair(listener)
+    body = b'{"text": 1, "unknown": true}'
+    _send_raw(client, _raw_frame(len(body)) + body)
+    with pytest.raises(wire.BadFrame, match="invalid message"):
+        server.recv()
+    assert server.tls.closed
+
+
+# -- readers that fail the run -------------------------------------------------------------------
+def test_an_engine_clients_pending_call_fails_with_the_named_error_of_a_bad_frame(monkeypatch):
+    """The client's reader thread ends on any failure and the pending start fails at once
+    (before, a frame that did not validate killed the thread and the call waited forever)."""
+    monkeypatch.setenv(wire.KEY_ENV, KEY.hex())
+    lst = wire.listen("127.0.0.1", 0)
+    client = EngineClient(EngineServerConfig(model_path="unused", index=7),
+                          address=wire.format_address(lst.address), pid=0)
+
+    def rogue_server():
+        channel = lst.accept(REQUESTS, timeout=10)
+        request, _ = channel.recv()
+        assert isinstance(request, StartRequest)
+        _send_raw(channel, _raw_frame(0xFFFFFFF0))
+
+    rogue = threading.Thread(target=rogue_server, daemon=True)
+    rogue.start()
+    loop = asyncio.new_event_loop()
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineDied, match="FrameTooLarge"):
+            loop.run_until_complete(asyncio.wait_for(client.start(), 10))
+        assert time.monotonic() - started < 5
+    finally:
+        client._closing = True
+        loop.close()
+        lst.close()
+
+
+def test_a_bad_frame_from_a_node_agent_fails_the_coordinators_call(monkeypatch):
+    monkeypatch.setenv(wire.KEY_ENV, KEY.hex())
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("cluster", Cluster(f"127.0.0.1:{port}", 2, 20.0)))
+    thread.start()
+    from workers.cluster.node import _connect
+
+    control, watch = [_connect(("127.0.0.1", port), Join(node_rank=1, channel=c, host="127.0.0.1", pid=1))
+                      for c in ("control", "watch")]
+    thread.join(timeout=10)
+    cluster = result["cluster"]
+    try:
+        call = cluster.new_call("begin_step")
+        cluster.send_call(call)
+        assert control.recv()[0] == call
+        body = b'{"kind": "called", "id": "not a number"}'
+        _send_raw(control, _raw_frame(len(body)) + body)
+        with pytest.raises(NodeError, match="BadFrame"):
+            cluster.gather_call(call)
+    finally:
+        cluster.close()
+        watch.close()
+        control.close()
+
+
+# -- what a key holder may not do ------------------------------------------------------------------
+class _Recorder:
+    """Stands in for the node's TrainerGroup: records what it was asked to do."""
+
+    def __init__(self):
+        self.calls = []
+
+    def save(self, path):
+        self.calls.append(("save", path))
+
+    def load_state(self, path):
+        self.calls.append(("load_state", path))
+
+
+@pytest.mark.parametrize("path", ["/etc/cron.d/x", "../outside", "checkpoints/../../outside", "link/inside"])
+def test_a_trainer_path_outside_the_run_folder_is_refused(tmp_path, path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "link").symlink_to(tmp_path)  # a symlink that leads out of the run's folder
+    group = _Recorder()
+    for method in ("save", "load_state"):
+        with pytest.raises(PathRefused, match="outside the run's folder"):
+            _call_group(group, TrainerCall(id=1, method=method, path=path), str(run))
+    assert group.calls == []
+    _call_group(group, TrainerCall(id=2, method="save", path=str(run / "checkpoints" / ".tmp-3" / "model")), str(run))
+    assert group.calls == [("save", str(run.resolve() / "checkpoints" / ".tmp-3" / "model"))]
+
+
+def test_an_agent_without_a_run_folder_refuses_every_path(tmp_path):
+    with pytest.raises(PathRefused, match="no run folder"):
+        confined(str(tmp_path / "x"), "")
+
+
+@pytest.mark.parametrize("key", ["LD_PRELOAD", "PYTHONPATH", "VLLM_PLUGINS", "CUDA_VISIBLE_DEVICES_X", "PATH"])
+def test_an_engine_server_environment_outside_the_allow_list_is_refused(key):
+    with pytest.raises(ValidationError, match=f"may not set {key}"):
+        EngineServerConfig(model_path="m", index=0, env={key: "x", "OMP_NUM_THREADS": "2"})
+    # nor does it pass inside a node's assignment
+    config = EngineServerConfig(model_path="m", index=0).model_dump()
+    config["env"] = {key: "x"}
+    with pytest.raises(ValidationError, match=f"may not set {key}"):
+        TypeAdapter(EngineServerConfig).validate_python(config)
+
+
+def test_the_environment_the_plan_sets_is_allowed():
+    env = {"CUDA_VISIBLE_DEVICES": "0,1", "OMP_NUM_THREADS": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-3",
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert EngineServerConfig(model_path="m", index=0, env=env).env == env

@@ -1,0 +1,318 @@
+"""GPU memory of a placement plan, counted before anything starts.
+
+:func:`plan_memory` lays what each process of a GPU plan holds on each GPU it uses and
+:meth:`MemoryPlan.problem` names the first GPU that overflows (None when all fit);
+``workers/cluster/placement.py`` raises it as a ``PlacementError``. Pure arithmetic
+over the spec, the plan and the model's size (:func:`model_size`: the exact parameter
+count from the model's ``config.json``, instantiated on torch's meta device). What is
+counted, per GPU, and where it comes from:
+
+- **Trainer rank** (:func:`trainer_memory`: DeepSpeed 0.19.8 under the config
+  ``workers.train.trainer.deepspeed_config`` gives it, torch AdamW): weights, gradients,
+  the fp32 master copy and Adam's two moments, partitioned as ZeRO does (stage 1 the
+  master copy and moments, 2 also the gradients, 3 also the weights), and the largest of
+  the transients: the fp32 gradients flattened at the optimizer step, under ZeRO-3 the
+  full weights gathered for a weight sync (``Trainer.state_dict`` gathers every
+  parameter at once), under autocast the low-precision weight copies the forward keeps
+  for the backward.
+- **KL reference** (``algorithm.kl_coef > 0``): a full copy on every trainer GPU, in the
+  dtype the policy was loaded in (fp32 under autocast; ``Trainer.__init__`` moves it to
+  the rank's device, ZeRO never shards it).
+- **Engine** (vLLM): ``gpu_memory_utilization`` x the GPU's memory, all of it: vLLM
+  requests that share at start-up and sizes its KV cache to fill what its weights
+  (split over ``tensor_parallel``) and activations leave of it
+  (vllm/v1/worker/utils.py ``request_memory``, gpu_worker.py ``determine_available_memory``).
+  Anything else on that GPU must fit in the rest. The weights must leave room in the
+  share, and with ``rollout.max_model_len`` set, room for one such sequence's KV cache
+  (what vLLM's v1/core/kv_cache_utils.py ``_check_enough_kv_cache_memory`` demands).
+- **Weight-receive buffers** (``rollout.weight_transport: collective``, outside vLLM's
+  share): ``WeightGroup._receive`` allocates every bucket of an update at once (a full
+  copy in the model's dtype, on each of the engine's GPUs: every worker receives the
+  whole state dict) and ``_fluxrl_apply`` keeps the received tensors until the next
+  update replaces them, so a receive holds two copies. ``rpc`` receives in host memory.
+
+Not counted (they come on top): activations, CUDA contexts, DeepSpeed's communication
+buckets, the trainer's send buckets (a few x 32 MiB). Colocated engines keep their
+share while the trainer steps: vLLM sleep mode is not built, so a colocated GPU must
+hold both at once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from workers.spec import RunSpec
+
+logger = logging.getLogger(__name__)
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# -- the model ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What the planner needs of a model. ``kv_values_per_token``: K and V entries one
+    token puts in the KV cache over all layers (2 x layers x KV heads x head size), when
+    the config says; an upper bound for models that compress or window their cache."""
+    params: int
+    kv_values_per_token: Optional[int] = None
+
+
+def model_size(path: str) -> Optional[ModelSize]:
+    """The model in folder ``path``: its exact parameter count (built from ``config.json``
+    on the meta device: no weights read, tied embeddings counted once). None when
+    ``path`` is not a model folder, or the config cannot be built (logged)."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        return None
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        params = sum(p.numel() for p in model.parameters())
+    except Exception as exc:  # noqa: BLE001 - an architecture transformers cannot build here
+        logger.warning("model %s: parameter count unknown (%s: %s); GPU memory is not checked",
+                       path, type(exc).__name__, exc)
+        return None
+    return ModelSize(params, _kv_values_per_token(config))
+
+
+def _kv_values_per_token(config) -> Optional[int]:
+    config = getattr(config, "text_config", None) or config
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if not (isinstance(layers, int) and isinstance(kv_heads, int) and isinstance(head_dim, int)):
+        return None
+    return 2 * layers * kv_heads * head_dim
+
+
+# -- a trainer rank -------------------------------------------------------------------------
+
+def trainer_precision(dtype: str, zero_stage: int) -> str:
+    """How the trainer holds a model of ``dtype`` (``workers.train.trainer.deepspeed_config``;
+    a test keeps the two in step): ``fp32``; ``autocast`` (bfloat16/float16 at ZeRO 0:
+    fp32 parameters, gradients and AdamW, torch autocast for the matmuls); ``mixed``
+    (bfloat16/float16 at ZeRO 1-3: DeepSpeed's bf16/fp16 mode, fp32 master weights,
+    gradients accumulated in fp32)."""
+    if dtype == "float32":
+        return "fp32"
+    return "autocast" if zero_stage == 0 else "mixed"
+
+
+@dataclass(frozen=True)
+class TrainerMemory:
+    """A trainer rank's GPU memory in GiB (activations come on top). Transients, of which
+    only the largest counts (they never coexist): ``step_gib``, the fp32 gradients
+    flattened for the optimizer step; ``gather_gib``, ZeRO-3's full weights gathered for a
+    weight sync; ``cast_gib``, autocast's low-precision weight copies kept from the
+    forward for the backward."""
+    weights_gib: float
+    gradients_gib: float
+    optimizer_gib: float  # fp32 master weights (if any) + Adam's two moments
+    step_gib: float = 0.0
+    gather_gib: float = 0.0
+    cast_gib: float = 0.0
+    master: bool = True  # an fp32 master copy is part of optimizer_gib
+    reference_gib: float = 0.0  # a KL reference model, when the run has one (not in total_gib)
+
+    @property
+    def transient(self) -> tuple[str, float]:
+        """(what, GiB) of the largest transient."""
+        return max((("fp32 gradients at the optimizer step", self.step_gib),
+                    ("weights gathered for a weight sync (ZeRO-3)", self.gather_gib),
+                    ("low-precision weight copies for the backward (autocast)", self.cast_gib)),
+                   key=lambda t: t[1])
+
+    @property
+    def transient_gib(self) -> float:
+        return self.transient[1]
+
+    @property
+    def total_gib(self) -> float:
+        return self.weights_gib + self.gradients_gib + self.optimizer_gib + self.transient_gib
+
+
+def trainer_memory(params: int, dtype: str, zero_stage: int, ranks: int) -> TrainerMemory:
+    """Bytes per parameter as DeepSpeed 0.19.8 holds them (``lp``: the model dtype's
+    bytes, ``n``: the ranks; see :func:`trainer_precision`):
+
+    - fp32 and autocast (fp32 parameters; torch AdamW alone at ZeRO 0, engine.py
+      ``_do_optimizer_sanity_check`` returning None): weights 4, gradients 4, moments 8
+      (``zeros_like`` the fp32 parameter). Stage 1/2 (stage_1_and_2.py) clone an fp32
+      master partition even from fp32 (``.detach().clone().to(fp32)``): 4 / n, moments
+      8 / n, stage 2 gradients 4 / n. Stage 3 (stage3.py): weights 4 / n, gradients 4 / n,
+      no master (the fp32 partition is its own), moments 8 / n, gather 4. Autocast keeps
+      the forward's ``lp`` copies of the weights for the backward: ``lp``.
+    - mixed, stage 1: bfloat16 with fp32 accumulation is ``BF16_Optimizer``
+      (``_do_optimizer_sanity_check``): weights 2, gradients 2 + 4 (the lp ``.grad`` and
+      the full fp32 ``fp32_groups_gradients_flat``), master 4 / n, moments 8 / n; float16
+      is ``DeepSpeedZeroOptimizer`` with an fp32 ``grad_accum`` per parameter: the same,
+      plus the partition flattened at the step, 4 / n.
+    - mixed, stage 2: weights lp, gradients 4 / n (the partition accumulated in fp32),
+      master 4 / n, moments 8 / n, step 4 / n.
+    - mixed, stage 3: weights lp / n, gradients 4 / n (``grad_partitions_flat_buffer``
+      in fp32), master 4 / n, moments 8 / n, step 4 / n (per sub-group: an upper bound),
+      gather lp.
+
+    The KL reference: 4 (fp32, autocast) or lp (mixed) per parameter, unpartitioned.
+    """
+    lp = DTYPE_BYTES[dtype]
+    n, stage = ranks, zero_stage
+    mode = trainer_precision(dtype, stage)
+    step = gather = cast = 0.0
+    if mode in ("fp32", "autocast"):
+        weights = 4 / n if stage >= 3 else 4
+        gradients = 4 / n if stage >= 2 else 4
+        master = 4 / n if stage in (1, 2) else 0
+        moments = 8 / n if stage >= 1 else 8
+        gather = 4 if stage >= 3 else 0
+        cast = lp if mode == "autocast" else 0
+        reference = 4
+    else:
+        weights = lp / n if stage >= 3 else lp
+        gradients = lp + 4 if stage == 1 else 4 / n
+        master, moments = 4 / n, 8 / n
+        step = 0 if stage == 1 and dtype == "bfloat16" else 4 / n
+        gather = lp if stage >= 3 else 0
+        reference = lp
+    gib = params / GIB
+    return TrainerMemory(weights * gib, gradients * gib, (master + moments) * gib, step * gib, gather * gib,
+                         cast * gib, master > 0, reference * gib)
+
+
+# -- a whole plan ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Item:
+    """One thing on a GPU: ``owner`` (``trainer rank 0``, ``engine 1``), ``what``, GiB,
+    and ``kind`` (what would lower it: trainer, reference, engine, receive)."""
+    owner: str
+    what: str
+    gib: float
+    kind: str
+
+
+@dataclass(frozen=True)
+class GpuLoad:
+    node: int
+    gpu: int  # the plan's node-local id
+    items: tuple[Item, ...]
+
+    @property
+    def total_gib(self) -> float:
+        return sum(i.gib for i in self.items)
+
+    def listing(self) -> str:
+        """"trainer rank 0 weights 13.0, gradients 13.0; engine 0 ..." (GiB)."""
+        owners = dict.fromkeys(i.owner for i in self.items)
+        return "; ".join(owner + " " + ", ".join(f"{i.what} {i.gib:.1f}" for i in self.items if i.owner == owner)
+                         for owner in owners)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per GPU of a GPU plan, what it holds (:class:`Item`), and the engines' own check
+    (their weights within their share); :meth:`problem` says what does not fit."""
+    gpu_memory_gib: float
+    gpus: tuple[GpuLoad, ...]
+    trainer: TrainerMemory
+    engine_weights_gib: float  # per engine GPU (weights / tensor_parallel)
+    engine_share_gib: float  # gpu_memory_utilization x a GPU's memory
+    kv_cache_gib: float  # what an engine's share leaves for the KV cache and activations, per GPU
+    kv_needed_gib: Optional[float]  # one rollout.max_model_len sequence's KV cache per GPU, when known
+    hints: tuple[tuple[str, str], ...] = ()  # (item kind, the spec fields that lower it)
+    colocate: bool = False
+
+    def problem(self) -> Optional[str]:
+        if self.engine_share_gib and self.kv_cache_gib <= 0:
+            return (f"resources.gpu_memory_utilization: an engine's weights take {self.engine_weights_gib:.1f} GiB "
+                    f"per GPU, its share of a GPU is {self.engine_share_gib:.1f} GiB: nothing is left for the KV "
+                    "cache; raise resources.gpu_memory_utilization or resources.tensor_parallel")
+        if self.kv_needed_gib is not None and self.kv_cache_gib < self.kv_needed_gib:
+            return (f"rollout.max_model_len: one sequence's KV cache takes {self.kv_needed_gib:.1f} GiB per GPU, an "
+                    f"engine's share leaves {self.kv_cache_gib:.1f} GiB after its weights (activations come on "
+                    "top); lower rollout.max_model_len, or raise resources.gpu_memory_utilization or "
+                    "resources.tensor_parallel")
+        for load in self.gpus:
+            total = load.total_gib
+            if total <= self.gpu_memory_gib:
+                continue
+            top = max(load.items, key=lambda i: i.gib)
+            kinds = {i.kind for i in load.items}
+            hints = [hint for kind, hint in self.hints if kind in kinds]
+            return (f"resources: GPU {load.gpu} of node {load.node} needs {total:.1f} GiB, it has "
+                    f"{self.gpu_memory_gib:.1f}: {load.listing()}. The largest is {top.owner}'s {top.what}."
+                    + (" Colocated engines keep their share while the trainer steps (vLLM sleep mode is not built "
+                       "yet)." if self.colocate and "engine" in kinds and kinds & {"trainer", "reference"} else "")
+                    + (" To fit: " + "; ".join(hints) if hints else ""))
+        return None
+
+    def describe(self) -> list[str]:
+        lines = [f"  GPU {load.gpu} of node {load.node}: {load.total_gib:.1f} of {self.gpu_memory_gib:.1f} GiB "
+                 f"({load.listing()})" for load in self.gpus]
+        if self.engine_share_gib:
+            lines.append(f"  an engine's share per GPU: {self.engine_share_gib:.1f} GiB, its weights "
+                         f"{self.engine_weights_gib:.1f}, left for the KV cache and activations "
+                         f"{self.kv_cache_gib:.1f}")
+        return lines
+
+
+def plan_memory(spec: "RunSpec", plan, gpu_memory_gib: float, model: ModelSize) -> MemoryPlan:
+    """What each GPU of ``plan`` (a GPU ``workers.cluster.placement.Plan``, not imported: the
+    planner imports this module) holds on GPUs of ``gpu_memory_gib``; see the module's
+    docstring for each item."""
+    dtype, stage, ranks = spec.model.dtype, spec.trainer.zero_stage, len(plan.trainers)
+    lp = DTYPE_BYTES[dtype]
+    model_gib = model.params * lp / GIB  # what the engines hold and receive: the weights in the model's dtype
+    trainer = trainer_memory(model.params, dtype, stage, ranks)
+    reference = spec.algorithm.kl_coef > 0
+    collective = spec.rollout.weight_transport == "collective"
+    capacity = gpu_memory_gib
+    loads: dict[tuple[int, int], list[Item]] = {}
+    share = 0.0
+    for p in plan.processes:
+        owner = p.name if p.role == "engine" else f"trainer rank {p.index}"
+        for gpu in p.gpus:
+            items = loads.setdefault((p.node, gpu), [])
+            if p.role == "trainer":
+                items += [Item(owner, "weights", trainer.weights_gib, "trainer"),
+                          Item(owner, "gradients", trainer.gradients_gib, "trainer"),
+                          Item(owner, "fp32 master weights and Adam states" if trainer.master else "Adam states",
+                               trainer.optimizer_gib, "trainer")]
+                what, gib = trainer.transient
+                if gib:
+                    items.append(Item(owner, what, gib, "trainer"))
+                if reference:
+                    items.append(Item(owner, "KL reference model", trainer.reference_gib, "reference"))
+            else:
+                share = p.gpu_memory_utilization * capacity
+                items.append(Item(owner, f"vLLM share (gpu_memory_utilization {p.gpu_memory_utilization:g})",
+                                  share, "engine"))
+                if collective:
+                    items.append(Item(owner, "weight-receive buffers (collective transport, 2 model copies)",
+                                      2 * model_gib, "receive"))
+    tp = plan.tensor_parallel
+    engine_weights = model_gib / tp if plan.engines else 0.0
+    kv_needed = None
+    if plan.engines and model.kv_values_per_token and spec.rollout.max_model_len:
+        kv_needed = model.kv_values_per_token * lp * spec.rollout.max_model_len / tp / GIB
+    zero_hint = (f"raise trainer.zero_stage (now {stage}) or resources.trainer_ranks (now {ranks})" if stage < 3
+                 else f"raise resources.trainer_ranks (now {ranks}, ZeRO-3)")
+    hints = (("trainer", zero_hint),
+             ("reference", "set algorithm.kl_coef 0 (its reference model is a full copy on every trainer GPU)"),
+             ("engine", "lower resources.gpu_memory_utilization" + (", or set resources.colocate false"
+                                                                      if plan.colocate else "")),
+             ("receive", "set rollout.weight_transport rpc (it receives the weights in host memory)"))
+    gpus = tuple(GpuLoad(node, gpu, tuple(items)) for (node, gpu), items in sorted(loads.items()))
+    return MemoryPlan(capacity, gpus, trainer, engine_weights, share, share - engine_weights if plan.engines else 0.0,
+                      kv_needed, hints, plan.colocate)

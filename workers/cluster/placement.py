@@ -1,0 +1,418 @@
+"""Placement: which node, GPUs, GPU-memory share and CPU cores each process of a run gets.
+
+Pure logic: :func:`plan_placement` takes the run spec (``resources``, ``rollout.engines``,
+``schedule``) and a :class:`Machine` (what one node has) and returns a :class:`Plan`, or
+raises :class:`PlacementError` saying what is short. :func:`detect_machine` describes the
+machine this process runs on (torch.cuda, ``os.cpu_count()``, the inherited
+``CUDA_VISIBLE_DEVICES``); tests pass any machine.
+
+GPU ids in a plan (``Process.gpus``) are logical: 0..n-1 among the GPUs this process
+sees. A worker may inherit a mask (Slurm, Docker ``--gpus``, ``CUDA_VISIBLE_DEVICES=4,5,6,7``):
+the ids a child is given (``Process.cuda_devices``, ``Plan.env``) are the mask's entries
+for those logical ids (ids or ``GPU-...`` UUIDs, passed as written), so a child lands on
+the GPUs its parent was given. Every node is assumed to have the planner's mask.
+
+GPU memory (workers/cluster/memory.py) is counted before anything starts when the
+model's size is known (``plan_placement``'s ``model``, or the model folder at
+``model.path``): a GPU that cannot hold what the plan puts on it refuses the run,
+naming what is there.
+
+Layouts:
+
+- **CPU** (the machine has no GPU): each role runs where the cores are. When generation and
+  training overlap (``schedule.mode: async`` or ``stream_train``) the engines get the first
+  half of a node's cores and the trainer ranks the rest; otherwise (sync) each phase has
+  the whole node. Within a role the cores are split into contiguous blocks, one per
+  process, or shared by all when there are fewer cores than processes.
+- **GPU, disaggregated** (default): on each node the trainer ranks take GPUs ``0..r-1`` and
+  the engines the next ``tensor_parallel``-sized blocks, exclusively; vLLM takes 0.9 of an
+  engine GPU's memory (``resources.gpu_memory_utilization``).
+- **GPU, colocated** (``resources.colocate``, sync only): the engines share the trainer's
+  GPUs and take a share of their memory (0.5 by default). They do not sleep while the
+  trainer steps (vLLM sleep mode is not built yet): the trainer's state and the engines'
+  share must fit a GPU together, so a colocated GPU plan needs the model's size.
+
+On GPUs a node's cores are split evenly among the processes on it. Trainer ranks split
+evenly over the nodes (rank r on node ``r // (ranks / nodes)``); engines are spread over
+the nodes in contiguous, balanced groups (an engine never spans nodes).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Literal, Mapping, Optional
+
+from workers.cluster.memory import (DTYPE_BYTES, MemoryPlan, ModelSize, TrainerMemory, model_size, plan_memory,
+                                    trainer_memory)
+
+if TYPE_CHECKING:
+    from workers.spec import RunSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DTYPE_BYTES", "Machine", "MemoryPlan", "ModelSize", "PlacementError", "Plan", "Process", "TrainerMemory",
+           "check_memory", "check_trainer_memory", "detect_machine", "format_cores", "inherited_mask", "model_size",
+           "plan_cpu", "plan_gpu", "plan_placement", "trainer_memory"]
+
+Role = Literal["trainer", "engine"]
+
+ENGINE_GPU_MEMORY_UTILIZATION = 0.9  # an engine alone on its GPUs (vLLM's default)
+COLOCATED_GPU_MEMORY_UTILIZATION = 0.5  # engines sharing GPUs with the trainer's weights and optimizer
+
+
+class PlacementError(ValueError):
+    """A run that does not fit the machine; the message names the spec field and what is short."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What one node has (all nodes of a run are assumed alike). ``visible_devices``: the
+    ``CUDA_VISIBLE_DEVICES`` entries the planning process inherited, logical id i being
+    entry i (None: no mask, logical ids are the devices' own)."""
+    cpu_cores: int = 1
+    gpus_per_node: int = 0
+    gpu_memory_gib: float = 0.0  # per GPU (the smallest, if they differ)
+    visible_devices: Optional[tuple[str, ...]] = None
+
+    def __post_init__(self):
+        if self.cpu_cores < 1 or self.gpus_per_node < 0 or self.gpu_memory_gib < 0 or (
+                self.visible_devices is not None and len(self.visible_devices) < self.gpus_per_node):
+            raise ValueError(f"not a machine: {self}")
+
+    def device_id(self, gpu: int) -> str:
+        """What CUDA_VISIBLE_DEVICES must name for a child to use logical GPU ``gpu``."""
+        return self.visible_devices[gpu] if self.visible_devices is not None else str(gpu)
+
+
+_DEVICE_ENTRY = re.compile(r"\d+|(?:GPU|MIG)-\S+")
+
+
+def inherited_mask(env: Optional[Mapping[str, str]] = None) -> Optional[tuple[str, ...]]:
+    """The ``CUDA_VISIBLE_DEVICES`` of ``env`` (default: this process's) as its entries:
+    None when unset, () when set to nothing (no GPU). Like CUDA, the entries end at the
+    first one that is neither an id nor a ``GPU-``/``MIG-`` UUID (``-1`` hides the rest)."""
+    value = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    entries = []
+    for entry in value.split(","):
+        entry = entry.strip()
+        if not _DEVICE_ENTRY.fullmatch(entry):
+            break
+        entries.append(entry)
+    return tuple(entries)
+
+
+def detect_machine(env: Optional[Mapping[str, str]] = None) -> Machine:
+    """This host: ``os.cpu_count()`` cores and the GPUs this process may use: those its
+    inherited ``CUDA_VISIBLE_DEVICES`` names (none when it is empty), which the plan's
+    ids are mapped through."""
+    cores = os.cpu_count() or 1
+    mask = inherited_mask(env)
+    if mask == ():
+        return Machine(cpu_cores=cores, visible_devices=())
+    try:
+        import torch
+    except ImportError:
+        return Machine(cpu_cores=cores)
+    if not torch.cuda.is_available():
+        return Machine(cpu_cores=cores)
+    count = torch.cuda.device_count()  # torch applies the mask it saw when CUDA started
+    if mask is not None:
+        count = min(count, len(mask))
+        mask = mask[:count]
+    if count == 0:
+        return Machine(cpu_cores=cores, visible_devices=mask)
+    memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(count)) / 2**30
+    return Machine(cpu_cores=cores, gpus_per_node=count, gpu_memory_gib=round(memory, 1), visible_devices=mask)
+
+
+@dataclass(frozen=True)
+class Process:
+    """One process of the run. ``index``: the trainer's global rank, or the engine's index
+    (0..rollout.engines-1). ``gpus``: node-local logical GPU ids it computes on;
+    ``cuda_devices``: the same GPUs as CUDA_VISIBLE_DEVICES must name them for a child
+    (through the inherited mask: :meth:`Machine.device_id`).
+    ``cuda_visible_devices``: what to set for it (None on CPU: leave the environment alone);
+    a trainer rank sees all the trainer GPUs of its node and uses ``cuda:local_rank``, as
+    DeepSpeed's launcher does; an engine sees exactly its ``tensor_parallel`` GPUs."""
+    role: Role
+    index: int
+    node: int
+    cpu_cores: tuple[int, ...]
+    threads: int
+    gpus: tuple[int, ...] = ()
+    cuda_visible_devices: Optional[str] = None
+    local_rank: Optional[int] = None  # trainer ranks only
+    gpu_memory_utilization: Optional[float] = None  # engines on GPUs only
+    cuda_devices: tuple[str, ...] = ()  # per entry of gpus
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} {self.index}"
+
+    @property
+    def cpu_bind(self) -> str:
+        return format_cores(self.cpu_cores)
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: Literal["cpu", "gpu"]
+    nodes: int
+    gpus_per_node: int  # GPUs the plan may use on each node (0 on CPU)
+    tensor_parallel: int
+    colocate: bool
+    overlapped: bool  # generation and training run at once (async mode, or sync with stream_train)
+    processes: tuple[Process, ...] = field(default_factory=tuple)
+    memory: Optional[MemoryPlan] = None  # GPU plans whose model size was known: what each GPU holds
+    # Each rollout engine in a server process of its own. Always on GPUs: only a process of its
+    # own starts with the plan's CUDA_VISIBLE_DEVICES; engines inside the coordinator would all
+    # land on its first visible GPU, each asking for its memory share of it.
+    engine_processes: bool = False
+
+    @property
+    def trainers(self) -> tuple[Process, ...]:
+        return tuple(p for p in self.processes if p.role == "trainer")
+
+    @property
+    def engines(self) -> tuple[Process, ...]:
+        return tuple(p for p in self.processes if p.role == "engine")
+
+    @property
+    def weight_backend(self) -> str:
+        """The trainer->engine weight group's backend, by placement: NCCL only when trainer
+        rank 0 and every engine worker compute on a GPU of their own (NCCL refuses two
+        members on one device: colocated plans share them), gloo through host memory
+        otherwise."""
+        if self.device != "gpu":
+            return "gloo"
+        members = [(p.node, p.cuda_devices[0] if p.cuda_devices else None) for p in self.trainers if p.index == 0]
+        members += [(p.node, d) for p in self.engines for d in p.cuda_devices]
+        own = all(d is not None for _, d in members) and len(set(members)) == len(members)
+        return "nccl" if own else "gloo"
+
+    def on_node(self, node: int, role: Optional[Role] = None) -> tuple[Process, ...]:
+        return tuple(p for p in self.processes if p.node == node and role in (None, p.role))
+
+    def cpu_bind(self, role: Role, node: int = 0) -> str:
+        """The cores a role's processes on a node use between them, e.g. "0-3"."""
+        return format_cores(self._cores(role, node))
+
+    def threads(self, role: Role, node: int = 0) -> int:
+        """Distinct cores a role has on a node: the threads it may run there in all."""
+        return len(self._cores(role, node))
+
+    def _cores(self, role: Role, node: int) -> list[int]:
+        return sorted({c for p in self.on_node(node, role) for c in p.cpu_cores})
+
+    def env(self, process: Process) -> dict[str, str]:
+        """Environment variables that put a process where the plan says."""
+        env = {"OMP_NUM_THREADS": str(process.threads)}
+        if process.cuda_visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = process.cuda_visible_devices
+        if process.role == "trainer":
+            env |= {"RANK": str(process.index), "LOCAL_RANK": str(process.local_rank or 0),
+                    "WORLD_SIZE": str(len(self.trainers))}
+        elif self.device == "cpu":
+            env["VLLM_CPU_OMP_THREADS_BIND"] = process.cpu_bind
+        return env
+
+    def describe(self) -> str:
+        lines = [f"{self.device} plan: {self.nodes} node(s)"
+                 + (f" x {self.gpus_per_node} GPUs, {'colocated' if self.colocate else 'disaggregated'}"
+                    if self.device == "gpu" else "")]
+        for p in self.processes:
+            where = f"node {p.node}, cores {p.cpu_bind} ({p.threads} threads)"
+            if p.cuda_visible_devices is not None:
+                where += f", CUDA_VISIBLE_DEVICES={p.cuda_visible_devices}"
+            if p.gpu_memory_utilization is not None:
+                where += f", gpu_memory_utilization={p.gpu_memory_utilization}"
+            lines.append(f"  {p.name}: {where}")
+        if self.device == "gpu":
+            if self.colocate:
+                lines.append("  colocated engines keep their GPU memory while the trainer steps (vLLM sleep mode is "
+                             "not built yet)")
+            lines += self.memory.describe() if self.memory else ["  GPU memory not checked (model size unknown)"]
+        return "\n".join(lines)
+
+
+def format_cores(cores) -> str:
+    """[0, 1, 2, 3, 8] -> "0-3,8" (the cpuset syntax of taskset -c and VLLM_CPU_OMP_THREADS_BIND)."""
+    cores = sorted(set(cores))
+    parts, start = [], None
+    for i, core in enumerate(cores):
+        if start is None:
+            start = core
+        if i + 1 == len(cores) or cores[i + 1] != core + 1:
+            parts.append(str(start) if start == core else f"{start}-{core}")
+            start = None
+    return ",".join(parts)
+
+
+# -- planning ---------------------------------------------------------------------------
+
+def plan_placement(spec: "RunSpec", machine: Optional[Machine] = None, model: Optional[ModelSize] = None) -> Plan:
+    """The plan for a run on a machine (default: this one). GPUs are used when the machine
+    has them; a spec that asks for GPUs on a machine without any is refused. On GPUs the
+    memory is checked (:func:`check_memory`) with ``model``'s size, by default the model
+    folder's at ``model.path`` (the controller has resolved it by then); a GPU plan whose
+    model size is unknown is not checked, except that colocation is refused."""
+    machine = machine or detect_machine()
+    res = spec.resources
+    if machine.gpus_per_node == 0:
+        wanted = res.gpus or (res.gpus_per_node or 0) * res.nodes
+        if wanted:
+            name = "resources.gpus" if res.gpus else "resources.gpus_per_node"
+            raise PlacementError(f"{name}: the run asks for {wanted} GPU(s), the machine has none")
+        return plan_cpu(spec, machine)
+    plan = plan_gpu(spec, machine)
+    model = model or model_size(spec.model.path)
+    if model is None:
+        if plan.colocate:
+            raise PlacementError(
+                f"resources.colocate: the size of model.path {spec.model.path!r} is unknown (no model folder "
+                "there), so the planner cannot check that the trainer and the engines fit a GPU together; they "
+                "must, since colocated engines keep their memory while the trainer steps (vLLM sleep mode is not "
+                "built yet)")
+        logger.debug("GPU memory not checked: the size of model.path %r is unknown", spec.model.path)
+        return plan
+    return replace(plan, memory=check_memory(spec, plan, machine, model))
+
+
+def plan_cpu(spec: "RunSpec", machine: Machine) -> Plan:
+    """The CPU layout (GPU counts in the spec are not consulted: the trainer and the engines
+    run on cores). Async: half the cores for generation, the rest for training; sync:
+    the whole machine for each phase (what the controller did before the planner)."""
+    res = spec.resources
+    if res.tensor_parallel > 1:
+        raise PlacementError(f"resources.tensor_parallel: {res.tensor_parallel} shards an engine over GPUs; on a "
+                             "CPU an engine runs unsharded (set it to 1)")
+    ranks_per_node = _ranks_per_node(res.trainer_ranks, res.nodes)
+    engines_per_node = _spread(spec.rollout.engines, res.nodes)
+    overlapped = spec.schedule.mode == "async" or spec.schedule.stream_train
+    cores = list(range(machine.cpu_cores))
+    trainers, engines = [], []
+    for node in range(res.nodes):
+        n_engines = engines_per_node[node]
+        if overlapped and n_engines and ranks_per_node and len(cores) >= 2:
+            half = len(cores) // 2
+            generation, training = cores[:half], cores[half:]
+        else:
+            generation = training = cores
+        first_rank, first_engine = node * ranks_per_node, sum(engines_per_node[:node])
+        for j, block in enumerate(_blocks(training, ranks_per_node)):
+            trainers.append(Process("trainer", first_rank + j, node, block, len(block), local_rank=j))
+        for j, block in enumerate(_blocks(generation, n_engines)):
+            engines.append(Process("engine", first_engine + j, node, block, len(block)))
+    return Plan("cpu", res.nodes, 0, 1, res.colocate, overlapped, tuple(trainers + engines),
+                engine_processes=bool(res.engine_processes) or res.nodes > 1)
+
+
+def plan_gpu(spec: "RunSpec", machine: Machine) -> Plan:
+    res = spec.resources
+    if res.engine_processes is False:
+        raise PlacementError("resources.engine_processes false on GPUs: engines inside the coordinator's process "
+                             "cannot be given their own GPUs (CUDA_VISIBLE_DEVICES is read once, at process start), "
+                             "so every one would land on the first visible GPU. Leave it out: on GPUs each engine "
+                             "is a process of its own")
+    nodes, tp, colocate = res.nodes, res.tensor_parallel, res.colocate
+    if res.gpus_per_node is not None:
+        per_node = res.gpus_per_node
+        asked = f"resources.gpus_per_node: the run asks for {per_node} GPUs per node"
+    elif res.gpus:
+        per_node = res.gpus // nodes
+        asked = f"resources.gpus: the run asks for {res.gpus} GPUs" + (f", {per_node} per node" if nodes > 1 else "")
+    else:  # what the machine has
+        per_node, asked = machine.gpus_per_node, ""
+    if per_node > machine.gpus_per_node:
+        raise PlacementError(f"{asked}, the machine has {machine.gpus_per_node}" + (" per node" if nodes > 1 else ""))
+    ranks_per_node = _ranks_per_node(res.trainer_ranks, nodes)
+    if tp > per_node:
+        raise PlacementError(f"resources.tensor_parallel: an engine needs {tp} GPUs on one node, a node has "
+                             f"{per_node} (an engine does not span nodes)")
+    engines_per_node = _spread(spec.rollout.engines, nodes)
+    for node, n_engines in enumerate(engines_per_node):
+        engine_gpus = n_engines * tp
+        need = max(ranks_per_node, engine_gpus) if colocate else ranks_per_node + engine_gpus
+        if need > per_node:
+            how = (f"colocated: trainer {ranks_per_node} and engines {n_engines}x{tp} share them" if colocate
+                   else f"trainer {ranks_per_node} + engines {n_engines}x{tp}")
+            raise PlacementError(f"resources: needs {need} GPUs on node {node} ({how}), the node has {per_node}; "
+                                 "lower resources.trainer_ranks, rollout.engines or resources.tensor_parallel"
+                                 + ("" if colocate else ", or set resources.colocate"))
+    utilization = res.gpu_memory_utilization or (COLOCATED_GPU_MEMORY_UTILIZATION if colocate
+                                                 else ENGINE_GPU_MEMORY_UTILIZATION)
+    cores = list(range(machine.cpu_cores))
+    trainers, engines = [], []
+    for node in range(nodes):
+        n_engines = engines_per_node[node]
+        blocks = _blocks(cores, ranks_per_node + n_engines)  # every process on the node runs at once
+        trainer_gpus = tuple(range(ranks_per_node))
+        visible = ",".join(machine.device_id(g) for g in trainer_gpus)
+        first_rank, first_engine = node * ranks_per_node, sum(engines_per_node[:node])
+        for j in range(ranks_per_node):
+            block = blocks[j]
+            trainers.append(Process("trainer", first_rank + j, node, block, len(block), gpus=(j,),
+                                    cuda_visible_devices=visible, local_rank=j,
+                                    cuda_devices=(machine.device_id(j),)))
+        start = 0 if colocate else ranks_per_node
+        for j in range(n_engines):
+            gpus = tuple(range(start + j * tp, start + (j + 1) * tp))
+            devices = tuple(machine.device_id(g) for g in gpus)
+            block = blocks[ranks_per_node + j]
+            engines.append(Process("engine", first_engine + j, node, block, len(block), gpus=gpus,
+                                   cuda_visible_devices=",".join(devices), gpu_memory_utilization=utilization,
+                                   cuda_devices=devices))
+    overlapped = spec.schedule.mode == "async" or spec.schedule.stream_train
+    return Plan("gpu", nodes, per_node, tp, colocate, overlapped, tuple(trainers + engines), engine_processes=True)
+
+
+def _ranks_per_node(ranks: int, nodes: int) -> int:
+    if ranks % nodes:
+        raise PlacementError(f"resources.trainer_ranks: {ranks} trainer rank(s) do not divide evenly over {nodes} "
+                             "nodes (resources.nodes)")
+    return ranks // nodes
+
+
+def _spread(count: int, parts: int) -> list[int]:
+    """count items over parts, balanced, the first parts taking the remainder: 5 over 2 -> [3, 2]."""
+    return [count // parts + (1 if i < count % parts else 0) for i in range(parts)]
+
+
+def _blocks(cores: list[int], count: int) -> list[tuple[int, ...]]:
+    """count contiguous, balanced blocks of cores; all of them for each when there are fewer
+    cores than blocks (the processes then share them)."""
+    if count == 0:
+        return []
+    if len(cores) < count:
+        return [tuple(cores)] * count
+    sizes, out, start = _spread(len(cores), count), [], 0
+    for size in sizes:
+        out.append(tuple(cores[start:start + size]))
+        start += size
+    return out
+
+
+# -- memory (workers/cluster/memory.py) ----------------------------------------------------
+
+def check_memory(spec: "RunSpec", plan: Plan, machine: Machine, model: ModelSize) -> Optional[MemoryPlan]:
+    """What each GPU of ``plan`` holds for a model of ``model``'s size; a GPU that cannot
+    hold it refuses the run (PlacementError naming the GPU, every item on it and what
+    would lower the largest). CPU plans are not checked (None)."""
+    if plan.device != "gpu":
+        return None
+    memory = plan_memory(spec, plan, machine.gpu_memory_gib, model)
+    problem = memory.problem()
+    if problem:
+        raise PlacementError(problem)
+    return memory
+
+
+def check_trainer_memory(spec: "RunSpec", plan: Plan, machine: Machine, params: int) -> TrainerMemory:
+    """A trainer rank's memory for a model of ``params`` parameters; a GPU plan that does
+    not fit is refused (:func:`check_memory`, which counts everything on each GPU)."""
+    check_memory(spec, plan, machine, ModelSize(params))
+    return trainer_memory(params, spec.model.dtype, spec.trainer.zero_stage, len(plan.trainers))

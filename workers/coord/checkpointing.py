@@ -1,0 +1,204 @@
+"""A run's checkpoints (workers/io/checkpoint.py holds the folder layout): when one is
+due, saving one (the trainer's state and weights, and the controller's state in
+state.pt), a SIGTERM's checkpoint-and-stop, and restoring from one on --resume.
+
+state.pt is plain data (lists, dicts, numbers, strings, tensors) so that
+torch.load(weights_only=True) reads it back: the data position (row order, position,
+rows to redo), the RNG states, the run's totals, its times and the length ranker."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import pickle
+import random
+import time
+from collections import deque
+from pathlib import Path
+
+from workers.io.checkpoint import CheckpointInfo, IncompleteCheckpoint, require_trainer_shards, save_checkpoint
+from workers.weights.sync import legacy_tensors_checksum, tensors_checksum
+
+logger = logging.getLogger(__name__)
+
+
+def plain_rng(state: tuple) -> list:
+    """random.Random.getstate() as lists (torch.load(weights_only=True) reads them back)."""
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def rng_tuple(state: list) -> tuple:
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
+
+
+def plain_numpy_rng(state: tuple) -> list:
+    name, keys, pos, has_gauss, cached = state
+    return [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+
+
+def numpy_rng_tuple(state: list) -> tuple:
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached = state
+    return (name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
+
+
+class Checkpointer:
+    """Checkpoints of one run (``run``: the Controller, whose data position, RNG, result,
+    ranker, trainer and times a checkpoint holds).
+
+    ``first_step``: the first step this process trains (after a restored checkpoint's);
+    ``seconds_before`` and ``gen_busy_before``: training and generation time before it."""
+
+    def __init__(self, run):
+        self.run = run
+        self.requested = False  # request_stop (SIGTERM): save after the step in progress, then stop
+        self.first_step = 1
+        self.seconds_before = 0.0  # training time before the resumed checkpoint
+        self.gen_busy_before = 0.0
+
+    def due(self, step: int) -> bool:
+        every = self.run.spec.trainer.checkpoint_every
+        return bool(every) and step % every == 0
+
+    def request_stop(self) -> None:
+        """SIGTERM: finish the step in progress, save a checkpoint after it (whatever
+        trainer.checkpoint_every says) and stop; a second request, or one before any step
+        was trained here, stops at once."""
+        if self.requested or self.run.result.steps < self.first_step:
+            # asked twice, or nothing trained since the start (or the resumed checkpoint)
+            self.run.stop.set()
+        self.requested = True
+
+    async def after_step(self, step: int, t_start: float, unfinished: list[dict]) -> None:
+        """Save a checkpoint after ``step`` if the spec asks for one now (workers/io/checkpoint.py),
+        or a SIGTERM did; after the latter, stop. ``unfinished``: rows drawn but not trained
+        on (in flight, scored but not batched); a resumed run generates them first, so no
+        prompt is skipped."""
+        run = self.run
+        on_request = self.requested
+        if not (self.due(step) or on_request):
+            return
+        import torch
+
+        # Everything captured now, in the loop's thread: generation goes on while the
+        # files are written.
+        trainer = run.trainer
+        state = run._controller_state(step, trainer.version, time.time() - t_start, unfinished)
+
+        def write(folder: Path) -> None:
+            trainer.save_state(str(folder / "trainer"))
+            # Every rank's shard must be here before the checkpoint is published as complete.
+            require_trainer_shards(folder / "trainer", *self.trainer_world())
+            torch.save(state, folder / "state.pt")
+            trainer.save(str(folder / "model"))
+
+        meta = {"version": trainer.version, "weights_checksum": tensors_checksum(trainer.state_dict())}
+        try:
+            info = await asyncio.to_thread(save_checkpoint, run.out, step, write, meta)
+        except IncompleteCheckpoint as exc:  # nothing published; training goes on without it
+            logger.warning("checkpoint step-%d not saved: %s", step, exc)
+            if on_request:
+                run.stop.set()
+            return
+        if run.on_checkpoint is not None:
+            try:
+                await asyncio.to_thread(run.on_checkpoint, step, info.version, str(info.path))
+            except Exception as exc:  # the checkpoint is on disk; the platform just does not know
+                logger.warning("could not report checkpoint step-%d: %s", step, exc)
+        if on_request:
+            logger.info("stopping after step %d: checkpoint saved in %s", step, info.path)
+            run.stop.set()
+
+    def state(self, step: int, version: int, seconds: float, unfinished: list[dict]) -> dict:
+        """The controller's part of a checkpoint (state.pt), as plain data (lists, dicts,
+        numbers, strings, one tensor): torch.load(weights_only=True) reads it back."""
+        import numpy as np
+        import torch
+
+        run = self.run
+        r = run.result
+        return {
+            "step": step, "version": version,
+            "rows": {"order": list(run._row_order), "pos": run._row_pos,
+                     "redo": list(unfinished) + list(run._redo)},
+            "rng": {"controller": plain_rng(run._rng.getstate()), "python": plain_rng(random.getstate()),
+                    "numpy": plain_numpy_rng(np.random.get_state()), "torch": torch.get_rng_state()},
+            "result": {"steps": r.steps, "trained_samples": r.trained_samples, "trained_tokens": r.trained_tokens,
+                       "staleness_max": r.staleness_max, "dropped_stale": r.dropped_stale,
+                       "dropped_uniform": r.dropped_uniform, "trained_groups": r.trained_groups,
+                       "accuracy_before": r.accuracy_before},
+            "seconds": seconds, "trainer_busy_s": run.trainer_busy_s,
+            "gen_busy_s": run.metrics.gen_busy() - run.metrics.busy_before,
+            # plain data copied here, on the loop: the ranker object used to be pickled in
+            # the writer thread while the loop went on learning ("deque mutated during iteration")
+            "ranker": run.ranker.state_dict(),
+        }
+
+    def trainer_world(self) -> tuple[int, int, bool]:
+        """(data-parallel ranks, ZeRO stage, bf16): what names the trainer's checkpoint files."""
+        spec = self.run.spec
+        return getattr(self.run.trainer, "world", 1), spec.trainer.zero_stage, spec.model.dtype == "bfloat16"
+
+    def restore(self, info: CheckpointInfo) -> None:
+        """Trainer (weights, optimiser, version) and controller state from a checkpoint."""
+        import torch
+
+        require_trainer_shards(info.path / "trainer", *self.trainer_world())  # refused, not half-loaded
+        self.run.trainer.load_state(str(info.path / "trainer"))
+        # Plain tensors, lists, dicts, numbers and strings only: nothing in a checkpoint
+        # folder runs code when loaded.
+        try:
+            state = torch.load(info.path / "state.pt", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise RuntimeError(f"{info.path / 'state.pt'} holds pickled objects (a checkpoint of an older FluxRL) "
+                               f"and is not loaded: start the run again without --resume ({exc})") from None
+        self.run._load_controller_state(state)
+
+    def load_state(self, state: dict) -> None:
+        """The controller state a checkpoint saved (``state``), restored into the run."""
+        import numpy as np
+        import torch
+
+        run = self.run
+        run._row_order, run._row_pos = list(state["rows"]["order"]), state["rows"]["pos"]
+        run._redo = deque(state["rows"]["redo"])
+        run._rng.setstate(rng_tuple(state["rng"]["controller"]))
+        random.setstate(rng_tuple(state["rng"]["python"]))
+        np.random.set_state(numpy_rng_tuple(state["rng"]["numpy"]))
+        torch.set_rng_state(state["rng"]["torch"])
+        for key, value in state["result"].items():
+            setattr(run.result, key, value)
+        run.ranker.load_state_dict(state["ranker"])
+        self.first_step = state["step"] + 1
+        self.seconds_before = state["seconds"]
+        run.trainer_busy_s = state["trainer_busy_s"]
+        self.gen_busy_before = state["gen_busy_s"]
+
+    async def note_resume(self, blob: bytes) -> None:
+        """Say where the run resumes, and record that the engines hold the checkpoint's
+        weights (checksums of what each engine loaded) in resume.json."""
+        from safetensors.torch import load as st_load
+
+        run = self.run
+        info = run.resume
+        tensors = st_load(blob)
+        loaded = tensors_checksum(tensors)
+        engines = [await e.weights_checksum() for e in run.fleet.engines]
+        recorded = info.meta.get("weights_checksum")
+        if recorded is None:  # a checkpoint from before per-tensor digests: its own checksum
+            recorded, trainer = info.meta.get("weights_sha256"), legacy_tensors_checksum(tensors)
+        else:
+            trainer = loaded
+        record = {"from_step": info.step, "version": run.trainer.version, "checkpoint": str(info.path),
+                  "checkpoint_sha256": recorded, "trainer_sha256": trainer,
+                  "engine_sha256": engines, "resumed_at": time.time()}
+        (run.out / "resume.json").write_text(json.dumps(record, indent=2))
+        same = trainer == recorded and all(e == loaded for e in engines)
+        logger.log(logging.INFO if same else logging.WARNING,
+                   "resuming from %s (step %d, policy version %d); weights %s", info.path, info.step,
+                   run.trainer.version, "match the checkpoint" if same else "DIFFER from the checkpoint")
+        if not same:
+            raise RuntimeError(f"the weights loaded from {info.path} do not match its checksum")

@@ -1,0 +1,309 @@
+"""Controller: turns a run spec into a trained policy by wiring the roles together.
+
+- ``sync`` (sync_schedule.py): generate a whole batch → (scored as each sample finishes)
+  → train → update.
+- ``async`` (async_schedule.py): rollouts and training overlap. Admission
+  (``StalenessGate``) bounds how far ahead generation may run; finished samples stream to
+  the reward service and into a queue; the trainer steps as soon as it has a batch, then
+  pushes weights into running engines with the spec's update mode (keep = in-flight,
+  interrupt, drain).
+
+The Controller owns the parts and the order they run in: the processes (processes.py),
+the rollout fleet (generation.py), the checkpoints (checkpointing.py) and the step
+metrics (step_metrics.py); it keeps the data position, the training step both schedules
+share, and the evaluation.
+
+Everything here is asyncio in one process; the vLLM engines are their own processes
+and the trainer's step runs in a thread so generation streams on meanwhile.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections import deque
+from pathlib import Path
+from typing import Optional
+
+from workers.coord.async_schedule import AsyncSchedule
+from workers.coord.checkpointing import Checkpointer
+from workers.coord.generation import Fleet, Group, Sample
+from workers.coord.length_ranker import LengthRanker
+from workers.coord.processes import Processes, placement
+from workers.coord.step_metrics import RunResult, StepMetrics
+from workers.coord.sync_schedule import SyncSchedule
+from workers.io.checkpoint import CheckpointInfo
+from workers.io.report import Reporter
+from workers.models.preflight import check_run, resolve_model_path
+from workers.rollout.engine import Completion, RolloutEngine
+from workers.rollout.staleness import StalenessGate
+from workers.spec import RunSpec
+from workers.tasks.datasets import load_rows
+from workers.train import algorithms
+from workers.train.trainer import TrainSample
+from workers.weights.sync import serialize_state_dict
+
+__all__ = ["Controller", "Group", "RunResult", "Sample", "TrainerError"]
+
+
+class TrainerError(RuntimeError):
+    """The trainer raised: the run fails (exit code 1, status failed) with this as its reason."""
+
+
+def _part(part: str, name: str) -> property:
+    """An attribute of one of the Controller's parts, read and set as the Controller's own."""
+    return property(lambda self: getattr(getattr(self, part), name),
+                    lambda self, value: setattr(getattr(self, part), name, value))
+
+
+class Controller:
+    # the parts' state, under the names it had on the Controller
+    engines = _part("fleet", "engines")
+    _dead = _part("fleet", "dead")
+    engine_deaths = _part("fleet", "engine_deaths")
+    migrations = _part("fleet", "migrations")
+    broadcaster = _part("fleet", "broadcaster")
+    prompts = _part("fleet", "prompts")
+    rewards = _part("fleet", "rewards")
+    trainer = _part("processes", "trainer")
+    plan = _part("processes", "plan")
+    node_trainer_pids = _part("processes", "node_trainer_pids")
+    _first_step = _part("checkpoints", "first_step")
+    _seconds_before = _part("checkpoints", "seconds_before")
+
+    def __init__(self, spec: RunSpec, out_dir: str | Path, reporter: Optional[Reporter] = None,
+                 progress: bool = True, stop_event: Optional[asyncio.Event] = None,
+                 resume: Optional[CheckpointInfo] = None, on_checkpoint=None, rendezvous: Optional[str] = None):
+        self.spec = spec
+        # several nodes: where the other nodes' agents join (workers/cluster/node.py)
+        self.rendezvous = rendezvous or os.environ.get("FLUXRL_RENDEZVOUS")
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.reporter = reporter or Reporter(self.out / "metrics.jsonl")
+        self.progress = progress
+        self.stop = stop_event or asyncio.Event()
+        self.result = RunResult()
+        self._failure: Optional[BaseException] = None
+        self._rng = random.Random(spec.seed)
+        self.ranker = LengthRanker()
+        self.trainer_busy_s = 0.0
+        # Data position (saved in checkpoints): the current epoch's shuffled order, the next
+        # index in it, and rows drawn before a checkpoint but not trained on (redone first).
+        self._row_order: list[int] = []
+        self._row_pos = 0
+        self._redo: deque[dict] = deque()
+        self.resume = resume  # a checkpoint to continue from (workers/io/checkpoint.py)
+        self.on_checkpoint = on_checkpoint  # called (step, version, path) after each save
+        self.last_sampled_reward: Optional[float] = None  # of the latest evaluation (eval.samples)
+        self.bar = None  # the progress bar, while the schedule runs
+        self.schedule: Optional[SyncSchedule | AsyncSchedule] = None
+        self.processes = Processes(spec, self.out, self.rendezvous, self._lost_node)
+        # _generate and _score through the Controller: a subclass that overrides them sees every sample
+        self.fleet = Fleet(spec, self.ranker, self._rng, generate=self._generate, score=self._score)
+        self.checkpoints = Checkpointer(self)
+        self.metrics = StepMetrics(self)
+
+    # -- set-up -------------------------------------------------------------------
+    def _placement(self):
+        return placement(self.spec)
+
+    async def setup(self) -> None:
+        spec = self.spec
+        t = spec.task
+        self.train_rows, self.eval_rows = load_rows(t.dataset, t.size, t.eval_size, t.seed, t.prompt_field, t.answer_field)
+        self.eval_rows = self.eval_rows[: spec.eval.prompts]
+        # The model's tokenizer, stop ids and limits, checked before any process starts.
+        spec.model.path = await asyncio.to_thread(resolve_model_path, spec.model.path)
+        checked = await asyncio.to_thread(check_run, spec, self.train_rows, self.eval_rows)
+        self.prompts = checked.renderer
+        self.train_rows, self.eval_rows = checked.train_rows, checked.eval_rows
+        self.result.skipped_prompts = sum(checked.skipped.values())
+        self.processes.start(self._placement)
+        self.rewards = self.processes.rewards
+        await self.processes.start_trainer(checked)
+        if self.resume is not None:
+            await asyncio.to_thread(self._restore, self.resume)
+        collective = spec.rollout.weight_transport == "collective"
+        # the collective path needs the blob only for the resume check
+        blob = serialize_state_dict(self.trainer.state_dict()) if not collective or self.resume is not None else None
+        self.fleet.add(self.processes.engines(checked))  # in the fleet before they start: close() stops them
+        # warm_blob is the first update: on resume, the checkpoint's weights and version
+        await self.processes.start_engines(self.engines, None if collective else blob,
+                                           0 if collective else self.trainer.version)
+        if collective:  # the first weights (and version label) come through the group
+            self.broadcaster = await self.processes.open_weight_group(self.engines)
+            self.broadcaster.digest_next = self.resume is not None  # checked by note_resume
+            await self._send_weights(self.trainer.version)
+        if self.resume is not None:
+            await self.checkpoints.note_resume(blob)
+
+    def _lost_node(self, error: BaseException) -> None:
+        """A node of a run over several nodes is gone (called in the loop): the run fails."""
+        self._fail(TrainerError(f"the run lost a node: {error}"))
+
+    def _fail(self, error: BaseException) -> None:
+        """The run fails with ``error`` (the first one wins): the schedule stops, run() raises it."""
+        self._failure = self._failure or error
+        self.stop.set()
+
+    async def close(self) -> None:
+        self.processes.close(self.engines + self._dead, self.broadcaster)
+
+    # -- the fleet's seams (a subclass may override these) ---------------------------------
+    async def _generate(self, engine: RolloutEngine, row: dict, temperature: float) -> Completion:
+        return await self.fleet.generate(engine, row, temperature)
+
+    async def _score(self, row: dict, comp: Completion) -> Sample:
+        return await self.fleet.score(row, comp)
+
+    async def _send_weights(self, version: int) -> list:
+        return await self.fleet.send_weights(self.trainer, version)
+
+    def _one_request_per_group(self, engine: RolloutEngine) -> bool:
+        return self.fleet.one_request_per_group(engine)
+
+    # -- data and trainer ------------------------------------------------------------------
+    def _rows(self):
+        """Training rows, epoch after epoch in a shuffled order; rows a checkpoint saved
+        as drawn but not trained on come first."""
+        while True:
+            if self._redo:
+                yield self._redo.popleft()
+                continue
+            if self._row_pos >= len(self._row_order):
+                self._row_order = list(range(len(self.train_rows)))
+                self._rng.shuffle(self._row_order)
+                self._row_pos = 0
+            self._row_pos += 1
+            yield self.train_rows[self._row_order[self._row_pos - 1]]
+
+    async def _in_trainer(self, fn, *args):
+        """Run trainer work in a thread (generation streams on meanwhile), timing it."""
+        t0 = time.perf_counter()
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except Exception as exc:  # not a bad-input exit (2) even if it is a ValueError
+            raise TrainerError(f"the trainer failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self.trainer_busy_s += time.perf_counter() - t0
+
+    def _train_samples(self, group: Group) -> list[TrainSample]:
+        """Group-relative advantages need only the group itself, so a group can be
+        trained on the moment it is complete. With GAE the trainer's critic computes them
+        from each sample's reward."""
+        rewards = [s.reward for s in group.samples]
+        if self.spec.algorithm.advantage == "gae":
+            adv = [0.0] * len(rewards)
+        else:
+            adv = algorithms.group_advantages(rewards, self.spec.algorithm.group_size,
+                                              self.spec.algorithm.adv_std_norm)
+        return [TrainSample(s.completion.prompt_ids, s.completion.token_ids, s.completion.logprobs, a, reward=r)
+                for s, a, r in zip(group.samples, adv, rewards)]
+
+    # -- checkpoints (checkpointing.py) ----------------------------------------------------
+    def request_checkpoint_and_stop(self) -> None:
+        """SIGTERM: finish the step in progress, save a checkpoint after it (whatever
+        trainer.checkpoint_every says) and stop; a second request, or one before any step
+        was trained here, stops at once."""
+        self.checkpoints.request_stop()
+
+    def _restore(self, info: CheckpointInfo) -> None:
+        self.checkpoints.restore(info)
+
+    def _controller_state(self, step: int, version: int, seconds: float, unfinished: list[dict]) -> dict:
+        return self.checkpoints.state(step, version, seconds, unfinished)
+
+    def _load_controller_state(self, state: dict) -> None:
+        self.checkpoints.load_state(state)
+
+    # -- evaluation and the training step ---------------------------------------------------
+    async def evaluate(self, step: int) -> float:
+        """Greedy accuracy (mean reward) on the held-out rows; with ``eval.samples`` also the
+        policy's expected held-out reward: the mean reward of that many completions per row
+        sampled at the rollout temperature (what RL raises first, before the argmax moves)."""
+        if not self.eval_rows:
+            return float("nan")
+        self.fleet.live_engine()  # fails clearly if every engine is dead
+        engines = [e for e in self.engines if not e.dead]
+        sample = self.fleet.sample
+        samples = await asyncio.gather(*(sample(engines[i % len(engines)], r, 0.0)
+                                         for i, r in enumerate(self.eval_rows)))
+        accuracy = sum(s.reward for s in samples) / len(samples)
+        metrics = {"eval/accuracy": accuracy}
+        k = self.spec.eval.samples
+        if k:
+            temperature = self.spec.rollout.temperature
+            sampled = await asyncio.gather(*(sample(engines[i % len(engines)], r, temperature)
+                                             for i, r in enumerate(self.eval_rows) for _ in range(k)))
+            self.last_sampled_reward = sum(s.reward for s in sampled) / len(sampled)
+            metrics["eval/sampled_reward"] = self.last_sampled_reward
+        self.reporter.log(step, metrics)
+        return accuracy
+
+    async def _train_on(self, groups: list[Group], step: int, t_start: float,
+                        stats: Optional[dict] = None) -> None:
+        """Train on a batch (unless a streamed step already did: ``stats``), push the new
+        weights to every engine, and report the step."""
+        spec = self.spec
+        version = self.trainer.version - (1 if stats is not None else 0)
+        staleness = [version - s.completion.versions.oldest for g in groups for s in g.samples]
+        if stats is None:
+            batch = [t for g in groups for t in self._train_samples(g)]
+            stats = await self._in_trainer(self.trainer.train_step, batch)
+        timings = await self._send_weights(self.trainer.version)
+        self.gate.advance(self.trainer.version)
+        postfix = self.metrics.report_step(step, groups, staleness, stats, timings, t_start,
+                                           self.schedule.queue_depth() if self.schedule is not None else 0)
+        self.metrics.collect_stalls()
+        if spec.eval.every_steps and step % spec.eval.every_steps == 0 and step < spec.stop.max_steps:
+            await self.evaluate(step)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(**postfix)
+
+    def _out_of_time(self, t_start: float) -> bool:
+        return self.stop.is_set() or (time.time() - t_start) / 60 > self.spec.stop.max_minutes
+
+    # -- the run ------------------------------------------------------------------------------
+    async def run(self) -> RunResult:
+        from tqdm import tqdm
+
+        spec = self.spec
+        try:
+            await self.setup()
+            if self.resume is None:  # a resumed run has it (and the step-0 points) already
+                self.reporter.log(0, {"data/skipped_prompts": self.result.skipped_prompts})
+                self.result.accuracy_before = await self.evaluate(0)
+                self.result.sampled_reward_before = self.last_sampled_reward
+            self.gate = StalenessGate(spec.schedule.batch_prompts,
+                                      0 if spec.schedule.mode == "sync" else spec.schedule.max_staleness)
+            # Resumed: the checkpoint's batches count as trained, so admission starts where it was.
+            self.gate.advance(self.trainer.version)
+            self.gate.finished = (self._first_step - 1) * spec.schedule.batch_prompts
+            self.bar = tqdm(total=spec.stop.max_steps, initial=self._first_step - 1,
+                            desc=f"{spec.name} [{spec.schedule.mode}]", unit="step", disable=not self.progress)
+            # Resumed: times and totals continue from the checkpoint (throughput, idle
+            # shares and stop.max_minutes count the training before it).
+            t_start = time.time() - self._seconds_before
+            # the evaluation above is not training time
+            self.metrics.busy_before = sum(e.busy_s for e in self.engines) - self.checkpoints.gen_busy_before
+            if self.resume is None:
+                self.trainer_busy_s = 0.0
+            self.schedule = SyncSchedule(self) if spec.schedule.mode == "sync" else AsyncSchedule(self)
+            await self.schedule.run_steps(t_start)
+            self.result.seconds = time.time() - t_start
+            self.result.idle_generation = self.metrics.idle_generation(self.result.seconds)
+            self.result.idle_training = self.metrics.idle_training(max(self.result.seconds, 1e-9))
+            self.bar.close()
+            if self._failure is not None:
+                raise self._failure
+            self.metrics.collect_stalls()
+            self.result.accuracy_after = await self.evaluate(self.result.steps)
+            self.result.sampled_reward_after = self.last_sampled_reward
+            final = self.out / "final_model"
+            await asyncio.to_thread(self.trainer.save, str(final))
+            self.result.final_model = str(final)
+            return self.result
+        finally:
+            await self.close()

@@ -1,0 +1,189 @@
+"""Starting and stopping a run's roles: where every process runs (placement), the
+trainer (in this process, rank processes of its own, or over several nodes whose agents
+join at a rendezvous), the rollout engines (in this process or engine servers), the
+weight group of the collective transport, and the reward service; and closing them all."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+from workers.io import wire
+from workers.rewards.service import RewardService
+from workers.rollout.engine import RolloutEngine, SamplingOptions, configure_cpu_environment
+from workers.rollout.server import EngineClient, EngineServerConfig
+from workers.spec import RunSpec
+from workers.train.trainer import Trainer
+from workers.weights.broadcast import RankZeroSender, WeightBroadcaster
+
+logger = logging.getLogger(__name__)
+
+
+def placement(spec: RunSpec):
+    """Where every process runs (workers/cluster/placement.py): this machine describes every node."""
+    import torch
+
+    from workers.cluster.placement import Machine, detect_machine, plan_cpu, plan_placement
+
+    if torch.cuda.is_available():
+        return plan_placement(spec, detect_machine())
+    return plan_cpu(spec, Machine(cpu_cores=os.cpu_count() or 1))
+
+
+class Processes:
+    """The run's processes: ``start``, ``start_trainer``, ``engines`` and
+    ``start_engines``, ``open_weight_group``; ``close`` stops whatever was started.
+
+    ``on_failure(error)`` is called in the loop when a node of a run over several nodes is
+    lost; ``rendezvous`` is where those nodes' agents join; ``out`` is the run's folder."""
+
+    def __init__(self, spec: RunSpec, out: Path, rendezvous: Optional[str], on_failure):
+        self.spec = spec
+        self.out = out  # the run's folder: the other nodes' run_dir
+        self.rendezvous = rendezvous
+        self.on_failure = on_failure
+        self.plan = None
+        self.trainer = None
+        self.rewards: Optional[RewardService] = None
+        self.remote_engines: dict[int, tuple] = {}  # engine index -> (address, pid) on another node
+        self.node_trainer_pids: dict[int, list[int]] = {}
+
+    def start(self, place) -> None:
+        """The reward service, the placement (``place()``: the plan) and this machine's CPU
+        environment."""
+        self.rewards = RewardService(self.spec.reward)
+        self.plan = plan = place()
+        on_cpu = plan.device == "cpu"
+        # In one process (no engine processes) every engine and the trainer share node 0's cores.
+        configure_cpu_environment(plan.cpu_bind("engine") if on_cpu else None, self.spec.rollout.kv_cache_gb)
+
+    async def start_trainer(self, checked):
+        spec, res = self.spec, self.spec.resources
+        if res.nodes > 1:
+            await self._join_nodes(checked)
+        elif res.trainer_ranks > 1 or res.trainer_process:  # DeepSpeed ranks, each a process of its own
+            from workers.train.ranks import TrainerGroup
+
+            self.trainer = await asyncio.to_thread(TrainerGroup, spec, spec.model.path, res.trainer_ranks,
+                                                   self._threads_per_rank(0), checked.pad_id,
+                                                   cuda_devices=self._trainer_devices(0))
+        else:
+            on_cpu = self.plan.device == "cpu"
+            self.trainer = await asyncio.to_thread(Trainer, spec, spec.model.path,
+                                                   self.plan.threads("trainer") if on_cpu else None, checked.pad_id)
+        return self.trainer
+
+    def _threads_per_rank(self, node: int) -> Optional[int]:
+        ranks = self.plan.on_node(node, "trainer")
+        return max(1, self.plan.threads("trainer", node) // len(ranks)) if self.plan.device == "cpu" else None
+
+    def _trainer_devices(self, node: int) -> Optional[list[str]]:
+        ranks = self.plan.on_node(node, "trainer")
+        # the plan's logical GPU ids mapped through the mask this worker inherited
+        return [p.cuda_devices[0] for p in ranks] if self.plan.device == "gpu" else None
+
+    async def _join_nodes(self, checked) -> None:
+        """Several nodes: wait for every other node's agent at the rendezvous, give each its
+        part (trainer ranks, engine servers), form the trainer world with them."""
+        from workers.cluster.node import Cluster, ClusterTrainer, NodeAssignment, free_port
+        from workers.train.ranks import TrainerGroup
+
+        spec, nodes = self.spec, self.spec.resources.nodes
+        if not self.rendezvous:
+            raise ValueError(f"resources.nodes is {nodes}: a run over several nodes needs a rendezvous address "
+                             "(python -m workers run SPEC --rendezvous HOST:PORT here, and python -m workers node "
+                             "--rendezvous HOST:PORT --node-rank R on each other node)")
+        cluster = await asyncio.to_thread(Cluster, self.rendezvous, nodes)
+        loop = asyncio.get_running_loop()
+
+        def node_failed(error: BaseException) -> None:  # from the cluster's watch thread
+            loop.call_soon_threadsafe(self.on_failure, error)
+
+        cluster.on_failure = node_failed
+        try:
+            master_addr = cluster.host if cluster.host not in ("0.0.0.0", "") else "127.0.0.1"
+            master_port = free_port(master_addr)
+            ranks = len(self.plan.on_node(0, "trainer"))
+            for node in range(1, nodes):
+                cluster.assign(node, NodeAssignment(
+                    spec=spec, model_path=spec.model.path, pad_id=checked.pad_id, master_addr=master_addr,
+                    master_port=master_port, ranks=ranks, threads_per_rank=self._threads_per_rank(node),
+                    cuda_devices=self._trainer_devices(node), run_dir=str(self.out.resolve()),
+                    engines=[self.engine_config(p, checked) for p in self.plan.on_node(node, "engine")]))
+            local = asyncio.ensure_future(asyncio.to_thread(
+                TrainerGroup, spec, spec.model.path, ranks, self._threads_per_rank(0), checked.pad_id,
+                master_addr=master_addr, master_port=master_port, nnodes=nodes, node_rank=0,
+                cuda_devices=self._trainer_devices(0)))
+            try:
+                ready = [await asyncio.to_thread(cluster.ready, node, 1800.0) for node in range(1, nodes)]
+            except BaseException:
+                local.add_done_callback(lambda t: t.cancelled() or t.exception() or t.result().close())
+                raise
+            self.trainer = ClusterTrainer(await local, cluster)
+        except BaseException:
+            cluster.close()
+            raise
+        self.remote_engines = {e.index: (e.address, e.pid) for r in ready for e in r.engines}
+        self.node_trainer_pids = {r.node_rank: list(r.trainer_pids) for r in ready}
+        logger.info("%d node(s) joined: engines %s", nodes, sorted(self.remote_engines))
+
+    def engine_config(self, process, checked, host: str = "127.0.0.1") -> EngineServerConfig:
+        """An engine server's configuration, with its placement (devices, cores, memory share)."""
+        spec, ro = self.spec, self.spec.rollout
+        return EngineServerConfig(
+            model_path=spec.model.path, index=process.index, update_mode=ro.update_mode,
+            max_model_len=checked.max_model_len, max_num_seqs=ro.max_num_seqs, dtype=spec.model.dtype,
+            seed=spec.seed + process.index, rpc_timeout_s=ro.rpc_timeout_s, top_p=ro.top_p, top_k=ro.top_k,
+            stop=list(ro.stop), stop_token_ids=list(checked.stop_ids), kv_cache_gb=ro.kv_cache_gb,
+            gpu_memory_utilization=process.gpu_memory_utilization, host=host, env=self.plan.env(process),
+            cpu_single_process=ro.cpu_single_process, enforce_eager=ro.enforce_eager)
+
+    def engines(self, checked) -> list[RolloutEngine]:
+        """The rollout engines, not started yet: each a server process of its own
+        (workers/rollout/server.py) as the plan says (always on GPUs), else in this one."""
+        spec, ro = self.spec, self.spec.rollout
+        if self.plan.engine_processes:
+            return [EngineClient(self.engine_config(p, checked), *self.remote_engines.get(p.index, (None, None)))
+                    for p in self.plan.engines]
+        sampling = SamplingOptions(ro.top_p, ro.top_k, tuple(ro.stop), tuple(checked.stop_ids))
+        return [
+            RolloutEngine(spec.model.path, index=i, update_mode=spec.rollout.update_mode, sampling=sampling,
+                          max_model_len=checked.max_model_len, max_num_seqs=spec.rollout.max_num_seqs,
+                          dtype=spec.model.dtype, seed=spec.seed + i, rpc_timeout_s=spec.rollout.rpc_timeout_s,
+                          gpu_memory_utilization=p.gpu_memory_utilization,
+                          cpu_single_process=ro.cpu_single_process, enforce_eager=ro.enforce_eager)
+            for i, p in enumerate(self.plan.engines)
+        ]
+
+    async def start_engines(self, engines: list[RolloutEngine], blob: Optional[bytes], version: int) -> None:
+        for engine in engines:  # one at a time: start-up is CPU-heavy
+            # warm_blob is the first update: on resume, the checkpoint's weights and version
+            await engine.start(warm_blob=blob, version=version)
+
+    async def open_weight_group(self, engines: list[RolloutEngine]) -> WeightBroadcaster:
+        """rollout.weight_transport: collective: the group the trainer's weights go through."""
+        ro, res = self.spec.rollout, self.spec.resources
+        host = wire.parse_address(self.rendezvous)[0] if res.nodes > 1 else "127.0.0.1"
+        # With trainer rank processes, rank 0 itself sends: the weights never pass through here.
+        sender = RankZeroSender(self.trainer, ro.rpc_timeout_s) if hasattr(self.trainer, "send_weights") else None
+        backend = self.plan.weight_backend if self.plan is not None else None
+        broadcaster = WeightBroadcaster(host=host, backend=backend, timeout_s=ro.rpc_timeout_s, sender=sender)
+        await broadcaster.open(engines)
+        return broadcaster
+
+    def close(self, engines: list[RolloutEngine], broadcaster: Optional[WeightBroadcaster]) -> None:
+        """Stop every role: the weight group, the engines (live and dead), the reward
+        service, trainer rank processes."""
+        if broadcaster is not None:
+            broadcaster.close()
+        for engine in engines:
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - a dead engine may fail to
+                pass
+        if self.rewards is not None:
+            self.rewards.close()
+        if hasattr(self.trainer, "close"):  # trainer rank processes
+            self.trainer.close()

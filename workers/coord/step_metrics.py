@@ -1,0 +1,136 @@
+"""What a run reports: the metrics of each trained step (metrics.jsonl through the
+Reporter, a few samples for the run page), how busy generation and training were, and
+the run's totals (``RunResult``, result.json)."""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class RunResult:
+    steps: int = 0
+    trained_samples: int = 0
+    trained_tokens: int = 0
+    seconds: float = 0.0
+    accuracy_before: Optional[float] = None
+    accuracy_after: Optional[float] = None
+    sampled_reward_before: Optional[float] = None  # eval.samples > 0: expected held-out reward
+    sampled_reward_after: Optional[float] = None
+    staleness_max: int = 0
+    dropped_stale: int = 0
+    dropped_uniform: int = 0  # algorithm.drop_uniform_groups: groups whose rewards were all equal
+    trained_groups: int = 0
+    update_sync_ms: list[float] = field(default_factory=list)
+    update_load_ms: list[float] = field(default_factory=list)
+    gen_stall_ms: list[float] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    final_model: Optional[str] = None
+    skipped_prompts: int = 0  # training + held-out prompts longer than max_model_len allows
+    idle_generation: float = 0.0  # share of wall time no request was running (mean over engines)
+    idle_training: float = 0.0  # share of wall time the trainer was not computing
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.trained_samples / self.seconds if self.seconds else 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, int(math.ceil(q * len(s))) - 1)]
+
+
+class StepMetrics:
+    """The per-step report and the busy/idle accounting of one run.
+
+    Reads the run's engines (``run.fleet``), trainer, reporter, result, ranker and prompt
+    renderer; ``run.trainer_busy_s`` is the trainer's busy time (``Controller._in_trainer``)."""
+
+    def __init__(self, run):
+        self.run = run
+        self.busy_before = 0.0  # engine busy time before the schedule started (the first evaluation)
+
+    def gen_busy(self) -> float:
+        """Seconds the engines (live and retired) have had requests running."""
+        fleet = self.run.fleet
+        now = time.perf_counter()
+        return fleet.retired_busy + sum(e.busy_seconds(now) for e in fleet.engines)
+
+    def idle_generation(self, elapsed: float) -> float:
+        busy = self.gen_busy()
+        return 1.0 - min(1.0, (busy - self.busy_before) / (elapsed * max(1, len(self.run.fleet.engines))))
+
+    def idle_training(self, elapsed: float) -> float:
+        return 1.0 - min(1.0, self.run.trainer_busy_s / elapsed)
+
+    def collect_stalls(self) -> None:
+        """Generation stalls of finished weight updates into the result and the metrics."""
+        run = self.run
+        for e in run.fleet.engines:
+            done = [u for u in e.updates if u.gen_stall_ms is not None or u.version < run.trainer.version - 1]
+            for u in done:
+                if u.gen_stall_ms is not None:
+                    run.result.gen_stall_ms.append(u.gen_stall_ms)
+                    run.reporter.log(u.version, {"weights/gen_stall_ms": u.gen_stall_ms})
+                e.updates.remove(u)
+
+    def report_step(self, step: int, groups: list, staleness: list[int], stats: dict, timings: list,
+                    t_start: float, queue_depth: int) -> dict:
+        """Add a trained step to the totals and report it (metrics and a few samples);
+        returns the progress bar's postfix."""
+        run, spec, fleet = self.run, self.run.spec, self.run.fleet
+        rewards = [s.reward for g in groups for s in g.samples]
+        samples = [s for g in groups for s in g.samples]
+        r = run.result
+        lengths = [s.completion.length for s in samples]
+        r.steps, r.trained_samples = step, r.trained_samples + len(samples)
+        r.trained_groups += len(groups)
+        r.trained_tokens += sum(lengths)
+        r.lengths += lengths
+        r.staleness_max = max(r.staleness_max, max(staleness))
+        r.update_sync_ms += [t.sync_ms for t in timings]
+        r.update_load_ms += [t.load_ms for t in timings]
+        elapsed = time.time() - t_start
+        mean_r = sum(rewards) / len(rewards)
+        hist = {f"staleness/hist/{k}": staleness.count(k) for k in range(max(staleness) + 1)}
+        run.reporter.log(step, {
+            **{k: v for k, v in stats.items() if not k.startswith("trainer/micro") and k != "trainer/step_s"},
+            "reward/mean": mean_r,
+            "reward/std": statistics.pstdev(rewards),
+            "reward/errors": sum(1 for s in samples if s.error),
+            **({"batch/dropped_uniform_share": r.dropped_uniform / (r.dropped_uniform + r.trained_groups)}
+               if spec.algorithm.drop_uniform_groups else {}),
+            **{f"reward/part/{name}": sum(s.parts.get(name, 0.0) for s in samples) / len(samples)
+               for name in samples[0].parts},
+            "throughput/samples_per_s": r.trained_samples / elapsed,
+            "throughput/tokens_per_s": r.trained_tokens / elapsed,
+            "rollout/gen_tokens_per_s": (fleet.retired_tokens + sum(e.generated_tokens for e in fleet.engines)) / elapsed,
+            "rollout/engines_live": len(fleet.engines),
+            "rollout/engine_deaths": fleet.engine_deaths,
+            "staleness/mean": sum(staleness) / len(staleness),
+            "staleness/max": max(staleness),
+            **hist,
+            **({"weights/sync_ms": max(t.sync_ms for t in timings),
+                "weights/load_ms": max(t.load_ms for t in timings)} if timings else {}),
+            **run.ranker.metrics(),
+            "idle/generation": self.idle_generation(elapsed),
+            "idle/training": self.idle_training(elapsed),
+            "lengths/mean": sum(lengths) / len(lengths),
+            "lengths/p99": percentile(lengths, 0.99),
+            "queue/depth": queue_depth,
+            "version/current": run.trainer.version,
+            "rollout/migrations": fleet.migrations,
+        })
+        # A few samples for the run page; a sequence spanning an update first.
+        shown = sorted(samples, key=lambda s: (-len(s.completion.versions.runs), -s.completion.length))[:4]
+        for s in shown:
+            run.reporter.sample({"step": step, "prompt": fleet.prompts.text(s.row), "completion": s.text,
+                                 "reward": s.reward, "versions": s.completion.versions.per_token(),
+                                 "tokens": fleet.prompts.pieces(s.completion.token_ids),
+                                 "length": s.completion.length, "error": s.error or ""})
+        return {"reward": f"{mean_r:.2f}", "stale": max(staleness), "sps": f"{r.trained_samples / elapsed:.1f}"}

@@ -1,0 +1,54 @@
+"""A reporting engine's heartbeat. The platform fails a live run that has not been heard
+of for FLUXRL_RUN_STALE_S (60 s); under Celery the watcher beats for it, but an engine
+started by hand (`python -m workers run ... --platform URL --run-id N`) has only itself.
+So it re-reports "running" every few seconds from a thread of its own, which keeps going
+while a long training step holds the asyncio loop, and hears a cancel in the reply."""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Optional
+
+import requests
+
+log = logging.getLogger(__name__)  # to stderr, the run's engine.log (workers/cli/engine.py)
+
+
+class Heartbeat:
+    def __init__(self, platform, every_s: float = 15.0, on_cancel: Optional[Callable[[], None]] = None):
+        self.platform = platform
+        self.every_s = every_s
+        self.on_cancel = on_cancel
+        self.beats = 0
+        self.cancelled = False  # a reply said cancel_requested
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="fluxrl-heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        failing = False
+        while not self._stop.wait(self.every_s):
+            try:
+                reply = self.platform.status("running")
+            except requests.RequestException as exc:
+                status = getattr(getattr(exc, "response", None), "status_code", None)
+                if status in (401, 403):  # the run ended: its token stopped working
+                    log.warning("heartbeat: the platform no longer takes reports for this run (%s)", exc)
+                    return
+                if not failing:
+                    log.warning("heartbeat: cannot reach the platform (%s); trying again", exc)
+                failing = True
+                continue
+            failing = False
+            self.beats += 1
+            if reply.get("cancel_requested") and not self.cancelled and self.on_cancel is not None:
+                self.cancelled = True
+                self.on_cancel()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.platform.timeout + 1)

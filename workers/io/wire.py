@@ -1,0 +1,469 @@
+"""Typed messages between the run's processes over mutually authenticated TLS 1.3.
+
+Roles on different processes (and nodes) talk over TCP wrapped in TLS 1.3 (Python's
+``ssl``; no cryptography of our own). The run's cluster key (``FLUXRL_CLUSTER_KEY``) is
+the only secret: every process derives from it the same certificate authority — an
+Ed25519 key and a self-signed certificate with fixed fields (:func:`_credentials`) — both
+ends present that certificate and require the peer's to chain to it. So:
+
+* Without the key, a host on the network can neither connect (the handshake fails), nor
+  read (frames are encrypted: weights, spec, samples), nor alter, inject or replay frames
+  (each TLS record is authenticated; a changed byte fails the connection, never delivers
+  a forged message). It can still drop or delay connections — which the callers notice
+  (timeouts, heartbeats) and turn into a failed run — and see the traffic's size and timing.
+* A key holder is a member of the run, with the rights the protocol gives members: it can
+  join as a node agent (and receive the spec and the weights), or connect to an engine
+  server and drive it. It can not make a process run code of its choosing through the wire:
+  messages are pydantic JSON, never pickles; trainer load/save paths are confined to the
+  run's folder (workers/cluster/node.py) and an engine server's environment to an allow-list
+  (workers/rollout/server.py). Anyone who can read a run process's environment has the key.
+* Not covered: torch.distributed traffic (the trainer world, the collective weight
+  broadcast) goes over its own sockets, unencrypted; keep the cluster network private.
+
+Every accepted connection must finish its handshake within ``FLUXRL_WIRE_HANDSHAKE_S``
+(default 10 s), each in a thread of its own so a silent connection never blocks others;
+connects have the same limit. A frame's length is checked before anything is allocated:
+a header over 1 MiB or a blob over ``FLUXRL_WIRE_MAX_BLOB_MB`` (default 4096) closes the
+connection with :class:`FrameTooLarge`. Any failure of a channel (EOF, TLS error, bad or
+oversized frame, a message that does not validate) closes it and raises ``EOFError`` or
+an ``OSError`` (:class:`WireError`), so callers' reader threads end the same way for all.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import logging
+import os
+import queue
+import secrets
+import select
+import socket
+import ssl
+import struct
+import tempfile
+import threading
+import time
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+
+log = logging.getLogger(__name__)
+
+KEY_ENV = "FLUXRL_CLUSTER_KEY"  # hex; every process of a run must have the same
+HANDSHAKE_ENV = "FLUXRL_WIRE_HANDSHAKE_S"
+MAX_BLOB_ENV = "FLUXRL_WIRE_MAX_BLOB_MB"
+MAX_HEADER = 1 << 20  # a message's JSON: samples of a batch fit many times over
+_CHUNK = 1 << 20  # plaintext handed to TLS at a time (bounds the encrypted copy in memory)
+_MAX_HANDSHAKES = 64  # connections handshaking at once per listener; more are dropped
+_WELCOME = b"\x01"  # the server's first byte: it accepted our certificate
+
+_HEAD = struct.Struct(">IB")  # JSON length, kind (M: message, B: message + blob)
+_BLOB = struct.Struct(">Q")
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WireError(ConnectionError):
+    """The connection failed and was closed (TLS error, bad frame, refused peer)."""
+
+
+class FrameTooLarge(WireError):
+    """A length prefix over the cap: the connection is closed before anything is allocated."""
+
+
+class BadFrame(WireError):
+    """A frame that is not a valid message of the channel's protocol."""
+
+
+class HandshakeFailed(WireError):
+    """The peer did not finish the handshake (closed, or did not answer in time)."""
+
+
+class KeyRefused(HandshakeFailed):
+    """The TLS handshake failed: the peer does not hold this run's cluster key (or we not its)."""
+
+
+def cluster_key() -> bytes:
+    """The run's key from the environment, or a new one (set in the environment so the
+    processes this one starts inherit it)."""
+    value = os.environ.get(KEY_ENV)
+    if not value:
+        value = secrets.token_hex(32)
+        os.environ[KEY_ENV] = value
+    return bytes.fromhex(value)
+
+
+def shared_key() -> bytes:
+    """The key processes on several nodes share: it must come from the environment."""
+    if not os.environ.get(KEY_ENV):
+        raise ValueError(f"a run over several nodes needs the same {KEY_ENV} on every node, e.g. export "
+                         f"{KEY_ENV}=$(python -c 'import secrets; print(secrets.token_hex(32))')")
+    return cluster_key()
+
+
+def handshake_timeout() -> float:
+    return float(os.environ.get(HANDSHAKE_ENV, "10"))
+
+
+def max_blob_bytes() -> int:
+    return int(float(os.environ.get(MAX_BLOB_ENV, "4096")) * (1 << 20))
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"not a host:port address: {text!r}")
+    return host, int(port)
+
+
+def format_address(address: tuple[str, int]) -> str:
+    return f"{address[0]}:{address[1]}"
+
+
+# -- the run's certificate authority, derived from the key -------------------------------------
+@functools.lru_cache(maxsize=8)
+def _credentials(key: bytes) -> tuple[bytes, bytes]:
+    """(certificate PEM, private key PEM) of the run: the same in every process that holds
+    ``key`` (HKDF -> an Ed25519 key; fixed name, serial and validity; Ed25519 signs
+    deterministically, so the certificate is byte for byte the same)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+    from cryptography.x509.oid import NameOID
+
+    def derive(info: bytes, length: int) -> bytes:
+        return HKDF(algorithm=hashes.SHA256(), length=length, salt=b"fluxrl-wire-ca-v1", info=info).derive(key)
+
+    private = Ed25519PrivateKey.from_private_bytes(derive(b"ed25519 key", 32))
+    run_id = derive(b"name", 8).hex()  # names the run in errors without revealing the key
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"fluxrl run {run_id}")])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(private.public_key())
+            .serial_number(int(run_id, 16) | 1)
+            .not_valid_before(datetime.datetime(2024, 1, 1, tzinfo=datetime.timezone.utc))
+            .not_valid_after(datetime.datetime(2124, 1, 1, tzinfo=datetime.timezone.utc))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(private, None))  # Ed25519 signatures are deterministic: the same bytes everywhere
+    key_pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption())
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+@functools.lru_cache(maxsize=16)
+def _context(key: bytes, server: bool) -> ssl.SSLContext:
+    cert_pem, key_pem = _credentials(key)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.verify_mode = ssl.CERT_REQUIRED  # both ways: the client must present the run's certificate too
+    if server:
+        ctx.num_tickets = 0  # no resumption, and no records after the handshake we did not ask for
+    else:
+        ctx.check_hostname = False  # the peer is identified by the run's CA, not by a host name
+    ctx.load_verify_locations(cadata=cert_pem.decode())
+    # load_cert_chain reads files only: the key goes there encrypted with a one-time password
+    from cryptography.hazmat.primitives import serialization
+
+    password = secrets.token_bytes(32)
+    encrypted = serialization.load_pem_private_key(key_pem, None).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.BestAvailableEncryption(password))
+    fd, path = tempfile.mkstemp(prefix="fluxrl-wire-", suffix=".pem")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(cert_pem + encrypted)
+        ctx.load_cert_chain(path, password=password)
+    finally:
+        os.unlink(path)
+    return ctx
+
+
+# -- TLS over a socket, usable from one reader and many writers at once -----------------------
+class _Tls:
+    """An ``ssl.SSLObject`` over memory BIOs on a plain socket. OpenSSL does not allow one
+    SSL object to be used from two threads at once, yet a channel is read by one thread
+    while others send: every call into it holds ``_ssl``, and the blocking socket I/O is
+    done outside that lock (``_send`` orders the encrypted bytes on the socket)."""
+
+    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext, server: bool):
+        self.sock = sock
+        self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.obj = ctx.wrap_bio(self._in, self._out, server_side=server)
+        self._ssl = threading.Lock()
+        self._send = threading.Lock()  # taken before _ssl, never after
+        self.closed = False
+
+    def handshake(self, deadline: float) -> None:
+        while True:
+            try:
+                with self._ssl:
+                    self.obj.do_handshake()
+                self._flush()
+                return
+            except ssl.SSLWantReadError:
+                self._flush()
+                self._fill(deadline)
+            except ssl.SSLError:
+                try:  # the alert, so that the peer learns why
+                    self._flush()
+                except OSError:
+                    pass
+                raise
+
+    def _fill(self, deadline: Optional[float]) -> None:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise socket.timeout("timed out")
+            self.sock.settimeout(remaining)
+        data = self.sock.recv(1 << 18)
+        if not data:
+            raise EOFError("the peer closed the connection")
+        with self._ssl:
+            self._in.write(data)
+
+    def _flush(self) -> None:
+        with self._send:
+            with self._ssl:
+                data = self._out.read()
+            if data:
+                self.sock.sendall(data)
+
+    def write(self, data) -> None:
+        """Caller holds ``_send`` (a whole frame goes out in one piece)."""
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), _CHUNK):
+            with self._ssl:
+                self.obj.write(view[start:start + _CHUNK])
+                encrypted = self._out.read()
+            self.sock.sendall(encrypted)
+
+    def read_into(self, view: memoryview, deadline: Optional[float] = None) -> None:
+        """Fill ``view`` with plaintext (one reader at a time)."""
+        got = 0
+        while got < len(view):
+            try:
+                with self._ssl:
+                    n = self.obj.read(len(view) - got, view[got:])
+                if n == 0:
+                    raise EOFError("the peer closed the connection")
+                got += n
+            except ssl.SSLWantReadError:
+                with self._ssl:
+                    answer = self._out.pending  # e.g. an alert
+                if answer:
+                    self._flush()
+                self._fill(deadline)
+            except ssl.SSLZeroReturnError:
+                raise EOFError("the peer closed the connection") from None
+
+    def readable(self, timeout: float) -> bool:
+        with self._ssl:
+            if self.obj.pending() or self._in.pending:
+                return True
+        ready, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
+        return bool(ready)
+
+    def close(self) -> None:
+        self.closed = True
+        try:  # wakes a reader blocked in recv
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def _read_exact(tls: _Tls, n: int, deadline: Optional[float] = None) -> bytearray:
+    buf = bytearray(n)
+    tls.read_into(memoryview(buf), deadline)
+    return buf
+
+
+class Channel:
+    """One end of a connection: ``send`` from any thread, ``recv`` from one."""
+
+    def __init__(self, tls: _Tls, messages: TypeAdapter, peer: str = ""):
+        self.tls = tls
+        self.messages = messages
+        self.peer = peer
+
+    def send(self, message: BaseModel, blob: Optional[bytes] = None) -> None:
+        header = message.model_dump_json().encode()
+        if len(header) > MAX_HEADER:  # refused here, before a byte goes out: the stream stays whole
+            raise FrameTooLarge(f"a {type(message).__name__} of {len(header)} bytes is over the {MAX_HEADER}-byte "
+                                "message cap")
+        if blob is not None and len(blob) > max_blob_bytes():
+            raise FrameTooLarge(f"a blob of {len(blob)} bytes is over {MAX_BLOB_ENV} ({max_blob_bytes()} bytes)")
+        head = _HEAD.pack(len(header), ord("B") if blob is not None else ord("M")) + header
+        if blob is not None:
+            head += _BLOB.pack(len(blob))
+        if self.tls.closed:
+            raise WireError("the channel is closed")
+        with self.tls._send:  # noqa: SLF001 - the frame and its blob in one piece
+            self.tls.write(head)
+            if blob is not None:
+                self.tls.write(blob)
+
+    def recv(self):
+        """(message, blob or None). Raises EOFError when the peer is gone, or a
+        :class:`WireError` (an ``OSError``) for anything else; either way the channel is closed."""
+        try:
+            size, kind = _HEAD.unpack(_read_exact(self.tls, _HEAD.size))
+            if kind not in (ord("M"), ord("B")):
+                raise BadFrame(f"a frame of unknown kind {kind} from {self.peer}")
+            if size > MAX_HEADER:
+                raise FrameTooLarge(f"a message of {size} bytes announced by {self.peer}, over the {MAX_HEADER}-byte cap")
+            body = _read_exact(self.tls, size)
+            blob = None
+            if kind == ord("B"):
+                (blob_size,) = _BLOB.unpack(_read_exact(self.tls, _BLOB.size))
+                if blob_size > max_blob_bytes():
+                    raise FrameTooLarge(f"a blob of {blob_size} bytes announced by {self.peer}, over {MAX_BLOB_ENV} "
+                                        f"({max_blob_bytes()} bytes)")
+                blob = bytes(_read_exact(self.tls, blob_size))
+            try:
+                return self.messages.validate_json(body), blob
+            except ValidationError as exc:
+                raise BadFrame(f"an invalid message from {self.peer}: {exc}") from None
+        except EOFError:
+            self.close()
+            raise
+        except ssl.SSLError as exc:  # a record that fails its authentication tag lands here
+            self.close()
+            raise WireError(f"TLS error on the connection with {self.peer}: {exc}") from exc
+        except BaseException:
+            self.close()
+            raise
+
+    def poll(self, timeout: float) -> bool:
+        if self.tls.closed:
+            return True  # recv says why
+        try:
+            return self.tls.readable(timeout)
+        except (OSError, ValueError):
+            return True
+
+    def close(self) -> None:
+        if not self.tls.closed:
+            self.tls.close()
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    # a peer whose machine vanished (no FIN, no RST) fails the connection in about a minute
+    # instead of leaving a reader waiting forever
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
+def _server_side(sock: socket.socket, key: bytes, deadline: float) -> _Tls:
+    tls = _Tls(sock, _context(key, server=True), server=True)
+    try:
+        _tune(sock)
+        tls.handshake(deadline)
+        with tls._send:  # noqa: SLF001
+            tls.write(_WELCOME)
+        sock.settimeout(None)
+    except BaseException:
+        tls.close()
+        raise
+    return tls
+
+
+class Listener:
+    """Accepts connections on ``(host, port)``; each handshakes in a thread of its own
+    within the deadline, so a silent or hostile connection delays nobody."""
+
+    def __init__(self, host: str, port: int = 0, key: Optional[bytes] = None):
+        self.key = key or cluster_key()
+        self._sock = socket.create_server((host, port), backlog=64)
+        self._sock.settimeout(0.5)  # the accept loop looks at _closed this often
+        self.address = self._sock.getsockname()[:2]
+        self._ready: queue.Queue = queue.Queue()
+        self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
+        self._closed = False
+        threading.Thread(target=self._accept_loop, name=f"wire-accept-{self.address[1]}", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, peer = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.1)  # e.g. out of file descriptors: try again
+                continue
+            if not self._handshakes.acquire(blocking=False):
+                log.warning("wire %s: %d connections already handshaking; dropped %s", format_address(self.address),
+                            _MAX_HANDSHAKES, format_address(peer))
+                sock.close()
+                continue
+            threading.Thread(target=self._handshake, args=(sock, peer), name="wire-handshake", daemon=True).start()
+
+    def _handshake(self, sock: socket.socket, peer) -> None:
+        try:
+            tls = _server_side(sock, self.key, time.monotonic() + handshake_timeout())
+        except Exception as exc:  # noqa: BLE001 - a refused peer is logged, never fatal to the listener
+            log.warning("wire %s: refused %s: %s", format_address(self.address), format_address(peer),
+                        f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            return
+        finally:
+            self._handshakes.release()
+        if self._closed:
+            tls.close()
+        else:
+            self._ready.put((tls, format_address(peer)))
+
+    def accept(self, messages: TypeAdapter, timeout: Optional[float] = None) -> Channel:
+        """The next authenticated connection; ``TimeoutError`` after ``timeout`` seconds."""
+        try:
+            tls, peer = self._ready.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no authenticated connection within {timeout:g} s") from None
+        return Channel(tls, messages, peer)
+
+    def close(self) -> None:
+        self._closed = True
+        self._sock.close()
+        while True:
+            try:
+                self._ready.get_nowait()[0].close()
+            except queue.Empty:
+                return
+
+
+def listen(host: str, port: int = 0, key: Optional[bytes] = None) -> Listener:
+    return Listener(host, port, key)
+
+
+def connect(address: tuple[str, int], messages: TypeAdapter, key: Optional[bytes] = None,
+            timeout: Optional[float] = None) -> Channel:
+    """Connect, handshake and wait for the server's welcome within ``timeout`` (default
+    ``FLUXRL_WIRE_HANDSHAKE_S``). A peer that refuses our certificate raises
+    :class:`HandshakeFailed`; an unreachable one ``OSError``."""
+    timeout = handshake_timeout() if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    sock = socket.create_connection(address, timeout=timeout)
+    _tune(sock)
+    tls = _Tls(sock, _context(key or cluster_key(), server=False), server=False)
+    try:
+        tls.handshake(deadline)
+        if bytes(_read_exact(tls, 1, deadline)) != _WELCOME:
+            raise HandshakeFailed(f"{format_address(address)} is not a fluxrl wire endpoint")
+        sock.settimeout(None)
+    except ssl.SSLError as exc:
+        tls.close()
+        raise KeyRefused(f"{format_address(address)} refused the TLS handshake (not the same {KEY_ENV}?): "
+                              f"{exc}") from exc
+    except (EOFError, socket.timeout) as exc:
+        tls.close()
+        raise HandshakeFailed(f"{format_address(address)} closed or did not answer the handshake within "
+                              f"{timeout:g} s (not the same {KEY_ENV}?)") from exc
+    except BaseException:
+        tls.close()
+        raise
+    return Channel(tls, messages, format_address(address))

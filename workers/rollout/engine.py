@@ -1,0 +1,515 @@
+"""Rollout worker: one vLLM ``AsyncLLM`` engine that generates completions with
+behaviour log-probs and takes new weights while requests are in flight.
+
+Update modes (``rollout.update_mode``):
+- ``keep`` (PipelineRL): pause the scheduler keeping requests and KV cache, load,
+  label the new version, resume. The four engine calls are sent back to back without
+  waiting for each other: the engine handles them in order, so loading happens while
+  paused, and the generation stall is the load itself, not four round trips plus the
+  client-side sleep that ``AsyncLLM.pause_generation`` adds.
+- ``interrupt`` (AReaL): abort in-flight requests, load, resubmit each as prompt +
+  tokens so far with the remaining budget; the kept prefix keeps its old labels.
+- ``drain``: stop admitting, let running requests finish, then load ("update between
+  requests", the conventional asynchronous baseline).
+Every token's producing version comes from the engine itself (vLLM labels each output
+step with the engine's weight version), so labels are exact across an update.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from workers.rollout.staleness import VersionTrack
+
+if TYPE_CHECKING:
+    from workers.weights.broadcast import CollectiveWeights
+
+_ids = itertools.count()
+
+
+def extend_track(track: VersionTrack, spans, produced: int, fallback_version: int) -> None:
+    """Append one request's engine-reported version spans to a sequence's track.
+
+    ``produced`` is the sequence's total generated tokens so far (earlier requests of
+    an interrupted sequence included); tokens a request reported no span for (an
+    aborted request) get the last reported version, or ``fallback_version``.
+    """
+    for span in spans or []:
+        track.add(int(span.version), span.end - span.start)
+    if track.tokens < produced:
+        track.add(int(spans[-1].version) if spans else fallback_version, produced - track.tokens)
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # behaviour log-prob of each generated token
+    versions: VersionTrack
+    finish_reason: str
+    start_version: int
+    started_at: float
+    finished_at: float
+    resubmits: int = 0  # interrupt mode: times this request was aborted and resumed
+    engine: int = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
+async def continue_on(engine: "RolloutEngine", done: Completion, max_tokens: int, temperature: float,
+                      ignore_eos: bool = False) -> Completion:
+    """Finish on ``engine`` a sequence another engine handed off: prompt + tokens so far
+    as the new prompt, the remaining budget, and one completion stitched together."""
+    rest = await engine.generate(done.prompt_ids + done.token_ids, max_tokens - done.length, temperature,
+                                 ignore_eos=ignore_eos)
+    track = VersionTrack()
+    for version, n in done.versions.runs + rest.versions.runs:
+        track.add(version, n)
+    return Completion(done.prompt_ids, done.token_ids + rest.token_ids, done.logprobs + rest.logprobs, track,
+                      rest.finish_reason, done.start_version, done.started_at, rest.finished_at,
+                      done.resubmits + rest.resubmits + 1, rest.engine)
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """What every request samples with besides its temperature and budget."""
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()  # stop strings (kept in the output)
+    stop_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids
+
+
+@dataclass
+class UpdateTiming:
+    version: int
+    sync_ms: float  # from the call to the engine's acknowledgement
+    load_ms: float  # time the engine spent loading (generation cannot run meanwhile)
+    gen_stall_ms: Optional[float] = None  # measured on the token stream, filled in later
+    stall_samples: list[float] = field(default_factory=list)
+
+
+def configure_cpu_environment(threads_bind: Optional[str], kv_cache_gb: float) -> None:
+    """vLLM's CPU backend reads these when its engine process starts."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gb)))))
+    if threads_bind:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def resolve_enforce_eager(setting: Optional[bool], on_cpu: bool) -> bool:
+    """rollout.enforce_eager: None means eager on the CPU (vLLM's CPU platform would otherwise
+    torch.compile the model at start-up, minutes on a small machine, and has no CUDA graphs:
+    platforms/cpu.py) and CUDA graphs on GPUs (vLLM's default: decode steps replayed as graphs;
+    weight updates keep them valid, reload_weights copies in place)."""
+    return on_cpu if setting is None else bool(setting)
+
+
+def _vllm_on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+class EngineDied(RuntimeError):
+    """The engine's core process died while a call to it was pending."""
+
+
+class EngineRPCTimeout(RuntimeError):
+    """The engine did not answer a call in time (wedged)."""
+
+
+class RolloutEngine:
+    def __init__(self, model_path: str, *, index: int = 0, update_mode: str = "keep", max_model_len: int = 256,
+                 max_num_seqs: int = 256, dtype: str = "float32", seed: int = 0, rpc_timeout_s: float = 60.0,
+                 sampling: SamplingOptions = SamplingOptions(), gpu_memory_utilization: Optional[float] = None,
+                 cpu_single_process: bool = False, enforce_eager: Optional[bool] = None):
+        self.enforce_eager = enforce_eager  # rollout.enforce_eager (None: by device)
+        self.gpu_memory_utilization = gpu_memory_utilization  # the plan's share of the GPU (None: vLLM's default)
+        self.cpu_single_process = cpu_single_process  # rollout.cpu_single_process
+        self.model_path, self.index, self.update_mode = model_path, index, update_mode
+        self.sampling = sampling
+        self.rpc_timeout_s = rpc_timeout_s
+        self.max_model_len, self.max_num_seqs, self.dtype, self.seed = max_model_len, max_num_seqs, dtype, seed
+        self.engine = None
+        self.version = 0
+        self.active: dict[str, float] = {}  # request id -> time of its last output
+        self.updates: list[UpdateTiming] = []
+        self.generated_tokens = 0
+        self.busy_s = 0.0  # time with at least one request running (for idle fractions)
+        self._busy_since: Optional[float] = None
+        self._resume = asyncio.Event()
+        self._resume.set()
+        self._interrupted: set[str] = set()
+        self._handed_off: set[str] = set()  # aborted to be continued on another engine
+        self._grouped: set[str] = set()  # keys in ``active`` of the samples of group requests
+        self._gap_ema: Optional[float] = None
+        self._pending_stall: Optional[tuple[UpdateTiming, float, dict[str, float]]] = None
+
+    # -- lifecycle ---------------------------------------------------------------
+    async def start(self, warm_blob: Optional[bytes] = None, version: int = 0) -> None:
+        """Start the engine; ``warm_blob`` is loaded as its first weight update, labelled
+        ``version`` (a resumed run's checkpoint)."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if not os.path.isfile(os.path.join(self.model_path, "config.json")):
+            raise FileNotFoundError(f"model.path {self.model_path!r} is not a Hugging Face model folder (no config.json)")
+        args = self.engine_args()
+        # vLLM's CPU platform turns the uni executor into a worker process unless this is 0
+        # when the config is made; the engine core process it starts inherits it.
+        before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        if self.cpu_single_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            self.engine = AsyncLLM.from_engine_args(args)
+        finally:
+            if before is None:
+                os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+            else:
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+        await self.engine.engine_core.set_weight_version_async("0")
+        # The first weight load and the first steps of a process are slow (warm-up): pay them now.
+        await self.generate([1, 5], max_tokens=4, temperature=1.0)
+        if warm_blob is not None:
+            await self.engine.collective_rpc("fluxrl_load_weights", args=(warm_blob,))
+        if version:
+            await self.engine.engine_core.set_weight_version_async(str(version))
+            self.version = version
+
+    def engine_args(self, on_cpu: Optional[bool] = None):
+        """The AsyncEngineArgs this engine starts vLLM with (building them starts nothing).
+        ``on_cpu``: default, vLLM's platform."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        eager = resolve_enforce_eager(self.enforce_eager, _vllm_on_cpu() if on_cpu is None else on_cpu)
+        return AsyncEngineArgs(
+            model=self.model_path, dtype=self.dtype, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+            enforce_eager=eager, seed=self.seed, disable_log_stats=True,
+            worker_extension_cls="workers.weights.sync.WeightSyncExtension",
+            # behaviour log-probs of the distribution actually sampled from (after temperature)
+            logprobs_mode="processed_logprobs",
+            # a cached prefix computed with old weights would leak into new requests
+            enable_prefix_caching=False,
+            distributed_executor_backend="uni",
+            **({"gpu_memory_utilization": self.gpu_memory_utilization} if self.gpu_memory_utilization else {}),
+        )
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    def busy_seconds(self, now: Optional[float] = None) -> float:
+        """Time with at least one request running, the current stretch included."""
+        now = time.perf_counter() if now is None else now
+        running = now - self._busy_since if self._busy_since is not None else 0.0
+        return self.busy_s + running
+
+    @property
+    def dead(self) -> bool:
+        """Its engine core process died (vLLM then raises EngineDeadError for new calls)."""
+        return self.engine is None or bool(getattr(self.engine, "errored", False))
+
+    def core_pids(self) -> list[int]:
+        """Pids of the engine core processes (one with the uni executor)."""
+        resources = getattr(getattr(self.engine, "engine_core", None), "resources", None)
+        manager = getattr(resources, "engine_manager", None)
+        return [proc.pid for proc in getattr(manager, "processes", [])]
+
+    async def _call(self, what: str, aw, timed: bool = True):
+        """Await an engine call, failing with ``EngineDied`` once the engine is dead and with
+        ``EngineRPCTimeout`` after ``rpc_timeout_s``. vLLM (0.32, AsyncMPClient) never
+        resolves a utility call that is pending when the core process dies: the future
+        stays in ``utility_results`` forever, so without this a weight update hangs."""
+        task = asyncio.ensure_future(aw)
+        deadline = time.monotonic() + (self.rpc_timeout_s if timed else math.inf)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=max(0.0, min(0.05, deadline - time.monotonic())))
+                if done:
+                    return task.result()
+                if self.dead:
+                    raise EngineDied(f"rollout engine {self.index} died during {what}")
+                if time.monotonic() >= deadline:
+                    raise EngineRPCTimeout(f"rollout engine {self.index} did not answer {what} within "
+                                           f"{self.rpc_timeout_s:g} s (rollout.rpc_timeout_s); it looks wedged")
+        finally:
+            if not task.done():
+                task.cancel()
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+
+    # -- generation ----------------------------------------------------------------
+    def _params(self, max_tokens: int, temperature: float, seed: Optional[int], ignore_eos: bool, n: int = 1):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        opts = self.sampling
+        return SamplingParams(
+            n=n, max_tokens=max_tokens, temperature=temperature, logprobs=0, seed=seed,
+            top_p=opts.top_p, top_k=opts.top_k, stop=list(opts.stop) or None,
+            stop_token_ids=list(opts.stop_token_ids) or None, include_stop_str_in_output=True,
+            output_kind=RequestOutputKind.DELTA, skip_special_tokens=True,
+            detokenize=bool(opts.stop),  # stop strings are matched on text; ids need none
+            ignore_eos=ignore_eos,
+        )
+
+    def _running(self, key: str) -> None:
+        """A sequence starts running (``active`` holds one key per running sequence)."""
+        if not self.active:
+            self._busy_since = time.perf_counter()
+        self.active[key] = time.perf_counter()
+
+    def _stopped(self, key: str) -> None:
+        self.active.pop(key, None)
+        self._grouped.discard(key)
+        if not self.active and self._busy_since is not None:
+            self.busy_s += time.perf_counter() - self._busy_since
+            self._busy_since = None
+
+    async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float,
+                       seed: Optional[int] = None, ignore_eos: bool = False) -> Completion:
+        from vllm.inputs import TokensPrompt
+
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        track = VersionTrack()
+        start_version, started, resubmits = self.version, time.time(), 0
+        finish = "length"
+        while True:
+            await self._resume.wait()  # interrupt mode: do not resubmit into a half-loaded engine
+            rid = f"e{self.index}-{next(_ids)}"
+            params = self._params(max_tokens - len(tokens), temperature, seed, ignore_eos)
+            self._running(rid)
+            spans = None
+            died = False
+            try:
+                async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids + tokens), params, request_id=rid):
+                    c = out.outputs[0]
+                    tokens += c.token_ids
+                    logprobs += [next(iter(d.values())).logprob for d in (c.logprobs or [])]
+                    self.generated_tokens += len(c.token_ids)
+                    self._note_output(rid)
+                    if c.finish_reason is not None:
+                        finish, spans = c.finish_reason, c.weight_versions
+            except Exception:
+                if not self.dead:
+                    raise
+                died = True  # the tokens so far are good: the caller continues them elsewhere
+            finally:
+                self._stopped(rid)
+            extend_track(track, spans, len(tokens), self.version)
+            if died and len(tokens) < max_tokens:
+                self._interrupted.discard(rid)
+                self._handed_off.discard(rid)
+                return Completion(prompt_ids, tokens, logprobs, track, "engine_died", start_version, started,
+                                  time.time(), resubmits, self.index)
+            if rid in self._handed_off:
+                self._handed_off.discard(rid)
+                if finish != "stop" and len(tokens) < max_tokens:  # not already done by itself
+                    return Completion(prompt_ids, tokens, logprobs, track, "handed_off", start_version, started,
+                                      time.time(), resubmits, self.index)
+            if rid in self._interrupted and len(tokens) < max_tokens:
+                self._interrupted.discard(rid)
+                resubmits += 1
+                continue  # resume from prompt + tokens so far under the new weights
+            return Completion(prompt_ids, tokens, logprobs, track, finish, start_version, started, time.time(),
+                              resubmits, self.index)
+
+    async def generate_group(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
+                             seed: Optional[int] = None, ignore_eos: bool = False) -> list[Completion]:
+        """``n`` samples of one prompt from one request (see ``stream_group``), in sample order."""
+        done: dict[int, Completion] = {}
+        async with contextlib.aclosing(self.stream_group(prompt_ids, n, max_tokens, temperature, seed,
+                                                         ignore_eos)) as samples:
+            async for index, comp in samples:
+                done[index] = comp
+        return [done[i] for i in range(n)]
+
+    async def stream_group(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
+                           seed: Optional[int] = None, ignore_eos: bool = False):
+        """``n`` samples of one prompt as one vLLM request (parallel sampling, ``n``): one
+        request's overhead instead of ``n``. Yields ``(index, Completion)`` as each sample
+        finishes, each what ``generate`` would have returned for it: behaviour log-probs, the
+        engine's version spans, ``engine_died`` with its tokens so far. With a seed, sample
+        ``i`` samples with ``seed + i`` (vLLM's rule), so the samples still differ.
+
+        Not in interrupt mode: it resubmits every sequence from its own prefix, which a
+        parallel-sampling request cannot do (use ``generate`` per sample). Nor can one
+        sample of it be handed off (``hand_off`` skips them): vLLM aborts it whole."""
+        from vllm.inputs import TokensPrompt
+
+        if self.update_mode == "interrupt":
+            raise ValueError("group requests cannot be resumed per sequence (update_mode 'interrupt')")
+        rid = f"e{self.index}-{next(_ids)}"
+        keys = [f"{rid}/{i}" for i in range(n)]  # one running sequence each in ``active``
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        finished: set[int] = set()
+        start_version, started = self.version, time.time()
+
+        def completion(i: int, finish: str, spans) -> Completion:
+            track = VersionTrack()
+            extend_track(track, spans, len(tokens[i]), self.version)
+            return Completion(prompt_ids, tokens[i], logprobs[i], track, finish, start_version, started,
+                              time.time(), 0, self.index)
+
+        for key in keys:
+            self._running(key)
+            self._grouped.add(key)
+        died = False
+        params = self._params(max_tokens, temperature, seed, ignore_eos, n=n)
+        try:
+            # closed here, not at garbage collection, when our consumer stops early: that aborts it
+            async with contextlib.aclosing(self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
+                                                                request_id=rid)) as stream:
+                async for out in stream:
+                    for c in out.outputs:  # several samples' deltas when we fell behind
+                        i = c.index
+                        if i in finished:
+                            continue
+                        tokens[i] += c.token_ids
+                        logprobs[i] += [next(iter(d.values())).logprob for d in (c.logprobs or [])]
+                        self.generated_tokens += len(c.token_ids)
+                        self._note_output(keys[i])
+                        if c.finish_reason is not None:
+                            finished.add(i)
+                            self._stopped(keys[i])
+                            yield i, completion(i, c.finish_reason, c.weight_versions)
+        except Exception:
+            if not self.dead:
+                raise
+            died = True  # the tokens so far are good: the caller continues them elsewhere
+        finally:
+            for key in keys:
+                self._stopped(key)
+        for i in range(n):
+            if i not in finished:
+                unfinished = died and len(tokens[i]) < max_tokens
+                yield i, completion(i, "engine_died" if unfinished else "length", None)
+
+    async def hand_off(self, count: int) -> int:
+        """Abort up to ``count`` running requests so their callers continue them on
+        another engine (see ``continue_on``); the most recently started go first. Samples of
+        group requests are not candidates: vLLM would abort their whole group."""
+        single = [key for key in self.active if key not in self._grouped]
+        victims = single[-count:] if count > 0 else []
+        self._handed_off.update(victims)
+        if victims:
+            await self.engine.abort(victims)
+        return len(victims)
+
+    # -- weight updates ------------------------------------------------------------
+    @property
+    def worker_count(self) -> int:
+        """Its vLLM workers (ranks it takes in a weight group): 1 with the uni executor."""
+        parallel = getattr(getattr(self.engine, "vllm_config", None), "parallel_config", None)
+        return int(getattr(parallel, "world_size", 1) or 1)
+
+    async def join_weight_group(self, info: dict) -> list[int]:
+        """Join the trainer's weight group (workers/weights/broadcast.py); returns the ranks
+        of its workers. Blocks until every member has joined, so the trainer's side must
+        run meanwhile."""
+        return await self._call("joining the weight group",
+                                self.engine.collective_rpc("fluxrl_join_weight_group", kwargs=info))
+
+    def _load(self, weights: "bytes | CollectiveWeights"):
+        if isinstance(weights, (bytes, bytearray, memoryview)):
+            return self.engine.collective_rpc("fluxrl_load_weights", args=(weights,))
+        return self.engine.collective_rpc("fluxrl_receive_weights", args=(weights.meta,))
+
+    async def update_weights(self, weights: "bytes | CollectiveWeights", version: int) -> UpdateTiming:
+        """Load new weights, labelled ``version``, with the engine's update mode: ``weights``
+        is a safetensors blob (sent through the RPC) or a ``CollectiveWeights`` (the
+        metadata of a broadcast the trainer runs meanwhile: weight_broadcast.py)."""
+        core = self.engine.engine_core
+        t0 = time.perf_counter()
+        collective = not isinstance(weights, (bytes, bytearray, memoryview))
+        if collective and self.update_mode != "drain":
+            await weights.arrive()  # every engine is about to receive: the trainer sends now
+        if self.update_mode == "keep" and collective:
+            # The version is set only once the receive succeeded (one more round trip while
+            # paused): a broken broadcast leaves the old weights, which keep their label.
+            try:
+                _, loaded = await self._call("a weight update", asyncio.gather(
+                    core.pause_scheduler_async(mode="keep", clear_cache=False), self._load(weights)))
+            except Exception as exc:
+                await self._resume_after(exc)
+                raise
+            await self._call("a weight version", asyncio.gather(core.set_weight_version_async(str(version)),
+                                                                 core.resume_scheduler_async()))
+        elif self.update_mode == "keep":
+            _, loaded, _, _ = await self._call("a weight update", asyncio.gather(
+                core.pause_scheduler_async(mode="keep", clear_cache=False),
+                self.engine.collective_rpc("fluxrl_load_weights", args=(weights,)),
+                core.set_weight_version_async(str(version)),
+                core.resume_scheduler_async(),
+            ))
+        elif self.update_mode == "interrupt":
+            self._resume.clear()
+            try:
+                # only requests of their own: group requests are refused in this mode
+                victims = [key for key in self.active if key not in self._grouped]
+                self._interrupted.update(victims)
+                await self._call("an abort", self.engine.abort(victims))
+                loaded = await self._call("a weight load", self._load(weights))
+                await self._call("a weight version", core.set_weight_version_async(str(version)))
+            finally:
+                self._resume.set()
+        elif self.update_mode == "drain":
+            # waits for the running requests: as long as they take, but not past a death
+            await self._call("a drain", core.pause_scheduler_async(mode="wait", clear_cache=False), timed=False)
+            try:
+                if collective:  # the other engines may still be draining: wait for them untimed
+                    await weights.arrive()
+                loaded = await self._call("a weight load", self._load(weights))
+                await self._call("a weight version", core.set_weight_version_async(str(version)))
+            except Exception as exc:
+                if collective:
+                    await self._resume_after(exc)
+                raise
+            await self._call("a resume", core.resume_scheduler_async())
+        else:
+            raise ValueError(f"unknown update mode {self.update_mode!r}")
+        self.version = version
+        timing = UpdateTiming(version, (time.perf_counter() - t0) * 1000, loaded[0]["load_ms"])
+        self.updates.append(timing)
+        if self.update_mode == "keep" and self.active:
+            # Stall as the requests see it: the gap across the update minus a usual gap.
+            self._pending_stall = (timing, time.perf_counter(), {r: t for r, t in self.active.items()})
+        return timing
+
+    async def _resume_after(self, exc: Exception) -> None:
+        """After a failed broadcast the engine is fine and must not stay paused; a dead or
+        wedged one is not worth another call."""
+        if not isinstance(exc, (EngineDied, EngineRPCTimeout)) and not self.dead:
+            with contextlib.suppress(Exception):
+                await self._call("a resume", self.engine.engine_core.resume_scheduler_async())
+
+    def _note_output(self, rid: str) -> None:
+        now = time.perf_counter()
+        last = self.active.get(rid, now)
+        gap = now - last
+        self.active[rid] = now
+        pending = self._pending_stall
+        if pending is not None and rid in pending[2]:
+            timing, _, before = pending
+            if before.pop(rid) == last and self._gap_ema is not None:
+                timing.stall_samples.append(max(0.0, (gap - self._gap_ema) * 1000))
+            if not before or len(timing.stall_samples) >= 8:
+                timing.gen_stall_ms = statistics.median(timing.stall_samples) if timing.stall_samples else None
+                self._pending_stall = None
+            return
+        self._gap_ema = gap if self._gap_ema is None else 0.9 * self._gap_ema + 0.1 * gap
+
+    async def weights_checksum(self) -> Optional[str]:
+        return (await self._call("a checksum", self.engine.collective_rpc("fluxrl_loaded_checksum")))[0]

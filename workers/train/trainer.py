@@ -1,0 +1,586 @@
+"""Trainer: a DeepSpeed engine over the policy (gloo on CPU, NCCL on GPU), the RL
+losses, token-budget packing and the weights handed to the rollout engines.
+
+``train_step`` trains one batch: by default one optimiser step, the batch packed into
+micro-batches (first-fit-decreasing by padded tokens) whose gradients accumulate, the
+loss denominator fixed for the whole step so packing does not change the objective.
+With ``algorithm.minibatches`` / ``ppo_epochs``, the batch is split into several
+optimiser steps, with the proximal policy of decoupled PPO fixed at the start of the
+batch (AReaL): only then does π_θ drift from π_prox, and the clip bind.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from workers.train import algorithms
+from workers.spec import RunSpec
+
+
+@dataclass
+class TrainSample:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    behav_logprobs: list[float]
+    advantage: float
+    prox_logprobs: Optional[list[float]] = None  # π_prox per token; None: the current weights
+    # algorithm.advantage gae: the sequence's reward, and what the critic made of it per token
+    # (set by Trainer.critic_targets; ``advantage`` is then unused)
+    reward: float = 0.0
+    values: Optional[list[float]] = None  # the critic's values the targets came from ("old values")
+    returns: Optional[list[float]] = None  # the critic's targets (λ-returns)
+    token_advantages: Optional[list[float]] = None  # GAE per token
+
+
+def step_denominator(batch: list[TrainSample], normalize: str) -> float:
+    """The loss denominator of one optimiser step over ``batch``: its trained tokens or sequences."""
+    return max(1.0, float(sum(len(s.token_ids) for s in batch) if normalize == "tokens" else len(batch)))
+
+
+def needs_proximal(parts: list[list[int]], n: int) -> list[bool]:
+    """Which of ``n`` samples need π_prox computed before the batch's first optimiser step:
+    those a later step trains on. The first step starts from the weights π_prox is, so its
+    own samples take π_prox from their training forward, detached (as a one-step batch
+    does): with one epoch that forward is not run twice."""
+    later = {i for part in parts[1:] for i in part}
+    return [i in later for i in range(n)]
+
+
+def minibatch_parts(n: int, minibatches: int, ppo_epochs: int, seed: int, version: int) -> list[list[int]]:
+    """The optimiser steps of one batch of ``n`` samples: indices per step, each epoch a
+    fresh shuffle dealt round-robin into ``minibatches``. Shared with the data-parallel
+    trainer (workers/train/ranks.py), whose ranks must step on the same minibatches."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + version)
+    parts = []
+    for _ in range(ppo_epochs):
+        order = torch.randperm(n, generator=gen).tolist()
+        parts.extend(p for p in (order[k::minibatches] for k in range(minibatches)) if p)
+    return parts
+
+
+class PrecisionError(ValueError):
+    """A model.dtype this device cannot train, with what to use instead."""
+
+
+_AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# DeepSpeed 0.19.8's dynamic loss scaling (deepspeed/runtime/constants.py FP16_*): start at
+# 2^16, halve on an overflowing step (the step is skipped), double after 1000 clean ones.
+FP16_LOSS_SCALING = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+                     "min_loss_scale": 1}
+
+
+def deepspeed_config(spec: RunSpec, *, fp16_supported: bool = True, device: str = "cuda",
+                     zero_stage: Optional[int] = None) -> dict:
+    """The DeepSpeed config a spec trains under (no DeepSpeed started; tested as is).
+
+    Precision, by ``model.dtype`` and ``trainer.zero_stage``:
+
+    - float32: no mixed precision.
+    - bfloat16 / float16 at ZeRO 1-3: DeepSpeed's ``bf16`` / ``fp16`` mode (fp16 with dynamic
+      loss scaling), fp32 master weights, and gradients accumulated over the micro-batches in
+      fp32 (``data_types.grad_accum_dtype``: at stage 1 bf16 that selects BF16_Optimizer,
+      engine.py _do_optimizer_sanity_check; stages 2 and 3 accumulate their partitions in it).
+    - bfloat16 / float16 at ZeRO 0: ``torch_autocast`` (fp32 parameters, gradients and AdamW,
+      matmuls in the low precision; float16 adds DeepSpeed's GradScaler). DeepSpeed 0.19.8 has
+      no fp32 accumulation without ZeRO (bf16 params with grad_accum_dtype fp32 raise
+      NotImplementedError there), and its bf16 mode alone would sum micro-batch gradients in bf16.
+
+    Refused (``PrecisionError``): float16 at ZeRO 1-3 where the accelerator has no fp16
+    (DeepSpeed's CPU accelerator: only where oneDNN has fp16), which DeepSpeed would refuse with
+    "Type fp16 is not supported on your device".
+
+    ``zero_stage``: another engine's stage (the critic's, workers/train/critic.py).
+    """
+    algo, dtype = spec.algorithm, spec.model.dtype
+    stage = spec.trainer.zero_stage if zero_stage is None else zero_stage
+    config: dict = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,  # we mark accumulation boundaries ourselves
+        "gradient_clipping": algo.grad_clip,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
+    if dtype == "float32":
+        return config
+    if stage == 0:
+        config["torch_autocast"] = {"enabled": True, "dtype": dtype}
+        return config
+    if dtype == "float16" and not fp16_supported:
+        raise PrecisionError(
+            f"model.dtype float16 with trainer.zero_stage {stage}: DeepSpeed's {device} accelerator has no fp16 "
+            "here (its fp16 mode needs a GPU). Use model.dtype bfloat16 (same memory, no loss scaling) or "
+            "float32, or trainer.zero_stage 0 (fp16 autocast over fp32 weights)")
+    if dtype == "bfloat16":
+        config["bf16"] = {"enabled": True}
+    else:
+        config["fp16"] = {"enabled": True, **FP16_LOSS_SCALING}
+    config["data_types"] = {"grad_accum_dtype": "fp32"}
+    return config
+
+
+def forget_earlier_autocast() -> None:
+    """DeepSpeed 0.19.8 records torch_autocast in module globals (runtime/torch_autocast.py:
+    TORCH_AUTOCAST_INITIALIZED/_DTYPE) that no later engine resets, and its ZeRO optimizers
+    read them: after an fp16-autocast engine, a plain fp32 engine in the same process would
+    take fp16 communication and loss-scaling paths. Each engine starts from a clean slate;
+    deepspeed.initialize sets them again when this config enables autocast."""
+    from deepspeed.runtime import torch_autocast
+
+    torch_autocast.TORCH_AUTOCAST_INITIALIZED = False
+    torch_autocast.TORCH_AUTOCAST_DTYPE = None
+
+
+def _init_distributed() -> None:
+    import deepspeed
+
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not torch.cuda.is_available():
+        # No shared-memory all-reduce on gloo ranks: DeepSpeed uses it only for inference
+        # all-reduce (training goes through torch.distributed either way), and it would JIT-build
+        # the op under a lock file in ~/.cache/torch_extensions; a process killed during the
+        # build leaves the lock behind, and every later run then waits on it forever.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if not torch.distributed.is_initialized():
+        _init_world(backend)
+    # DeepSpeed finds the group initialised and only wraps it (deepspeed/comm/comm.py)
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+def _init_world(backend: str) -> None:
+    """The DeepSpeed world's process group, on a store we bind ourselves: env:// would make
+    rank 0's store listen on every interface, open to anyone on the network."""
+    import torch.distributed as dist
+    from deepspeed.constants import default_pg_timeout
+
+    from workers.io.stores import interface_of, is_loopback, master_store
+
+    addr, rank, world = os.environ["MASTER_ADDR"], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world == 1:
+        # A single process is its own rendezvous: an in-memory store, no socket at all
+        # (several runs share a machine, and a parent that trained in-process holds ports).
+        store = dist.HashStore()
+    elif rank == 0:
+        store = master_store(addr, int(os.environ["MASTER_PORT"]), world, default_pg_timeout)
+    else:
+        store = dist.TCPStore(addr, int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=default_pg_timeout)
+    if backend == "gloo" and world > 1 and is_loopback(addr) and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # One machine: gloo's own pair sockets (of this group and DeepSpeed's later ones) on
+        # loopback too, not on whatever the hostname resolves to. Only in a rank's process,
+        # whose environment is its own; one in-process trainer has no peer to listen for.
+        interface = interface_of(addr)
+        if interface:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    kwargs = {}
+    if backend == "nccl" and world > 1:  # as DeepSpeed's own init does: bind the group to this rank's device
+        kwargs["device_id"] = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=default_pg_timeout,
+                            **kwargs)
+
+
+class Trainer:
+    def __init__(self, spec: RunSpec, model_path: str, threads: Optional[int] = None, pad_id: int = 0):
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.spec = spec
+        self.model_path = model_path
+        self.pad_id = pad_id  # any id: padded positions are masked out of attention and loss
+        algo = spec.algorithm
+        _init_distributed()
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        config = deepspeed_config(spec, fp16_supported=bool(accelerator.is_fp16_supported()),
+                                  device=accelerator.device_name())
+        # ZeRO 0 with bfloat16/float16: the autocast dtype (fp32 parameters, low-precision
+        # matmuls); the weights that leave the trainer are cast to it. None otherwise.
+        self.autocast_dtype = _AUTOCAST_DTYPES.get(config.get("torch_autocast", {}).get("dtype"))
+        self.device_type = accelerator.device_name()
+        torch.manual_seed(spec.seed)
+        # Under autocast the policy's parameters are fp32 (they are what AdamW updates). In
+        # DeepSpeed's bf16/fp16 modes the engine casts the parameters itself and makes its fp32
+        # master copy from the cast ones (engine.py _configure_distributed_model), so loading
+        # them in fp32 first would buy nothing but twice the host memory: the spec's dtype.
+        load = torch.float32 if self.autocast_dtype is not None else getattr(torch, spec.model.dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=load)
+        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        self.reference = None
+        if algo.kl_coef > 0:
+            # The same weights and forward as the policy's first: the KL starts at exactly 0. Under
+            # autocast that means fp32 weights here too (bf16 ones, rounded, would start it above 0,
+            # and Adam's first, sign-like steps then chase the rounding, measured: a 20x larger KL
+            # after one step on the tiny model).
+            self.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=load).eval()
+            self.reference.requires_grad_(False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay)
+        total = spec.stop.max_steps * algo.minibatches * algo.ppo_epochs  # optimiser steps in the whole run
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: algorithms.lr_factor(
+            s, algo.warmup_steps, algo.lr_decay, total, algo.lr_floor))
+        forget_earlier_autocast()
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                                    lr_scheduler=scheduler)
+        if self.reference is not None:
+            # The reference's log-probs meet the policy's input ids, on the engine's device
+            # (cuda:LOCAL_RANK on a GPU; DeepSpeed moved only the policy there).
+            self.reference.to(self.engine.device)
+        self.critic = None
+        self.critic_sums: Optional[dict[str, float]] = None
+        if algo.advantage == "gae":
+            from workers.train.critic import Critic
+
+            critic_config = deepspeed_config(spec, fp16_supported=bool(accelerator.is_fp16_supported()),
+                                             device=accelerator.device_name(), zero_stage=spec.critic.zero_stage)
+            forget_earlier_autocast()
+            self.critic = Critic(spec, model_path, critic_config, load, self.autocast_dtype, self.device_type)
+        self.version = 0
+        self.temperature = max(spec.rollout.temperature, 1e-5)
+
+    # -- weights -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors, on the CPU, whatever the ZeRO stage: under ZeRO-3 each rank holds
+        only its shard (the module's parameters are empty placeholders), so they are
+        gathered first. Every rank must call this (the gather is a collective)."""
+        module = self.engine.module
+        if self.spec.trainer.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+        if self.autocast_dtype is not None:
+            # fp32 parameters under autocast: what leaves is in model.dtype, as the engines load it
+            return {k: v.detach().to("cpu", self.autocast_dtype if v.dtype == torch.float32 else v.dtype)
+                    for k, v in module.state_dict().items()}
+        return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+
+    def save(self, path: str) -> None:
+        """A complete HF folder (weights + the tokenizer files) that vLLM can load."""
+        import shutil
+
+        state = self.state_dict()
+        self.engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
+        if self.autocast_dtype is not None:  # save_pretrained wrote the fp32 module's dtype
+            import json
+
+            with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
+                cfg = json.load(fh)
+            cfg["dtype"] = self.spec.model.dtype
+            with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as fh:
+                json.dump(cfg, fh, indent=2, sort_keys=True)
+        for name in os.listdir(self.model_path):
+            if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template", "added_tokens",
+                                "spiece", "sentencepiece")):
+                shutil.copy(os.path.join(self.model_path, name), path)
+
+    # -- checkpoints (workers/io/checkpoint.py) ------------------------------------------
+    # DeepSpeed's own checkpoint: module, optimiser (whatever wraps it at this ZeRO stage
+    # and dtype) and scheduler states, restored exactly by load_state.
+    def save_state(self, folder: str) -> None:
+        self.engine.save_checkpoint(folder, tag="ds", client_state={"fluxrl_version": self.version},
+                                    save_latest=False)
+        if self.critic is not None:
+            self.critic.save_state(folder)
+
+    def load_state(self, folder: str) -> int:
+        """Restore a save_state folder; returns (and takes) the policy version saved."""
+        path, client = self.engine.load_checkpoint(folder, tag="ds", load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {folder}")
+        self.version = int(client["fluxrl_version"])
+        if self.critic is not None:
+            self.critic.load_state(folder)
+        return self.version
+
+    # -- training ----------------------------------------------------------------
+    def _tensors(self, batch: list[TrainSample], device):
+        width = max(len(s.prompt_ids) + len(s.token_ids) for s in batch)
+        n = len(batch)
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        att = torch.zeros((n, width), dtype=torch.long)
+        mask = torch.zeros((n, width - 1))
+        for i, s in enumerate(batch):
+            seq = s.prompt_ids + s.token_ids
+            ids[i, : len(seq)] = torch.tensor(seq)
+            att[i, : len(seq)] = 1
+            p = len(s.prompt_ids)
+            # position t predicts token t+1: generated tokens sit at p..p+len-1
+            mask[i, p - 1 : p - 1 + len(s.token_ids)] = 1
+        behav = self._per_token(batch, width - 1, "behav_logprobs")
+        prox = self._per_token(batch, width - 1, "prox_logprobs") if batch[0].prox_logprobs is not None else None
+        if batch[0].token_advantages is not None:  # GAE: one advantage per token, in the mask's layout
+            adv = self._per_token(batch, width - 1, "token_advantages")
+        else:
+            adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32)
+        prox = prox.to(device) if prox is not None else None
+        return ids.to(device), att.to(device), mask.to(device), behav.to(device), adv.to(device), prox
+
+    @staticmethod
+    def _per_token(batch: list[TrainSample], columns: int, field: str) -> torch.Tensor:
+        """A per-generated-token field of each sample as [batch, columns], in the mask's layout."""
+        out = torch.zeros((len(batch), columns))
+        for i, s in enumerate(batch):
+            p = len(s.prompt_ids)
+            out[i, p - 1 : p - 1 + len(s.token_ids)] = torch.tensor(getattr(s, field), dtype=torch.float32)
+        return out
+
+    def critic_targets(self, batch: list[TrainSample], min_micro_batches: int = 0
+                       ) -> tuple[list[TrainSample], dict[str, float]]:
+        """GAE (algorithm.advantage gae): the critic's values over ``batch`` (a no-grad forward,
+        packed like training), and from them and each sequence's reward (on its last token) the
+        advantages per token and the returns the critic trains towards. The values are also the
+        clipped value loss's old values. Returns the samples with these set, and the sums their
+        statistics come from (``critic_stats``; data-parallel ranks add theirs up first).
+        ``min_micro_batches``: forwards to run at least, the same number on every rank (ZeRO-3
+        gathers the critic's parameters in each)."""
+        algo = self.spec.algorithm
+        lengths = [len(s.prompt_ids) + len(s.token_ids) for s in batch]
+        out = list(batch)
+        micro = algorithms.pack_first_fit_decreasing(lengths, self.spec.trainer.micro_batch_tokens)
+        for mb in micro:
+            part = [batch[i] for i in mb]
+            ids, att, _, _, _, _ = self._tensors(part, self.engine.device)
+            values = self.critic.values(ids, att).cpu()
+            for row, (i, s) in enumerate(zip(mb, part)):
+                p = len(s.prompt_ids)
+                v = values[row, p - 1 : p - 1 + len(s.token_ids)].tolist()
+                adv, ret = algorithms.gae(algorithms.terminal_rewards(s.reward, len(s.token_ids)), v,
+                                          algo.gamma, algo.lam)
+                out[i] = dataclasses.replace(s, values=v, returns=ret, token_advantages=adv)
+        for _ in range(len(micro), min_micro_batches):
+            self.critic.values(*self._idle_ids())
+        return out, algorithms.critic_sums([s.values for s in out], [s.returns for s in out],
+                                           [s.token_advantages for s in out])
+
+    def _autocast(self):
+        """The training forward's precision for forwards outside the engine (π_prox, the
+        reference, idle passes): under autocast, the same low-precision matmuls."""
+        import contextlib
+
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
+
+    def _logprobs(self, model, ids, att, with_entropy: bool = False, truncate: bool = True):
+        """Each next token's log-prob, from the distribution the engine samples from: the
+        logits over the temperature, then the rollout's top-k/top-p truncation (vLLM's
+        processed log-probs), so that an on-policy token's importance weight is 1."""
+        with self._autocast():
+            logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float() / self.temperature
+        rollout = self.spec.rollout
+        return algorithms.token_logprobs(logits, ids[:, 1:], top_k=rollout.top_k if truncate else -1,
+                                         top_p=rollout.top_p if truncate else 1.0, with_entropy=with_entropy)
+
+    def train_step(self, batch: list[TrainSample]) -> dict[str, float]:
+        """Train on a whole batch: one optimiser step, or ``minibatches`` × ``ppo_epochs``
+        of them; the policy version advances once either way."""
+        algo = self.spec.algorithm
+        critic_stats: dict[str, float] = {}
+        if self.critic is not None:
+            batch, sums = self.critic_targets(batch)
+            critic_stats = algorithms.critic_stats(sums)
+        if algo.minibatches == 1 and algo.ppo_epochs == 1:
+            self.begin_step()
+            self.accumulate(batch, denominator=self._denominator(batch), last=True)
+            return {**self.finish_step(len(batch)), **critic_stats}
+        t0 = time.perf_counter()
+        parts = minibatch_parts(len(batch), algo.minibatches, algo.ppo_epochs, self.spec.seed, self.version)
+        need = [i for i, needed in enumerate(needs_proximal(parts, len(batch))) if needed]
+        batch = list(batch)
+        for i, p in zip(need, self.proximal_logprobs([batch[i] for i in need])):
+            batch[i] = dataclasses.replace(batch[i], prox_logprobs=p)
+        steps = []
+        for part in parts:
+            minibatch = [batch[i] for i in part]
+            self.begin_step()
+            self.accumulate(minibatch, denominator=self._denominator(minibatch), last=True)
+            steps.append(self._optimizer_step())
+        self.version += 1
+        tokens = sum(st["tokens"] for st in steps) or 1
+        if self.critic is not None:
+            critic_stats["critic/value_loss"] = sum(st["value_loss"] for st in steps) / len(steps)
+            critic_stats["critic/value_clip_frac"] = sum(st["value_clip"] for st in steps) / tokens
+        return {
+            **critic_stats,
+            "loss/policy": sum(st["loss"] for st in steps) / len(steps),
+            "loss/kl": sum(st["kl"] for st in steps) / len(steps),
+            "policy/clip_frac": sum(st["clip"] for st in steps) / tokens,
+            "policy/behav_dropped_frac": sum(st["dropped"] for st in steps) / tokens,
+            "policy/entropy": sum(st["entropy"] for st in steps) / tokens,
+            "trainer/tokens_per_s": sum(st["padded"] for st in steps) / (time.perf_counter() - t0),
+            "trainer/micro_batches": sum(st["micro"] for st in steps),
+            "trainer/optimizer_steps": len(steps),
+            "trainer/step_s": time.perf_counter() - t0,
+        }
+
+    def _denominator(self, batch: list[TrainSample]) -> float:
+        return step_denominator(batch, self.spec.algorithm.normalize)
+
+    def _idle_pass(self, model) -> torch.Tensor:
+        """A forward of two padding tokens, its output multiplied by zero: a data-parallel
+        rank with fewer micro-batches than its peers runs these so that every rank enters
+        the same per-forward (ZeRO-3 gathers) and per-backward (ZeRO-2/3 reduces) collectives."""
+        ids, att = self._idle_ids()
+        logp, _ = self._logprobs(model, ids, att)
+        return logp.sum() * 0.0
+
+    def _idle_ids(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.engine.device)
+        return ids, torch.ones_like(ids)
+
+    def proximal_logprobs(self, batch: list[TrainSample], min_micro_batches: int = 0) -> list[list[float]]:
+        """π_prox: each sampled token's log-prob under the weights at the start of the batch
+        (a no-grad forward, packed like training). ``min_micro_batches``: forwards to run
+        at least (idle ones after the real ones), the same number on every rank."""
+        self.engine.module.eval()
+        lengths = [len(s.prompt_ids) + len(s.token_ids) for s in batch]
+        out: list[list[float]] = [[] for _ in batch]
+        micro = algorithms.pack_first_fit_decreasing(lengths, self.spec.trainer.micro_batch_tokens)
+        with torch.no_grad():
+            for mb in micro:
+                part = [batch[i] for i in mb]
+                ids, att, mask, _, _, _ = self._tensors(part, self.engine.device)
+                logp, _ = self._logprobs(self.engine.module, ids, att)
+                for row, (i, s) in enumerate(zip(mb, part)):
+                    p = len(s.prompt_ids)
+                    out[i] = logp[row, p - 1 : p - 1 + len(s.token_ids)].float().cpu().tolist()
+            for _ in range(len(micro), min_micro_batches):
+                self._idle_pass(self.engine.module)
+        return out
+
+    # A step in pieces, so micro-batches can start while the batch is still arriving
+    # (stream training): accumulate() with denominator 1 sums the losses, and
+    # finish_step(rescale=True) divides the gradients by the step's denominator once it
+    # is known — the same step as train_step on the whole batch.
+    def begin_step(self) -> None:
+        self._acc = {"loss": 0.0, "kl": 0.0, "clip": 0.0, "entropy": 0.0, "tokens": 0, "seqs": 0,
+                     "padded": 0, "micro": 0, "seconds": 0.0, "dropped": 0, "value_loss": 0.0, "value_clip": 0.0}
+        # gae in a streamed step: the sums of each arriving part's critic targets (critic_sums)
+        self.critic_sums = None
+        # Dropout off in every RL forward: the gradient forward must compute the same
+        # function as π_prox's and the engine's, or the ratios carry dropout noise.
+        self.engine.module.eval()
+
+    def accumulate(self, batch: list[TrainSample], denominator: float = 1.0, last: bool = False,
+                   grad_scale: float = 1.0, min_micro_batches: int = 0) -> None:
+        """Forward and backward ``batch`` in packed micro-batches, the loss divided by
+        ``denominator``. Data parallel (workers/train/ranks.py): ``denominator`` is the
+        whole step's over all ranks, ``grad_scale`` the world size (DeepSpeed *averages*
+        gradients over ranks, so each rank's share of the sum is scaled up before), and
+        ``min_micro_batches`` the most any rank packs (idle passes fill up the rest)."""
+        algo, t0, acc = self.spec.algorithm, time.perf_counter(), self._acc
+        if self.critic is not None and batch and batch[0].token_advantages is None:
+            # a streamed step (schedule.stream_train): the critic values each part as it arrives,
+            # with its weights from the step's start (it steps only in finish_step), while the
+            # rest still generates
+            batch, sums = self.critic_targets(batch)
+            self.critic_sums = sums if self.critic_sums is None else {k: self.critic_sums[k] + v
+                                                                      for k, v in sums.items()}
+        lengths = [len(s.prompt_ids) + len(s.token_ids) for s in batch]
+        micro = algorithms.pack_first_fit_decreasing(lengths, self.spec.trainer.micro_batch_tokens)
+        passes = max(len(micro), min_micro_batches)
+        for k in range(passes):
+            self.engine.set_gradient_accumulation_boundary(last and k == passes - 1)
+            if k >= len(micro):
+                self.engine.backward(self._idle_pass(self.engine))
+                if self.critic is not None:
+                    self.critic.idle_pass(*self._idle_ids(), boundary=last and k == passes - 1)
+                continue
+            part = [batch[i] for i in micro[k]]
+            ids, att, mask, behav, adv, prox = self._tensors(part, self.engine.device)
+            logp, entropy = self._logprobs(self.engine, ids, att, with_entropy=True)
+            # Decoupled PPO's proximal policy is the policy at the start of the batch. With
+            # one optimiser step per batch the current weights *are* the proximal ones
+            # (π_prox = π_θ.detach(), exactly, no extra forward); with several, train_step
+            # computed π_prox before the first.
+            if algo.loss == "ppo":
+                out = algorithms.ppo_decoupled_loss(logp, logp.detach() if prox is None else prox, behav, adv, mask,
+                                                    algo.clip, algo.behav_weight_cap, denominator)
+            else:
+                out = algorithms.reinforce_tis_loss(logp, behav, adv, mask, algo.behav_weight_cap, denominator)
+            loss = out.loss
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref, _ = self._logprobs(self.reference, ids, att)
+                # the policy loss's importance weights carry the stale tokens to π's expectation
+                kl = algorithms.kl_penalty(logp, ref, mask, denominator, algo.kl_estimator, weights=out.weights)
+                loss = loss + algo.kl_coef * kl
+                acc["kl"] += float(kl.detach())
+            self.engine.backward(loss * grad_scale if grad_scale != 1.0 else loss)
+            if self.critic is not None:  # the critic steps with the policy, on the same micro-batches
+                columns, device = mask.shape[1], self.engine.device
+                value_loss, value_clip = self.critic.accumulate(
+                    ids, att, mask, self._per_token(part, columns, "values").to(device),
+                    self._per_token(part, columns, "returns").to(device), denominator, last and k == passes - 1,
+                    grad_scale=grad_scale)
+                acc["value_loss"] += value_loss
+                acc["value_clip"] += value_clip * float(mask.sum())
+            acc["loss"] += float(out.loss.detach())
+            acc["clip"] += out.clip_frac * out.tokens
+            acc["entropy"] += float((entropy.detach() * mask).sum())
+            acc["tokens"] += out.tokens
+            acc["dropped"] += out.dropped
+            acc["padded"] += ids.numel()
+            acc["micro"] += 1
+        acc["seqs"] += len(batch)
+        acc["seconds"] += time.perf_counter() - t0
+
+    def _optimizer_step(self) -> dict:
+        self.engine.step()
+        if self.critic is not None:
+            self.critic.step()
+        return self._acc
+
+    def finish_step(self, sequences: int, rescale: bool = False,
+                    denominator: Optional[float] = None) -> dict[str, float]:
+        """``denominator``: of the whole streamed step over all data-parallel ranks (default:
+        this trainer's own tokens or ``sequences``)."""
+        acc, t0 = self._acc, time.perf_counter()
+        how = self.spec.algorithm.normalize
+        if rescale:  # streamed step: losses were sums, divide by the now-known denominator
+            if denominator is None:
+                denominator = max(1.0, float(acc["tokens"]) if how == "tokens" else float(sequences))
+            engines = [self.engine] + ([self.critic.engine] if self.critic is not None else [])
+            for engine in engines:
+                with torch.no_grad():
+                    for p in engine.module.parameters():
+                        if p.grad is not None:
+                            p.grad.div_(denominator)
+                engine.set_gradient_accumulation_boundary(True)
+                if torch.distributed.get_world_size() > 1:
+                    engine.allreduce_gradients()
+            acc["loss"] /= denominator
+            acc["kl"] /= denominator
+            acc["value_loss"] /= denominator
+        self._optimizer_step()
+        self.version += 1
+        acc["seconds"] += time.perf_counter() - t0
+        tokens = max(acc["tokens"], 1)
+        critic = ({"critic/value_loss": acc["value_loss"], "critic/value_clip_frac": acc["value_clip"] / tokens}
+                  if self.critic is not None else {})
+        if self.critic_sums is not None:
+            critic |= algorithms.critic_stats(self.critic_sums)
+        return {
+            **critic,
+            "loss/policy": acc["loss"],
+            "loss/kl": acc["kl"],
+            "policy/clip_frac": acc["clip"] / tokens,
+            "policy/behav_dropped_frac": acc["dropped"] / tokens,
+            "policy/entropy": acc["entropy"] / tokens,
+            "trainer/tokens_per_s": acc["padded"] / acc["seconds"],
+            "trainer/micro_batches": acc["micro"],
+            "trainer/step_s": acc["seconds"],
+        }

@@ -1,0 +1,311 @@
+"""Moving weights from the trainer into running vLLM engines.
+
+The trainer serialises its state dict once per version (safetensors bytes, so the
+engine's RPC can carry it) and each engine loads it through ``WeightSyncExtension``,
+a vLLM worker extension running inside the engine process. ``reload_weights`` is
+used rather than ``model.load_weights`` because the CPU backend repacks weights after
+loading (docs/architecture.md §4).
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+
+def serialize_state_dict(state: dict[str, torch.Tensor]) -> bytes:
+    """safetensors bytes of a HF state dict. Tensors sharing storage (tied embeddings)
+    are cloned, since safetensors refuses shared tensors."""
+    seen: set[int] = set()
+    tensors = {}
+    for name, t in state.items():
+        t = t.detach().to("cpu")
+        ptr = t.untyped_storage().data_ptr()
+        tensors[name] = t.clone() if ptr in seen else t.contiguous()
+        seen.add(ptr)
+    return st_save(tensors)
+
+
+def _host_bytes(t: torch.Tensor):
+    """A tensor's values as bytes in host memory (row-major, in its dtype), as a numpy view."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)  # a 0-d tensor (a scalar buffer) cannot be viewed as bytes
+    return flat.view(torch.uint8).numpy() if flat.dtype != torch.uint8 else flat.numpy()
+
+
+def tensor_digest(t: torch.Tensor) -> bytes:
+    """SHA-256 of one tensor's bytes."""
+    return hashlib.sha256(_host_bytes(t)).digest()
+
+
+def combine_digests(digests: dict[str, bytes]) -> str:
+    """A state dict's checksum from its tensors' digests, by name: the same whatever order
+    the tensors came in, so an engine can hash each bucket as it arrives and drop it."""
+    h = hashlib.sha256()
+    for name in sorted(digests):
+        h.update(name.encode() + b"\0" + digests[name])
+    return h.hexdigest()
+
+
+def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
+    return combine_digests({name: tensor_digest(t) for name, t in tensors.items()})
+
+
+def legacy_tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """The checksum checkpoints recorded before ``combine_digests`` (``weights_sha256``):
+    one SHA-256 over name and bytes, by name. Only to check such a checkpoint on resume."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(_host_bytes(tensors[name]))
+    return h.hexdigest()
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class (``worker_extension_cls``); methods are reached
+    with ``engine.collective_rpc(name, args=...)``."""
+
+    def fluxrl_load_weights(self, blob: bytes, force_reload: bool = False) -> dict:
+        t0 = time.perf_counter()
+        return self._fluxrl_apply(iter(st_load(blob).items()), force_reload, t0)
+
+    # -- the collective transport (workers/weights/broadcast.py) ------------------------
+    def fluxrl_join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
+                                 backend: str = "gloo", timeout_s: float = 60.0, nccl_id: str | None = None) -> int:
+        """Join the trainer's weight group (blocks until every member has); returns this
+        worker's rank in it. A previous group is dropped (it is broken, or replaced)."""
+        from workers.weights.broadcast import WeightGroup
+
+        old = getattr(self, "_fluxrl_group", None)
+        self._fluxrl_group = None
+        if old is not None:
+            old.close()
+        rank = rank_offset + int(getattr(self, "rank", 0) or 0)
+        self._fluxrl_group = WeightGroup(host, port, rank, world_size, backend, timeout_s,
+                                         device=getattr(self, "device", None), nccl_id=nccl_id)
+        return rank
+
+    def fluxrl_receive_weights(self, meta: dict, force_reload: bool = False) -> dict:
+        """Receive the state dict ``meta`` describes from the trainer's broadcast and load it
+        as it arrives, bucket by bucket (no copy of the model is held: GPU-ready memory).
+        ``recv_ms``: the time spent waiting for bytes; ``load_ms`` includes it (generation
+        cannot run during either)."""
+        group = getattr(self, "_fluxrl_group", None)
+        if group is None:
+            raise RuntimeError("this engine is not in a weight group (fluxrl_join_weight_group first)")
+        t0 = time.perf_counter()
+        waited = [0.0]
+
+        def timed(stream):
+            while True:
+                t = time.perf_counter()
+                try:
+                    item = next(stream)
+                except StopIteration:
+                    waited[0] += time.perf_counter() - t
+                    return
+                waited[0] += time.perf_counter() - t
+                yield item
+
+        stream = group.receive_stream(meta)
+        try:
+            result = self._fluxrl_apply(timed(stream), force_reload, t0, digest=bool(meta.get("digest")))
+            for _ in stream:  # a loader that left names unread: the collective still has to finish
+                pass
+        finally:
+            stream.close()
+        return {**result, "recv_ms": waited[0] * 1000}
+
+    def _fluxrl_apply(self, items, force_reload: bool, t0: float, digest: bool = True) -> dict:
+        """Load (name, tensor) pairs from ``items``, hashing each one as it passes (host
+        tensors always; device ones only when ``digest``: a copy to the host is not free),
+        so the checksum needs no copy of the weights. The first update goes through vLLM's
+        reload with the whole state dict in hand, to decide whether later ones may take
+        the direct path; later ones stream."""
+        digests: dict = {}
+        hashed = [True]
+
+        def hashing():
+            for name, tensor in items:
+                if hashed[0] and (digest or tensor.device.type == "cpu"):
+                    digests[name] = tensor_digest(tensor)
+                else:
+                    hashed[0] = False
+                yield name, tensor
+
+        self._fluxrl_digests = None  # the old weights' checksum no longer holds, whatever happens
+        decided = getattr(self, "_fluxrl_inplace", None)
+        if decided is None:
+            tensors = dict(hashing())
+            self._fluxrl_reload(iter(tensors.items()))
+            self._fluxrl_inplace = self._fluxrl_plan(tensors) is not None and self._fluxrl_plan_holds(tensors)
+            path = "reload"
+        elif decided and not force_reload:
+            self._fluxrl_load_inplace(hashing())
+            path = "direct"
+        else:
+            self._fluxrl_reload(hashing())
+            path = "reload"
+        self._fluxrl_digests, self._fluxrl_checksum = (digests if hashed[0] else None), None
+        return {"load_ms": (time.perf_counter() - t0) * 1000, "path": path}
+
+    def _fluxrl_reload(self, items) -> None:
+        """vLLM's layerwise reload: generic, but it re-runs every layer's post-load
+        processing (≈20 ms on the tiny model). Later updates take the direct path when
+        every live parameter can be mapped to the trainer's names. vLLM's loader reads
+        ``items`` as it goes (it streams checkpoints from disk the same way)."""
+        self.reload_weights(weights_iterator=items, is_checkpoint_format=True)
+        self._fluxrl_retie_embeddings()
+
+    def _fluxrl_plan_holds(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Right after vLLM's own loader ran, the direct path would write the same values.
+        Not so where the loader transforms a tensor (GPT-2's Conv1D weights are stored
+        transposed, square ones included): those models keep the generic reload."""
+        try:
+            with torch.no_grad():
+                for module, pname, parts in self._fluxrl_plan(tensors):
+                    param = getattr(module, pname)
+                    new = tensors[parts[0]] if len(parts) == 1 else torch.cat([tensors[p] for p in parts])
+                    new = new.to(param.dtype)
+                    if param.numel() == 0:
+                        # Packed away by the CPU backend: compare what the layer computes
+                        # with what the direct path would make it compute.
+                        width = getattr(module, "input_size_per_partition", getattr(module, "input_size", None))
+                        if new.dim() != 2 or new.shape[1] != width:  # never feed the kernel a wrong shape
+                            return False
+                        probe = torch.randn(2, new.shape[1], dtype=param.dtype)
+                        got = module.quant_method.apply(module, probe)
+                        if not torch.allclose(got[:, : new.shape[0]], probe @ new.T, atol=1e-4, rtol=1e-4):
+                            return False
+                    elif new.dim() != param.dim() or new.shape[1:] != param.shape[1:] \
+                            or new.shape[0] > param.shape[0] or not torch.equal(param[: new.shape[0]], new):
+                        return False
+        except Exception:  # noqa: BLE001 - anything unexpected: the generic reload is always right
+            return False
+        return True
+
+    def _fluxrl_plan(self, tensors: dict[str, torch.Tensor]):
+        """For every vLLM parameter, the HF tensor names it is made of (fused layers such
+        as qkv_proj / gate_up_proj concatenate their parts along dim 0, as at tensor
+        parallel size 1). None when some parameter cannot be mapped."""
+        if hasattr(self, "_fluxrl_plan_cache"):
+            return self._fluxrl_plan_cache
+        model = self.model_runner.get_model()
+        packed = getattr(model, "packed_modules_mapping", {}) or {}
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        if get_tensor_model_parallel_world_size() != 1:  # sharded parameters: not whole tensors
+            self._fluxrl_plan_cache = None
+            return None
+        plan = []
+        for module_name, module in model.named_modules():
+            for pname, param in module.named_parameters(recurse=False):
+                full = f"{module_name}.{pname}" if module_name else pname
+                last = module_name.rsplit(".", 1)[-1]
+                parts = [full.replace(f".{last}.", f".{p}.") for p in packed[last]] if last in packed else [full]
+                if any(p not in tensors for p in parts):
+                    if param is getattr(module, "weight", None) and module_name.endswith("lm_head"):
+                        continue  # tied to the embedding: updated with it
+                    plan = None
+                    break
+                plan.append((module, pname, parts))
+            if plan is None:
+                break
+        self._fluxrl_plan_cache = plan
+        return plan
+
+    def _fluxrl_load_inplace(self, items) -> None:
+        """Copy each tensor into its live parameter as it arrives (a fused parameter once all
+        its parts have), letting go of it once every parameter made of it is written, and,
+        on the CPU backend, rebuild the packed GEMM copy that each linear layer actually
+        multiplies with."""
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+        from vllm.platforms import current_platform
+
+        cpu = current_platform.is_cpu()
+        plan = self._fluxrl_plan_cache  # decided on the first update: the direct path has one
+        waiting: dict[str, list[int]] = {}  # HF name -> the plan entries it is a part of
+        for k, (_, _, parts) in enumerate(plan):
+            for part in parts:
+                waiting.setdefault(part, []).append(k)
+        missing = [len(parts) for _, _, parts in plan]
+        pending: dict[str, torch.Tensor] = {}
+        uses = {name: len(entries) for name, entries in waiting.items()}
+        written: set[int] = set()  # storages already copied into (a tied lm_head is the embedding)
+        repack: dict[int, torch.nn.Module] = {}  # embedding-shaped layers whose packed copy is stale
+
+        def write(module, pname: str, parts: list[str]) -> None:
+            param = getattr(module, pname)
+            new = pending[parts[0]] if len(parts) == 1 else torch.cat([pending[p] for p in parts])
+            if param.numel() == 0 and cpu and pname == "weight":
+                # vLLM dropped the unpacked weight after packing it: pack the new one
+                module.weight = torch.nn.Parameter(new.to(param.dtype).contiguous(), requires_grad=False)
+                dispatch_cpu_unquantized_gemm(module, remove_weight=True)
+                return
+            if param.data_ptr() not in written:
+                written.add(param.data_ptr())
+                param[: new.shape[0]].copy_(new)
+            if cpu and pname == "weight" and hasattr(module, "cpu_linear") and param.dim() == 2:
+                repack[id(module)] = module
+
+        with torch.no_grad():
+            for name, tensor in items:
+                if name not in waiting:
+                    continue  # nothing live is made of it (as vLLM's loader skips it)
+                pending[name] = tensor
+                for k in waiting[name]:
+                    missing[k] -= 1
+                    if missing[k] == 0:
+                        module, pname, parts = plan[k]
+                        write(module, pname, parts)
+                        for part in parts:
+                            uses[part] -= 1
+                            if uses[part] == 0:
+                                del pending[part]  # the receive's bucket can go
+            unwritten = [".".join(plan[k][2]) for k, left in enumerate(missing) if left]
+            if unwritten:
+                raise RuntimeError(f"the weight update lacks tensors for {len(unwritten)} parameters, "
+                                   f"e.g. {unwritten[0]}: the engine now holds a mix of versions")
+            head = getattr(self.model_runner.get_model(), "lm_head", None)
+            if cpu and head is not None and hasattr(head, "cpu_linear") and head.weight.numel():
+                repack[id(head)] = head  # tied: its weight changed with the embedding's
+            for module in repack.values():
+                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+    def _fluxrl_retie_embeddings(self) -> None:
+        # The layerwise reload loads embed_tokens but, finding no lm_head weight, puts
+        # the *old* lm_head tensor back: with tied embeddings the tie is broken and the
+        # output layer keeps stale weights. Copy the new embedding into it.
+        model = self.model_runner.get_model()
+        if not getattr(model.config, "tie_word_embeddings", False):
+            return
+        head, embed = getattr(model, "lm_head", None), _input_embedding(model)
+        if head is None or embed is None or head.weight is embed.weight:
+            return
+        if hasattr(head, "cpu_linear"):  # CPU backend: lm_head runs on a repacked copy
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            head.weight = embed.weight
+            dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+        elif head.weight.shape == embed.weight.shape:
+            with torch.no_grad():
+                head.weight.copy_(embed.weight)
+
+    def fluxrl_loaded_checksum(self) -> str | None:
+        """``tensors_checksum`` of the last update as it arrived; None before any update, or
+        when it came on a device without being asked to be hashed."""
+        if getattr(self, "_fluxrl_checksum", None) is None and getattr(self, "_fluxrl_digests", None) is not None:
+            self._fluxrl_checksum = combine_digests(self._fluxrl_digests)
+        return getattr(self, "_fluxrl_checksum", None)
+
+
+def _input_embedding(model):
+    """The token embedding whatever the architecture calls it (Llama/Qwen ``model.embed_tokens``,
+    GPT-2 ``transformer.wte``, GPT-NeoX ``gpt_neox.embed_in``): the first vocabulary
+    embedding that is not the output head."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    return next((m for m in model.modules() if isinstance(m, VocabParallelEmbedding)
+                 and not isinstance(m, ParallelLMHead)), None)
