@@ -52,12 +52,15 @@ def merged(base: dict, over: dict) -> dict:
     return out
 
 
-def interleaved(names: list[str], rounds: int, one) -> dict[str, list[dict]]:
+def interleaved(names: list[str], rounds: int, one, rounds_of: dict[str, int] | None = None) -> dict[str, list[dict]]:
     """Run every configuration once per round, round after round, so that load changing
-    on a shared machine hits all of them alike; ``one(name, tag)`` runs one."""
+    on a shared machine hits all of them alike; ``one(name, tag)`` runs one. ``rounds_of``
+    gives some configurations fewer rounds (the first ones)."""
     out: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(rounds):
         for name in names:
+            if r >= (rounds_of or {}).get(name, rounds):
+                continue
             print(f"round {r + 1}/{rounds}: {name} (load average {os.getloadavg()[0]:.1f})...", flush=True)
             out[name].append(one(name, f"r{r}"))
     return out

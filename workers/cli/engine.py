@@ -83,6 +83,10 @@ def cmd_run(args) -> int:
 
     try:
         spec.model.path = resolve_model_path(spec.model.path)
+        if spec.reward.model is not None:
+            from workers.models.reward_model import resolve_reward_model_path
+
+            spec.reward.model.path = resolve_reward_model_path(spec.reward.model.path)
     except ModelCheckError as exc:
         return fail(str(exc), 2)
     resume = None
@@ -188,6 +192,11 @@ def main(argv=None) -> int:
     m.add_argument("--steps", type=int, default=None, help="warm-start steps (default: the recipe's)")
     m.add_argument("--dataset", default=None, help="also write a chat JSONL dataset of the same task here")
     m.add_argument("--rows", type=int, default=2000, help="rows of --dataset")
+    rm = sub.add_parser("build-reward-model", help="install the tiny reward model (reward.model.path builtin:tiny-rm), "
+                        "or --rebuild it from its recipe; prints its folder")
+    rm.add_argument("--root", default=None, help="model cache (default: $FLUXRL_MODEL_CACHE or ~/.cache/fluxrl/models)")
+    rm.add_argument("--rebuild", action="store_true", help="train the recipe even where shipped weights exist")
+    rm.add_argument("--ship", action="store_true", help="(maintainers) copy the result into workers/assets/tiny-rm")
     v = sub.add_parser("validate", help="validate a run spec")
     v.add_argument("spec")
     e = sub.add_parser("evaluate", help="held-out accuracy of a model folder with plain HF greedy generation "
@@ -244,6 +253,17 @@ def main(argv=None) -> int:
             print(f"rebuilt: demo held-out greedy accuracy {built['demo_accuracy']:.4f}, sha256 {built['sha256'][:12]}..."
                   + ("" if same is None else " (identical to the shipped weights)" if same
                      else " (differs from the shipped weights: another CPU model rounds differently)"))
+        print(folder)
+        return 0
+    if args.cmd == "build-reward-model":
+        from workers.models.reward_model import MANIFEST as RM_MANIFEST, ensure_tiny_reward_model, ship
+
+        folder = ensure_tiny_reward_model(args.root, rebuild=args.rebuild)
+        built = json.loads((folder / RM_MANIFEST).read_text())
+        print(f"reward model: held-out accuracy {built['held_out_accuracy']:.3f} on {built['held_out_texts']} texts "
+              f"({built['held_out_right_share']:.0%} right answers), sha256 {built['sha256'][:12]}...", file=sys.stderr)
+        if args.ship:
+            ship(folder)
         print(folder)
         return 0
     if args.cmd == "build-model":

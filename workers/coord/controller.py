@@ -36,6 +36,7 @@ from workers.coord.sync_schedule import SyncSchedule
 from workers.io.checkpoint import CheckpointInfo
 from workers.io.report import Reporter
 from workers.models.preflight import check_run, resolve_model_path
+from workers.models.reward_model import resolve_reward_model_path
 from workers.rollout.engine import Completion, RolloutEngine
 from workers.rollout.staleness import StalenessGate
 from workers.spec import RunSpec
@@ -115,6 +116,8 @@ class Controller:
         self.eval_rows = self.eval_rows[: spec.eval.prompts]
         # The model's tokenizer, stop ids and limits, checked before any process starts.
         spec.model.path = await asyncio.to_thread(resolve_model_path, spec.model.path)
+        if spec.reward.model is not None:
+            spec.reward.model.path = await asyncio.to_thread(resolve_reward_model_path, spec.reward.model.path)
         checked = await asyncio.to_thread(check_run, spec, self.train_rows, self.eval_rows)
         self.prompts = checked.renderer
         self.train_rows, self.eval_rows = checked.train_rows, checked.eval_rows
@@ -230,7 +233,9 @@ class Controller:
         samples = await asyncio.gather(*(sample(engines[i % len(engines)], r, 0.0)
                                          for i, r in enumerate(self.eval_rows)))
         accuracy = sum(s.reward for s in samples) / len(samples)
-        metrics = {"eval/accuracy": accuracy}
+        metrics = {"eval/accuracy": accuracy,  # a summed reward's components too, e.g. a rule at weight 0
+                   **{f"eval/part/{name}": sum(s.parts.get(name, 0.0) for s in samples) / len(samples)
+                      for name in samples[0].parts}}
         k = self.spec.eval.samples
         if k:
             temperature = self.spec.rollout.temperature

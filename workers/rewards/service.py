@@ -6,6 +6,11 @@ loops or dies marks its sample (``error``) and scores 0; it never crashes the ru
 function that fails on every one of the first ``fail_fast_after`` samples is a broken
 function, and the run stops with its error instead of training on zeros.
 
+A neural reward model (``reward.model``, used by ``function: model`` or a component
+``{function: model}``) runs in a worker of its own (workers/rewards/model.py); samples
+that finish close together share its micro-batches. A model that fails stops the run
+with its error: unlike a rule on one malformed row, it would fail every sample after.
+
 With ``reward.components`` the reward is the weighted sum of the components; a component
 that fails scores 0 and marks the sample's error (named after the component), the others
 still count. ``Score.parts`` holds each component's own (unweighted) reward, and
@@ -19,12 +24,16 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from workers.tasks.builtin_rewards import BUILTIN_REWARDS
+from workers.rewards.model import RewardModelClient, RewardModelError
 from workers.rewards.sandbox import RewardSandbox
 from workers.spec import RewardSpec
 
 
 class RewardFunctionBroken(RuntimeError):
     pass
+
+
+MODEL = object()  # a component's function: the reward model's score, computed before the sum
 
 
 @dataclass
@@ -39,7 +48,7 @@ class Score:
 class _Component:
     name: str
     weight: float
-    function: Optional[Callable[..., float]]  # None: the user code, in the sandbox
+    function: Optional[Callable[..., float]] | object  # None: the user code, in the sandbox; MODEL
     params: dict
 
 
@@ -52,20 +61,25 @@ class RewardService:
         self.last_error: Optional[str] = None
         self._lock = threading.Lock()
         self._sandbox: Optional[RewardSandbox] = None
+        self.model: Optional[RewardModelClient] = None
         self.components: list[_Component] = []
         self._part_sums: dict[str, float] = {}
         if spec.components:
             for c in spec.components:
-                if c.function != "user" and c.function not in BUILTIN_REWARDS:
-                    raise ValueError(f"reward component {c.function!r} is not a built-in or 'user'")
-                self.components.append(_Component(c.name or c.function, c.weight, BUILTIN_REWARDS.get(c.function),
-                                                  dict(c.params)))
+                if c.function not in ("user", "model") and c.function not in BUILTIN_REWARDS:
+                    raise ValueError(f"reward component {c.function!r} is not a built-in, 'user' or 'model'")
+                function = MODEL if c.function == "model" else BUILTIN_REWARDS.get(c.function)
+                self.components.append(_Component(c.name or c.function, c.weight, function, dict(c.params)))
             self._part_sums = {c.name: 0.0 for c in self.components}
             uses_code = any(c.function is None for c in self.components)
-        elif spec.function not in BUILTIN_REWARDS and spec.function != "user":
-            raise ValueError(f"reward.function {spec.function!r} is not a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) or 'user'")
+        elif spec.function not in BUILTIN_REWARDS and spec.function not in ("user", "model"):
+            raise ValueError(f"reward.function {spec.function!r} is not a built-in ({', '.join(sorted(BUILTIN_REWARDS))}), "
+                             "'user' or 'model'")
         else:
             uses_code = spec.function == "user"
+        if spec.model is not None:
+            self.model = RewardModelClient(spec.model)
+            self.model.start()  # raises RewardModelError for a folder that cannot be loaded
         if uses_code:
             self._sandbox = RewardSandbox(spec.code or "", timeout_s=spec.timeout_s, memory_mb=spec.memory_mb)
             self._sandbox.start()  # raises RewardCodeError for code that cannot even load
@@ -81,19 +95,32 @@ class RewardService:
         except Exception as exc:  # a built-in on a malformed row
             return Score(0.0, f"{type(exc).__name__}: {exc}")
 
-    def _sum(self, prompt: str, completion: str, fields: dict) -> Score:
+    def _sum(self, prompt: str, completion: str, fields: dict, model: Optional[float] = None) -> Score:
         total, parts, errors = 0.0, {}, []
         for c in self.components:
-            part = self._one(c.function, prompt, completion, {**fields, **c.params})  # params win over row fields
+            if c.function is MODEL:
+                part = Score(model)
+            else:
+                part = self._one(c.function, prompt, completion, {**fields, **c.params})  # params win over row fields
             if part.error:
                 errors.append(f"{c.name}: {part.error}")
             parts[c.name] = part.reward
             total += c.weight * part.reward
         return Score(total, "; ".join(errors) or None, parts)
 
-    def score_sync(self, prompt: str, completion: str, fields: dict) -> Score:
+    def score_sync(self, prompt: str, completion: str, fields: dict, model: Optional[float] = None) -> Score:
+        """The sample's score; ``model`` is the reward model's score of it (``score()``
+        gets it from the model's micro-batches before the rule components run; called
+        without it, the model scores this one text now)."""
+        if self.model is not None and model is None:
+            try:
+                model = self.model.reward(self.model.forward([prompt + completion])[0])
+            except RewardModelError as exc:
+                raise RewardFunctionBroken(f"reward.model: {exc}") from None
         if self.components:
-            score = self._sum(prompt, completion, fields)
+            score = self._sum(prompt, completion, fields, model)
+        elif self.spec.function == "model":
+            score = Score(model)
         else:
             builtin = None if self._sandbox is not None else BUILTIN_REWARDS[self.spec.function]
             score = self._one(builtin, prompt, completion, fields)
@@ -115,8 +142,24 @@ class RewardService:
             return {name: total / self.scored for name, total in self._part_sums.items()} if self.scored else {}
 
     async def score(self, prompt: str, completion: str, fields: dict) -> Score:
-        return await asyncio.to_thread(self.score_sync, prompt, completion, fields)
+        model = None
+        if self.model is not None:
+            try:
+                model = await self.model.score(prompt + completion)
+            except RewardModelError as exc:
+                raise RewardFunctionBroken(f"reward.model: {exc}") from None
+        return await asyncio.to_thread(self.score_sync, prompt, completion, fields, model)
+
+    def model_stats(self) -> dict[str, float]:
+        """The reward model's work so far: forwards, texts and seconds waited on them."""
+        if self.model is None:
+            return {}
+        m = self.model
+        return {"batches": m.batches, "texts": m.texts, "busy_s": m.busy_s,
+                "mean_batch": m.texts / m.batches if m.batches else 0.0}
 
     def close(self) -> None:
+        if self.model is not None:
+            self.model.close()
         if self._sandbox is not None:
             self._sandbox.close()

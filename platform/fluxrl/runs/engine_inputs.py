@@ -23,8 +23,10 @@ def spec_errors(errors: list[dict], prefix: str = "spec") -> InvalidInput:
 
 
 BUILTIN_MODELS = ("builtin:tiny",)  # model.path names the engine builds itself (workers/cli/engine.py)
+BUILTIN_REWARD_MODELS = ("builtin:tiny-rm",)  # reward.model.path (workers/models/reward_model.py)
 MODEL_ROOTS_ENV = "FLUXRL_MODEL_ROOTS"
 MODEL_FIELD = "spec.model.path"
+REWARD_MODEL_FIELD = "spec.reward.model.path"
 _ROOT_RELATIVE = re.compile(r"[\w-][\w.-]*(/[\w.-]+)*")  # "Qwen/Qwen2-0.5B": a hub id, or a name under a model root
 
 
@@ -65,23 +67,24 @@ def _own_run_output(team, real: Path) -> bool:
             and Run.objects.filter(pk=int(run_id), team=team).exists())
 
 
-def check_model_path(team, path: str) -> str:
-    """The model.path a worker of `team` may load, or a 400 naming spec.model.path.
+def check_model_path(team, path: str, field: str = MODEL_FIELD, builtins: tuple[str, ...] = BUILTIN_MODELS) -> str:
+    """The model.path (or another model folder the spec names, as ``field``) a worker of
+    `team` may load, or a 400 naming ``field``.
 
-    Allowed: a built-in name (BUILTIN_MODELS); a folder under a model root (an absolute
+    Allowed: a built-in name (``builtins``); a folder under a model root (an absolute
     path, or a name relative to a root such as "Qwen/Qwen2-0.5B" when that folder exists
     there); the outputs of one of the team's own runs (run_output_dir). Never another
     team's outputs or any other folder of the worker host. Symlinks and `..` are resolved
     (os.path.realpath) before the check, and the resolved path is what is returned, for
     the engine to load: call this at submission and again at dispatch."""
     if "\0" in path:
-        raise field_error(MODEL_FIELD, "a path cannot hold a NUL character")
+        raise field_error(field, "a path cannot hold a NUL character")
     if path.startswith("builtin:"):
-        if path not in BUILTIN_MODELS:
-            raise field_error(MODEL_FIELD, f"unknown built-in model {path!r}; choose one of {list(BUILTIN_MODELS)}")
+        if path not in builtins:
+            raise field_error(field, f"unknown built-in model {path!r}; choose one of {list(builtins)}")
         return path
     roots = model_roots()
-    where = (f"a built-in name ({', '.join(BUILTIN_MODELS)}), a folder under a model root "
+    where = (f"a built-in name ({', '.join(builtins)}), a folder under a model root "
              f"({', '.join(map(str, roots)) or 'none configured'}; {MODEL_ROOTS_ENV}) or the outputs of one of "
              "your team's runs")
     if not os.path.isabs(path):
@@ -90,22 +93,34 @@ def check_model_path(team, path: str) -> str:
                 real = Path(os.path.realpath(root / path))
                 if _inside(real, root) and real.is_dir():
                     return str(real)
-            raise field_error(MODEL_FIELD, f"{path!r} is not a folder under any model root, and workers do not "
-                                           f"download hub models: put the model there, or give {where}")
-        raise field_error(MODEL_FIELD, f"{path!r} is a relative path; give {where}")
+            raise field_error(field, f"{path!r} is not a folder under any model root, and workers do not "
+                                     f"download hub models: put the model there, or give {where}")
+        raise field_error(field, f"{path!r} is a relative path; give {where}")
     real = Path(os.path.realpath(path))
     if any(_inside(real, root) for root in roots) or _own_run_output(team, real):
         return str(real)
-    raise field_error(MODEL_FIELD, f"{path} is not allowed: a model must be {where}")
+    raise field_error(field, f"{path} is not allowed: a model must be {where}")
 
 
-def engine_spec(spec: dict, dataset_version=None, reward_version=None, model_path: str | None = None) -> dict:
+def check_reward_model_path(team, spec: dict) -> str | None:
+    """reward.model.path scoped as model.path is (check_model_path), or None without a
+    reward model."""
+    reward_model = (spec.get("reward") or {}).get("model")
+    if not isinstance(reward_model, dict) or not isinstance(reward_model.get("path"), str):
+        return None  # absent, or malformed: validate_spec names it
+    return check_model_path(team, reward_model["path"], REWARD_MODEL_FIELD, BUILTIN_REWARD_MODELS)
+
+
+def engine_spec(spec: dict, dataset_version=None, reward_version=None, model_path: str | None = None,
+                reward_model_path: str | None = None) -> dict:
     """The spec with team references replaced by what a worker can use: the dataset's
     immutable JSONL file (fields normalized to prompt/answer), the reward's code, and the
     model folder as check_model_path resolved it."""
     resolved = copy.deepcopy(spec)
     if model_path is not None:
         resolved.setdefault("model", {})["path"] = model_path
+    if reward_model_path is not None:
+        resolved["reward"]["model"]["path"] = reward_model_path
     if dataset_version is not None:
         resolved["task"].update(dataset=str(dataset_version.path), prompt_field="prompt", answer_field="answer")
     if reward_version is not None:
@@ -122,4 +137,5 @@ def resolve_spec(run: Run) -> dict:
     checked again (a spec stored before the rule, or a symlink swapped after submission,
     must not slip through), and the engine is given the folder it resolved to."""
     model_path = check_model_path(run.team, (run.spec.get("model") or {}).get("path", ""))
-    return engine_spec(run.spec, run.dataset_version, run.reward_version, model_path=model_path)
+    return engine_spec(run.spec, run.dataset_version, run.reward_version, model_path=model_path,
+                       reward_model_path=check_reward_model_path(run.team, run.spec))

@@ -31,6 +31,7 @@ from .engine_inputs import (  # noqa: F401 - re-exported: callers name them as r
     MODEL_FIELD,
     MODEL_ROOTS_ENV,
     check_model_path,
+    check_reward_model_path,
     engine_spec,
     model_roots,
     resolve_spec,
@@ -99,7 +100,7 @@ def resolve_references(team, spec: dict):
             dataset_version = None
         else:
             dataset_version = datasets.get_version(team, dataset_ref, field="spec.task.dataset")
-        inline = function in ("user", "sum") or function in BUILTIN_REWARDS
+        inline = function in ("user", "sum", "model") or function in BUILTIN_REWARDS
         reward_version = None if inline else rewards.get_version(team, function, field="spec.reward.function")
     except NotFound as exc:  # a dangling reference is a bad spec, not a missing URL
         raise InvalidInput("; ".join(f"{f}: {exc.message}" for f in exc.fields), fields=exc.fields) from None
@@ -126,10 +127,12 @@ def submit_run(team, owner, spec_input, tags=(), notes: str = "") -> Run:
     and reward versions it names are pinned, so later uploads do not change the run."""
     spec = parse_user_spec(spec_input)
     model_path = check_model_path(team, spec["model"]["path"])
+    reward_model_path = check_reward_model_path(team, spec)
     dataset_version, reward_version = resolve_references(team, spec)
     run = Run.objects.create(
         team=team, owner=owner, name=spec["name"], spec=spec, notes=notes,
-        resolved_spec=engine_spec(spec, dataset_version, reward_version, model_path=model_path),
+        resolved_spec=engine_spec(spec, dataset_version, reward_version, model_path=model_path,
+                                  reward_model_path=reward_model_path),
         dataset_version=dataset_version, reward_version=reward_version,
     )
     set_tags(run, tags)

@@ -129,3 +129,25 @@ def test_a_spec_stored_before_the_rule_is_refused_at_dispatch(team_a, alice, spe
     assert dispatch.execute_run(run.pk) == "failed"
     run.refresh_from_db()
     assert "spec.model.path" in run.failure_reason and not (dispatch.run_dir(run.pk) / "spec.json").exists()
+
+
+def reward_model_spec(spec, path):
+    return spec(reward={"components": [{"function": "model"}, {"function": "numeric_match", "weight": 0}],
+                        "model": {"path": str(path)}})
+
+
+@pytest.mark.parametrize("path", ["/etc", "builtin:tiny", "../models/qwen", "Qwen/Qwen2-0.5B-RM"])
+def test_a_reward_model_path_is_scoped_like_the_model_path_and_named_in_the_refusal(api_a, spec, roots, path):
+    response = api_a.post("/api/runs/", {"spec": reward_model_spec(spec, path)})
+    assert response.status_code == 400, response.content
+    assert "spec.reward.model.path" in response.json()["error"]["fields"], response.json()
+
+
+def test_the_builtin_reward_model_and_one_under_a_root_reach_the_engine_spec_resolved(api_a, spec, roots, team_a):
+    assert api_a.post("/api/runs/", {"spec": reward_model_spec(spec, "builtin:tiny-rm")}).status_code == 201
+    os.symlink(roots / "qwen", roots / "rm-link")  # inside the root: resolved to the folder it names
+    response = api_a.post("/api/runs/", {"spec": reward_model_spec(spec, roots / "rm-link")})
+    assert response.status_code == 201, response.content
+    run = Run.objects.get(pk=response.json()["id"])
+    assert run.spec["reward"]["model"]["path"] == str(roots / "rm-link")  # as submitted
+    assert resolve_spec(run)["reward"]["model"]["path"] == str(roots / "qwen")

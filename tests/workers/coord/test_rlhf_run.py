@@ -1,0 +1,56 @@
+"""An async RLHF run on the real engine with RLHF's four models: the actor, a critic
+(algorithm.advantage gae), a neural reward model in its own worker (reward.model) and the
+KL reference. The reward model scores every sample in shared micro-batches beside a rule
+reported at weight 0, the critic trains beside the policy at every step, their metrics are
+reported, the critic's DeepSpeed state is in the checkpoint (restored exactly:
+tests/workers/train/test_critic.py) and the reward model's worker is gone at the end."""
+import asyncio
+import json
+
+import pytest
+
+from workers.coord.controller import Controller
+from workers.io.checkpoint import latest_checkpoint
+from workers.spec import validate_spec
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(600)
+def test_an_async_rlhf_run_scores_with_the_reward_model_and_trains_and_checkpoints_its_critic(tmp_path):
+    spec = validate_spec({
+        "name": "rlhf", "model": {"path": "builtin:tiny"},
+        "task": {"dataset": "gen:add?max_digits=2", "size": 200, "eval_size": 10},
+        "reward": {"components": [{"function": "model"}, {"function": "numeric_match", "weight": 0}],
+                   "model": {"path": "builtin:tiny-rm", "max_wait_ms": 200}},
+        "algorithm": {"advantage": "gae", "lr": 3e-4, "group_size": 2, "warmup_steps": 0, "kl_coef": 0.01},
+        "rollout": {"max_tokens": 8},
+        # longest_first: the async look-ahead window with aging (workers/coord/scheduling.py) runs here too
+        "schedule": {"mode": "async", "max_staleness": 1, "batch_prompts": 4, "dispatch": "longest_first"},
+        "trainer": {"checkpoint_every": 2},
+        "stop": {"max_steps": 4, "max_minutes": 5},
+        "eval": {"every_steps": 0, "prompts": 10},
+    })
+    out = tmp_path / "out"
+    controller = Controller(spec, out, progress=False)
+    result = asyncio.run(controller.run())
+    assert result.steps == 4
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    by_key = {}
+    for m in metrics:
+        by_key.setdefault(m["key"], []).append(m["value"])
+    for key in ("critic/value_loss", "critic/explained_var", "critic/value_mean", "critic/adv_mean",
+                "critic/adv_std", "critic/return_mean"):
+        assert len(by_key.get(key, [])) == 4, key
+    assert by_key["critic/value_mean"][0] == 0.0  # the value head starts at 0
+    assert by_key["critic/value_mean"][-1] != 0.0  # and was trained
+    assert by_key["critic/value_loss"][0] > 0
+    # the reward model scored every trained sample (and the look-ahead's), sharing forwards
+    assert by_key["reward_model/texts"][-1] >= result.trained_samples == 4 * 4 * 2
+    assert by_key["reward_model/mean_batch"][-1] > 1.5
+    model_part, rule_part = by_key["reward/part/model"], by_key["reward/part/numeric_match"]
+    assert by_key["reward/mean"] == pytest.approx(model_part)  # the rule at weight 0 is reported, not trained on
+    assert all(0 < v < 1 for v in model_part) and all(0 <= v <= 1 for v in rule_part)
+    assert controller.rewards.model.proc.poll() is not None  # its worker ended with the run
+    checkpoint = latest_checkpoint(out)
+    assert checkpoint.step == 4
+    assert any((checkpoint.path / "trainer" / "critic").iterdir())
