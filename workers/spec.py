@@ -234,6 +234,10 @@ class AlgorithmSpec(_Strict):
                                               "that of KL(π‖π_ref); k3 = GRPO's estimator, whose gradient as a "
                                               "loss is that of the reverse KL(π_ref‖π). Stale tokens are "
                                               "importance-weighted as in the policy loss")
+    kl_reference: Literal["trainer", "stage"] = Field(
+        "trainer", description="where the KL reference's forward runs (kl_coef > 0): inside the trainer's step, or "
+        "in the inference stage, a worker process of its own that takes each sample as it finishes generating, in "
+        "micro-batches (inference.*), so the trainer holds one model less and its step one forward less")
     behav_weight_cap: float = Field(5.0, gt=0)
     normalize: Literal["tokens", "batch"] = "tokens"
     adv_std_norm: bool = False
@@ -383,6 +387,15 @@ class ResourcesSpec(_Strict):
         return per_node
 
 
+class InferenceSpec(_Strict):
+    """The inference stage's workers (algorithm.kl_reference: stage): processes of their own
+    beside the coordinator, fed the samples that finish generating close together."""
+    micro_batch: int = Field(32, ge=1, le=4096, description="samples per forward at most")
+    max_wait_ms: float = Field(20.0, ge=0, le=10_000, description="how long a partial micro-batch waits for more")
+    timeout_s: float = Field(120.0, gt=0, le=3600, description="a forward slower than this fails the run")
+    threads: int = Field(1, ge=1, le=256, description="CPU threads of each stage worker")
+
+
 class RunSpec(_Strict):
     name: str = Field(min_length=1, max_length=200)
     model: ModelSpec
@@ -393,6 +406,7 @@ class RunSpec(_Strict):
     schedule: ScheduleSpec = ScheduleSpec()
     trainer: TrainerSpec = TrainerSpec()
     critic: CriticSpec = CriticSpec()
+    inference: InferenceSpec = InferenceSpec()
     stop: StopSpec = StopSpec()
     eval: EvalSpec = EvalSpec()
     resources: ResourcesSpec = ResourcesSpec()
@@ -428,6 +442,13 @@ class RunSpec(_Strict):
         if self.algorithm.advantage == "gae" and self.schedule.stream_train and self.critic.zero_stage > 0:
             # as for the policy: the streamed step's gradients are rescaled at its end, unpartitioned
             raise ValueError("schedule.stream_train with algorithm.advantage 'gae' needs critic.zero_stage 0")
+        return self
+
+    @model_validator(mode="after")
+    def _a_reference_stage_needs_a_reference(self):
+        if self.algorithm.kl_reference == "stage" and self.algorithm.kl_coef == 0:
+            raise ValueError("algorithm.kl_reference 'stage' runs the KL reference's forward, which only "
+                             "algorithm.kl_coef > 0 uses: set kl_coef, or leave kl_reference out")
         return self
 
     @model_validator(mode="after")

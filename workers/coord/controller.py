@@ -125,6 +125,7 @@ class Controller:
         self.processes.start(self._placement)
         self.rewards = self.processes.rewards
         await self.processes.start_trainer(checked)
+        self.fleet.reference = self.processes.reference  # None unless algorithm.kl_reference is 'stage'
         if self.resume is not None:
             await asyncio.to_thread(self._restore, self.resume)
         collective = spec.rollout.weight_transport == "collective"
@@ -201,7 +202,8 @@ class Controller:
         else:
             adv = algorithms.group_advantages(rewards, self.spec.algorithm.group_size,
                                               self.spec.algorithm.adv_std_norm)
-        return [TrainSample(s.completion.prompt_ids, s.completion.token_ids, s.completion.logprobs, a, reward=r)
+        return [TrainSample(s.completion.prompt_ids, s.completion.token_ids, s.completion.logprobs, a, reward=r,
+                            ref_logprobs=s.ref_logprobs)
                 for s, a, r in zip(group.samples, adv, rewards)]
 
     # -- checkpoints (checkpointing.py) ----------------------------------------------------

@@ -32,6 +32,7 @@ class Sample:
     reward: float
     error: Optional[str] = None
     parts: dict[str, float] = field(default_factory=dict)  # a summed reward's components, unweighted
+    ref_logprobs: Optional[list[float]] = None  # algorithm.kl_reference stage: from the inference stage
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Fleet:
         self._score_fn = score or self.score
         self.prompts = None
         self.rewards = None
+        self.reference = None  # algorithm.kl_reference stage: workers/train/reference.py ReferenceStage
         self.engines: list[RolloutEngine] = []
         self.load: dict[int, float] = {}  # engine index -> predicted tokens it is generating
         self.broadcaster: Optional[WeightBroadcaster] = None  # rollout.weight_transport: collective
@@ -101,8 +103,13 @@ class Fleet:
     async def score(self, row: dict, comp: Completion) -> Sample:
         text = self.prompts.decode(comp.token_ids)
         fields = {k: v for k, v in row.items() if k != "prompt"}
-        score = await self.rewards.score(row["prompt"], text, fields)
-        return Sample(row, comp, text, score.reward, score.error, score.parts)
+        if self.reference is None:
+            score = await self.rewards.score(row["prompt"], text, fields)
+            return Sample(row, comp, text, score.reward, score.error, score.parts)
+        # the inference stage: the reference's forward beside the scoring, as the sample finishes
+        score, ref = await asyncio.gather(self.rewards.score(row["prompt"], text, fields),
+                                          self.reference.logprobs(comp.prompt_ids, comp.token_ids))
+        return Sample(row, comp, text, score.reward, score.error, score.parts, ref)
 
     async def sample(self, engine: RolloutEngine, row: dict, temperature: float) -> Sample:
         return await self._score_fn(row, await self._generate_fn(engine, row, temperature))

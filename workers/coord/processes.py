@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Optional
 
 from workers.io import wire
+from workers.cluster.placement import PlacementError
 from workers.rewards.service import RewardService
 from workers.rollout.engine import RolloutEngine, SamplingOptions, configure_cpu_environment
 from workers.rollout.server import EngineClient, EngineServerConfig
 from workers.spec import RunSpec
+from workers.train.reference import ReferenceStage
 from workers.train.trainer import Trainer
 from workers.weights.broadcast import RankZeroSender, WeightBroadcaster
 
@@ -47,6 +49,7 @@ class Processes:
         self.plan = None
         self.trainer = None
         self.rewards: Optional[RewardService] = None
+        self.reference: Optional[ReferenceStage] = None  # algorithm.kl_reference: stage
         self.remote_engines: dict[int, tuple] = {}  # engine index -> (address, pid) on another node
         self.node_trainer_pids: dict[int, list[int]] = {}
 
@@ -55,6 +58,9 @@ class Processes:
         environment."""
         self.rewards = RewardService(self.spec.reward)
         self.plan = plan = place()
+        if plan.device == "gpu" and self.spec.algorithm.kl_reference == "stage":
+            raise PlacementError("algorithm.kl_reference 'stage': the inference stage's worker runs on the CPU and "
+                                 "is not placed on a GPU yet; on GPUs leave the reference in the trainer ('trainer')")
         on_cpu = plan.device == "cpu"
         # In one process (no engine processes) every engine and the trainer share node 0's cores.
         configure_cpu_environment(plan.cpu_bind("engine") if on_cpu else None, self.spec.rollout.kv_cache_gb)
@@ -73,6 +79,9 @@ class Processes:
             on_cpu = self.plan.device == "cpu"
             self.trainer = await asyncio.to_thread(Trainer, spec, spec.model.path,
                                                    self.plan.threads("trainer") if on_cpu else None, checked.pad_id)
+        if spec.algorithm.kl_reference == "stage":  # the run's starting model, frozen, in a worker of its own
+            self.reference = ReferenceStage(spec, spec.model.path, checked.pad_id)
+            await asyncio.to_thread(self.reference.start)
         return self.trainer
 
     def _threads_per_rank(self, node: int) -> Optional[int]:
@@ -175,7 +184,7 @@ class Processes:
 
     def close(self, engines: list[RolloutEngine], broadcaster: Optional[WeightBroadcaster]) -> None:
         """Stop every role: the weight group, the engines (live and dead), the reward
-        service, trainer rank processes."""
+        service, the inference stage, trainer rank processes."""
         if broadcaster is not None:
             broadcaster.close()
         for engine in engines:
@@ -185,5 +194,7 @@ class Processes:
                 pass
         if self.rewards is not None:
             self.rewards.close()
+        if self.reference is not None:
+            self.reference.close()
         if hasattr(self.trainer, "close"):  # trainer rank processes
             self.trainer.close()

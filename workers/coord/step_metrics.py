@@ -108,6 +108,7 @@ class StepMetrics:
             **{f"reward/part/{name}": sum(s.parts.get(name, 0.0) for s in samples) / len(samples)
                for name in samples[0].parts},
             **{f"reward_model/{k}": v for k, v in run.rewards.model_stats().items()},
+            **({f"reference_stage/{k}": v for k, v in fleet.reference.stats().items()} if fleet.reference else {}),
             "throughput/samples_per_s": r.trained_samples / elapsed,
             "throughput/tokens_per_s": r.trained_tokens / elapsed,
             "rollout/gen_tokens_per_s": (fleet.retired_tokens + sum(e.generated_tokens for e in fleet.engines)) / elapsed,

@@ -152,11 +152,7 @@ class RewardService:
 
     def model_stats(self) -> dict[str, float]:
         """The reward model's work so far: forwards, texts and seconds waited on them."""
-        if self.model is None:
-            return {}
-        m = self.model
-        return {"batches": m.batches, "texts": m.texts, "busy_s": m.busy_s,
-                "mean_batch": m.texts / m.batches if m.batches else 0.0}
+        return self.model.stats() if self.model is not None else {}
 
     def close(self) -> None:
         if self.model is not None:

@@ -35,6 +35,8 @@ class TrainSample:
     values: Optional[list[float]] = None  # the critic's values the targets came from ("old values")
     returns: Optional[list[float]] = None  # the critic's targets (λ-returns)
     token_advantages: Optional[list[float]] = None  # GAE per token
+    # algorithm.kl_reference stage: log π_ref per token, from the inference stage (workers/train/reference.py)
+    ref_logprobs: Optional[list[float]] = None
 
 
 def step_denominator(batch: list[TrainSample], normalize: str) -> float:
@@ -219,7 +221,7 @@ class Trainer:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=load)
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.reference = None
-        if algo.kl_coef > 0:
+        if algo.kl_coef > 0 and algo.kl_reference == "trainer":  # (stage: the samples bring log π_ref)
             # The same weights and forward as the policy's first: the KL starts at exactly 0. Under
             # autocast that means fp32 weights here too (bf16 ones, rounded, would start it above 0,
             # and Adam's first, sign-like steps then chase the rounding, measured: a 20x larger KL
@@ -512,9 +514,15 @@ class Trainer:
             else:
                 out = algorithms.reinforce_tis_loss(logp, behav, adv, mask, algo.behav_weight_cap, denominator)
             loss = out.loss
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref, _ = self._logprobs(self.reference, ids, att)
+            if algo.kl_coef > 0:
+                if part[0].ref_logprobs is not None:  # from the inference stage
+                    ref = self._per_token(part, mask.shape[1], "ref_logprobs").to(self.engine.device)
+                elif self.reference is not None:
+                    with torch.no_grad():
+                        ref, _ = self._logprobs(self.reference, ids, att)
+                else:
+                    raise RuntimeError("algorithm.kl_reference stage: a sample reached the trainer without its "
+                                       "reference log-probs")
                 # the policy loss's importance weights carry the stale tokens to π's expectation
                 kl = algorithms.kl_penalty(logp, ref, mask, denominator, algo.kl_estimator, weights=out.weights)
                 loss = loss + algo.kl_coef * kl

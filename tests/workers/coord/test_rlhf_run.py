@@ -1,9 +1,10 @@
 """An async RLHF run on the real engine with RLHF's four models: the actor, a critic
 (algorithm.advantage gae), a neural reward model in its own worker (reward.model) and the
-KL reference. The reward model scores every sample in shared micro-batches beside a rule
-reported at weight 0, the critic trains beside the policy at every step, their metrics are
+KL reference in the inference stage (algorithm.kl_reference: stage). The reward model and
+the reference take every sample in shared micro-batches as it finishes (a rule rides along
+at weight 0), the critic trains beside the policy at every step, their metrics are
 reported, the critic's DeepSpeed state is in the checkpoint (restored exactly:
-tests/workers/train/test_critic.py) and the reward model's worker is gone at the end."""
+tests/workers/train/test_critic.py) and both stage workers are gone at the end."""
 import asyncio
 import json
 
@@ -22,7 +23,9 @@ def test_an_async_rlhf_run_scores_with_the_reward_model_and_trains_and_checkpoin
         "task": {"dataset": "gen:add?max_digits=2", "size": 200, "eval_size": 10},
         "reward": {"components": [{"function": "model"}, {"function": "numeric_match", "weight": 0}],
                    "model": {"path": "builtin:tiny-rm", "max_wait_ms": 200}},
-        "algorithm": {"advantage": "gae", "lr": 3e-4, "group_size": 2, "warmup_steps": 0, "kl_coef": 0.01},
+        "algorithm": {"advantage": "gae", "lr": 3e-4, "group_size": 2, "warmup_steps": 0, "kl_coef": 0.01,
+                      "kl_reference": "stage"},
+        "inference": {"max_wait_ms": 200},
         "rollout": {"max_tokens": 8},
         # longest_first: the async look-ahead window with aging (workers/coord/scheduling.py) runs here too
         "schedule": {"mode": "async", "max_staleness": 1, "batch_prompts": 4, "dispatch": "longest_first"},
@@ -50,7 +53,12 @@ def test_an_async_rlhf_run_scores_with_the_reward_model_and_trains_and_checkpoin
     model_part, rule_part = by_key["reward/part/model"], by_key["reward/part/numeric_match"]
     assert by_key["reward/mean"] == pytest.approx(model_part)  # the rule at weight 0 is reported, not trained on
     assert all(0 < v < 1 for v in model_part) and all(0 <= v <= 1 for v in rule_part)
-    assert controller.rewards.model.proc.poll() is not None  # its worker ended with the run
+    assert by_key["reference_stage/samples"][-1] >= result.trained_samples
+    assert by_key["reference_stage/mean_batch"][-1] > 1.5
+    assert len(by_key["loss/kl"]) == 4 and by_key["loss/kl"][-1] > 0  # the policy moved off the reference
+    assert controller.trainer.reference is None  # the trainer held no reference
+    assert controller.rewards.model.proc.poll() is not None  # the stage workers ended with the run
+    assert controller.processes.reference.proc.poll() is not None
     checkpoint = latest_checkpoint(out)
     assert checkpoint.step == 4
     assert any((checkpoint.path / "trainer" / "critic").iterdir())

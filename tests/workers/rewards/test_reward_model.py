@@ -41,7 +41,8 @@ def _score_all(client, texts):
 def test_texts_that_finish_together_share_micro_batches_and_score_what_the_model_scores_in_process(client, rm_path):
     texts = [f"{a}+{b}={a + b + (a % 3 == 0)}" for a, b in zip(range(40), range(7, 47))]
     scores = _score_all(client, texts)
-    assert (client.batches, client.texts) == (3, 40)  # 16 + 16 + 8, not 40 forwards
+    stats = client.stats()
+    assert (stats["batches"], stats["texts"], stats["mean_batch"]) == (3, 40, 40 / 3)  # 16 + 16 + 8, not 40 forwards
     direct = Scorer(rm_path).logits(texts)
     assert max(abs(s - client.reward(d)) for s, d in zip(scores, direct)) < 1e-6
     assert all(0.0 < s < 1.0 for s in scores)  # output: probability
@@ -71,7 +72,7 @@ def test_a_worker_that_dies_or_stalls_is_a_named_error_and_the_run_stops(rm_path
         service = RewardService(RewardSpec(function="model", model=RewardModelSpec(path=rm_path, timeout_s=2)))
         try:
             os.kill(service.model.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
-            with pytest.raises(RewardFunctionBroken, match="died" if how == "kill" else "did not score"):
+            with pytest.raises(RewardFunctionBroken, match="died" if how == "kill" else "did not answer within"):
                 asyncio.run(service.score("1+1=", "2", {}))
             with pytest.raises(RewardFunctionBroken):  # and every sample after it
                 asyncio.run(service.score("1+2=", "3", {}))

@@ -1,0 +1,122 @@
+"""The KL reference as an inference stage (``algorithm.kl_reference: stage``).
+
+RLHFuse splits RLHF's iteration into generation, inference (the reference, reward and
+critic forwards) and training. Here the reference's forward leaves the trainer's step:
+a worker process of its own holds the frozen reference (the run's starting model) and
+computes each sample's per-token log-probs as the sample finishes generating, in
+micro-batches shared with the samples that finish close together, while the rest of the
+rollout still generates. The samples reach the trainer with ``ref_logprobs`` set; the
+trainer loads no reference and runs one forward less per micro-batch.
+
+The log-probs are the trainer's own (``Trainer._logprobs``): the logits over the rollout
+temperature, truncated by its top-k/top-p as vLLM sampled, in the trainer's precision
+(fp32 weights under autocast for bfloat16/float16 at ZeRO 0, the spec's dtype otherwise).
+The worker runs on the CPU; a GPU plan refuses the stage until it is placed on a device.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, serve
+
+logger = logging.getLogger(__name__)
+
+
+class ReferenceScorer:
+    """The reference model and the trainer's log-prob rule (in the worker, or in-process)."""
+
+    def __init__(self, path: str, dtype: str, zero_stage: int, temperature: float, top_k: int, top_p: float,
+                 pad_id: int, threads: int = 1):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        # As the trainer: fp32 weights under autocast at ZeRO 0 with a low precision, else that dtype
+        self.autocast = getattr(torch, dtype) if dtype != "float32" and zero_stage == 0 else None
+        load = torch.float32 if self.autocast is not None else getattr(torch, dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=load).eval()
+        self.model.requires_grad_(False)
+        self.temperature = max(temperature, 1e-5)
+        self.top_k, self.top_p, self.pad_id = top_k, top_p, pad_id
+
+    def logprobs(self, items: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """Per generated token, log π_ref(token | prefix), for (prompt_ids, token_ids) pairs."""
+        import contextlib
+
+        from workers.train.algorithms import token_logprobs
+
+        torch = self.torch
+        width = max(len(p) + len(t) for p, t in items)
+        ids = torch.full((len(items), width), self.pad_id, dtype=torch.long)
+        att = torch.zeros((len(items), width), dtype=torch.long)
+        for i, (p, t) in enumerate(items):
+            ids[i, : len(p) + len(t)] = torch.tensor(list(p) + list(t))
+            att[i, : len(p) + len(t)] = 1
+        cast = (torch.autocast(device_type="cpu", dtype=self.autocast) if self.autocast is not None
+                else contextlib.nullcontext())
+        with torch.no_grad():
+            with cast:
+                logits = self.model(input_ids=ids, attention_mask=att).logits[:, :-1].float() / self.temperature
+            logp, _ = token_logprobs(logits, ids[:, 1:], top_k=self.top_k, top_p=self.top_p)
+        # position t predicts token t+1: the generated tokens sit at p-1 .. p-1+len-1
+        return [logp[i, len(p) - 1: len(p) - 1 + len(t)].tolist() for i, (p, t) in enumerate(items)]
+
+
+def scorer_config(spec, model_path: str, pad_id: int) -> dict:
+    ro = spec.rollout
+    return {"path": model_path, "dtype": spec.model.dtype, "zero_stage": spec.trainer.zero_stage,
+            "temperature": ro.temperature, "top_k": ro.top_k, "top_p": ro.top_p, "pad_id": pad_id,
+            "threads": spec.inference.threads}
+
+
+class ReferenceStage:
+    """The coordinator's end: ``await logprobs(prompt_ids, token_ids)`` per finished sample."""
+
+    def __init__(self, spec, model_path: str, pad_id: int):
+        inf = spec.inference
+        self.worker = LocalWorker("the KL reference stage", "workers.train.reference",
+                                  scorer_config(spec, model_path, pad_id), threads=inf.threads,
+                                  timeout_s=inf.timeout_s)
+        self.batcher = MicroBatcher(self._forward, inf.micro_batch, inf.max_wait_ms / 1000)
+
+    def start(self) -> None:
+        hello = self.worker.start()
+        logger.info("KL reference stage: worker pid %d", hello["pid"])
+
+    @property
+    def proc(self):
+        return self.worker.proc
+
+    async def logprobs(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+        if not token_ids:
+            return []
+        return await self.batcher.submit((list(prompt_ids), list(token_ids)))
+
+    def _forward(self, items: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        out = self.worker.call({"items": items}).get("logprobs")
+        if not isinstance(out, list) or [len(x) for x in out] != [len(t) for _, t in items]:
+            raise LocalWorkerError("the KL reference stage answered with the wrong number of log-probs")
+        return out
+
+    def stats(self) -> dict[str, float]:
+        stats = self.batcher.stats()
+        stats["samples"] = stats.pop("items")
+        return stats
+
+    def close(self) -> None:
+        self.batcher.close()
+        self.worker.close()
+
+
+def _load(config: dict):
+    scorer = ReferenceScorer(**config)
+    return (lambda request: {"logprobs": scorer.logprobs([(p, t) for p, t in request["items"]])}, {})
+
+
+if __name__ == "__main__":
+    _config = json.loads(sys.argv[2])
+    sys.exit(serve(int(sys.argv[1]), lambda: _load(_config)))
+
