@@ -12,6 +12,8 @@ Systems, all on ``examples/add-async.yaml`` (the tiny model, 2-digit addition, 1
 
 - plain: one process, HF sampling, Adam, group advantages, token-mean loss
   (``grpo_step`` of bench/rl_regime.py);
+- trl: TRL's GRPOTrainer with the same settings (bench/trl_grpo.py; a bench-only
+  dependency, ``.venv/bin/pip install trl==1.16.0``), the peer a team would try first;
 - sync: the engine (``python -m workers run``) with ``schedule.mode: sync``;
 - async: the engine as the example has it (keep updates, max staleness 2).
 
@@ -59,7 +61,8 @@ ENGINE_SYSTEMS = {"sync": {"schedule": {"mode": "sync"}}, "async": {},
                   "sync_proc": {"schedule": {"mode": "sync"}, "resources": {"trainer_process": True}},
                   # vLLM's model in its engine core process (no worker process spin-waiting)
                   "sync_single": {"schedule": {"mode": "sync"}, "rollout": {"cpu_single_process": True}}}
-SYSTEMS = ["plain", "sync", "async"]
+SYSTEMS = ["plain", "trl", "sync", "async"]
+OTHER_LOOPS = ("trl",)  # systems that are neither the plain loop nor the engine
 NO_STEP_LIMIT = 10 ** 9  # the time budget stops every run
 
 
@@ -183,15 +186,15 @@ def main() -> None:
     # Two OpenMP threads on this shared 2-core machine ran the plain loop 10x slower whenever
     # another process held a core (they spin waiting for each other); the engine runs one
     # thread per process.
-    p.add_argument("--plain-threads", type=int, default=1, help="torch threads of the plain loop")
+    p.add_argument("--plain-threads", type=int, default=1, help="torch threads of the plain loop and of TRL's")
     p.add_argument("--quick", action="store_true", help="smoke check: 1 round of 15 s, 100 held-out prompts")
     p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"comma-separated, plain first (it sets the target): plain, {', '.join(ENGINE_SYSTEMS)}")
+                   help=f"comma-separated, plain first (it sets the target): plain, trl, {', '.join(ENGINE_SYSTEMS)}")
     p.add_argument("--json", default=str(BENCH / "results" / "vs_plain.json"))
     args = p.parse_args()
     systems = args.systems.split(",")
-    if systems[0] != "plain" or not set(systems[1:]) <= set(ENGINE_SYSTEMS):
-        p.error(f"--systems: plain first, then any of {', '.join(ENGINE_SYSTEMS)}")
+    if systems[0] != "plain" or not set(systems[1:]) <= set(ENGINE_SYSTEMS) | set(OTHER_LOOPS):
+        p.error(f"--systems: plain first, then any of trl, {', '.join(ENGINE_SYSTEMS)}")
     if args.quick:
         args.rounds, args.minutes, args.eval_every, args.eval_prompts = 1, 0.25, 10, 100
     spec = merged(yaml.safe_load(EXAMPLE.read_text()), {
@@ -205,6 +208,10 @@ def main() -> None:
         if system == "plain":
             r = plain_run(spec, args.plain_threads)
             targets.append(args.target if args.target is not None else r["accuracy_after"])
+        elif system == "trl":
+            from trl_grpo import trl_run
+
+            r = trl_run(spec, args.plain_threads)
         else:
             r = engine_run(system, spec, Path(tmp) / tag)
         r.update(train_s=r["seconds"] - r["eval_s"], outside_s=r["wall_s"] - r["seconds"], target=targets[-1])
