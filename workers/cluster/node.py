@@ -58,7 +58,7 @@ class NodeAssignment(wire.Message):
     master_addr: str
     master_port: int
     ranks: int  # trainer ranks on this node
-    threads_per_rank: Optional[int]
+    threads_per_rank: int | list[int] | None  # one for all local ranks, or each rank's
     cuda_devices: Optional[list[str]] = None  # per local rank
     engines: list[EngineServerConfig]
     run_dir: str = ""  # the run's folder: trainer paths must lie in it (unless the agent has its own --out)

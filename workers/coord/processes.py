@@ -84,9 +84,11 @@ class Processes:
             await asyncio.to_thread(self.reference.start)
         return self.trainer
 
-    def _threads_per_rank(self, node: int) -> Optional[int]:
+    def _threads_per_rank(self, node: int) -> int | list[int]:
         ranks = self.plan.on_node(node, "trainer")
-        return max(1, self.plan.threads("trainer", node) // len(ranks)) if self.plan.device == "cpu" else None
+        if self.plan.device == "gpu":  # each rank its own cores, as the plan says (OMP_NUM_THREADS)
+            return [p.threads for p in ranks]
+        return max(1, self.plan.threads("trainer", node) // len(ranks))
 
     def _trainer_devices(self, node: int) -> Optional[list[str]]:
         ranks = self.plan.on_node(node, "trainer")

@@ -749,8 +749,11 @@ def launch_server(config: EngineServerConfig) -> tuple[subprocess.Popen, str, in
     """Start an engine server on this node (in a session of its own, so that killing the
     session takes its vLLM core too); returns the process, its address and pid."""
     wire.cluster_key()  # the child inherits the run's key through the environment
+    # The plan's environment from exec on (not only once the server reads its config): what
+    # a library reads at import (OpenMP's pool size) is then the plan's too, and
+    # /proc/<pid>/environ shows where the process was put.
     proc = subprocess.Popen([sys.executable, "-m", "workers", "engine-server"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, start_new_session=True,
+                            stdout=subprocess.PIPE, start_new_session=True, env={**os.environ, **config.env},
                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     proc.stdin.write(config.model_dump_json().encode())
     proc.stdin.close()

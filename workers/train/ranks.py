@@ -14,6 +14,7 @@ passes fill up), since ZeRO-2/3 communicate in each of them.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -299,7 +300,8 @@ class TrainerGroup:
     A dead or failed rank makes the current and every later call raise ``TrainerRankError``
     (and stops the other ranks, which would wait in collectives forever)."""
 
-    def __init__(self, spec: RunSpec, model_path: str, ranks: int, threads_per_rank: Optional[int], pad_id: int, *,
+    def __init__(self, spec: RunSpec, model_path: str, ranks: int, threads_per_rank: int | list[int] | None,
+                 pad_id: int, *,
                  master_addr: str = "127.0.0.1", master_port: Optional[int] = None, nnodes: int = 1,
                  node_rank: int = 0, cuda_devices: Optional[list[str]] = None):
         if ranks < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
@@ -325,17 +327,21 @@ class TrainerGroup:
                 rank = self.first_rank + local
                 env = {"RANK": str(rank), "WORLD_SIZE": str(self.world), "MASTER_ADDR": master_addr,
                        "MASTER_PORT": str(master_port), "LOCAL_RANK": str(local)}
-                if threads_per_rank:
-                    env["OMP_NUM_THREADS"] = str(threads_per_rank)
+                threads = threads_per_rank[local] if isinstance(threads_per_rank, list) else threads_per_rank
+                if threads:
+                    env["OMP_NUM_THREADS"] = str(threads)
                 if cuda_devices is not None:
-                    # The rank sees only its own device, as cuda:0 — DeepSpeed picks cuda:LOCAL_RANK.
-                    env.update(CUDA_VISIBLE_DEVICES=cuda_devices[local], LOCAL_RANK="0")
-                config = _RankConfig(spec=spec, model_path=model_path, threads=threads_per_rank, pad_id=pad_id,
+                    # As the plan says (workers/cluster/placement.py Plan.env) and DeepSpeed's launcher
+                    # does: every rank of the node sees the node's trainer GPUs and takes
+                    # cuda:LOCAL_RANK among them.
+                    env.update(CUDA_VISIBLE_DEVICES=",".join(cuda_devices), LOCAL_RANK=str(local))
+                config = _RankConfig(spec=spec, model_path=model_path, threads=threads, pad_id=pad_id,
                                      rank=rank, parent_pid=os.getpid(), env=env)
                 parent_end, child_end = ctx.Pipe()
                 proc = ctx.Process(target=_rank_main, args=(config, child_end), name=f"fluxrl-trainer-rank{rank}",
                                    daemon=True)
-                proc.start()
+                with _exec_environment(env):  # the rank's placement from exec on, as an engine server's
+                    proc.start()
                 child_end.close()  # so the parent sees EOF once the child is gone
                 self._procs.append(proc)
                 self._conns.append(parent_end)
@@ -603,6 +609,29 @@ def _watch_parent(parent_pid: int) -> None:
         os._exit(70)
 
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
+
+
+_ENVIRON_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _exec_environment(env: dict[str, str]):
+    """``env`` over this process's environment while a spawned child is exec'd (spawn
+    hands the child this process's environment; it has no per-child one), restored right
+    after: the child then starts with its placement (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS
+    before OpenMP sizes its pool at torch's import) and /proc/<pid>/environ shows it. One
+    launch at a time holds the lock; the window is the fork and exec."""
+    with _ENVIRON_LOCK:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def _rank_main(config: _RankConfig, conn: Connection) -> None:
