@@ -7,8 +7,8 @@ export over the collective to a receiver in another process.
     .venv/bin/python bench/gpu_trainer.py --steps 5 --stages 2 3 --ranks 2
     .venv/bin/python bench/gpu_trainer.py --stages 0 1 2 3 --dtype bfloat16   # precision per stage
 
-Devices: rank r trains on GPU r (its process sees only that one, as cuda:0 with
-LOCAL_RANK 0: workers/train/ranks.py); the weight export's sender is cuda:0 of this
+Devices: rank r trains on GPU r (its process sees the ranks' GPUs and takes
+cuda:LOCAL_RANK among them, as DeepSpeed's launcher does: workers/train/ranks.py); the weight export's sender is cuda:0 of this
 process and its receiver cuda:1 of another (NCCL wants one device per member), each made
 the process's current device. Every store is bound once: the trainer world's by rank 0,
 the export's by host_group (port 0, the kernel's choice, read back).
