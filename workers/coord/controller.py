@@ -28,7 +28,7 @@ from typing import Optional
 
 from workers.coord.async_schedule import AsyncSchedule
 from workers.coord.checkpointing import Checkpointer
-from workers.coord.generation import Fleet, Group, Sample
+from workers.coord.generation import EVALUATING, Fleet, Group, Sample
 from workers.coord.length_ranker import LengthRanker
 from workers.coord.processes import Processes, placement
 from workers.coord.step_metrics import RunResult, StepMetrics
@@ -230,6 +230,13 @@ class Controller:
         if not self.eval_rows:
             return float("nan")
         self.fleet.live_engine()  # fails clearly if every engine is dead
+        evaluating = EVALUATING.set(True)
+        try:
+            return await self._evaluate(step)
+        finally:
+            EVALUATING.reset(evaluating)
+
+    async def _evaluate(self, step: int) -> float:
         engines = [e for e in self.engines if not e.dead]
         sample = self.fleet.sample
         samples = await asyncio.gather(*(sample(engines[i % len(engines)], r, 0.0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from dataclasses import dataclass, field
 from typing import Optional
@@ -22,6 +23,12 @@ from workers.weights.broadcast import RankZeroSender, WeightBroadcaster, WeightB
 from workers.weights.sync import serialize_state_dict
 
 logger = logging.getLogger(__name__)
+
+
+# Set while the held-out evaluation generates (Controller.evaluate): its samples skip the
+# inference stage's training-only forwards. A context variable, so only the evaluation's
+# own tasks see it, not the rollouts generating beside it.
+EVALUATING: contextvars.ContextVar[bool] = contextvars.ContextVar("fluxrl_evaluating", default=False)
 
 
 @dataclass
@@ -103,7 +110,7 @@ class Fleet:
     async def score(self, row: dict, comp: Completion) -> Sample:
         text = self.prompts.decode(comp.token_ids)
         fields = {k: v for k, v in row.items() if k != "prompt"}
-        if self.reference is None:
+        if self.reference is None or EVALUATING.get():  # held-out samples are not trained on
             score = await self.rewards.score(row["prompt"], text, fields)
             return Sample(row, comp, text, score.reward, score.error, score.parts)
         # the inference stage: the reference's forward beside the scoring, as the sample finishes

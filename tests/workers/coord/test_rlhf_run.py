@@ -54,6 +54,8 @@ def test_an_async_rlhf_run_scores_with_the_reward_model_and_trains_and_checkpoin
     assert by_key["reward/mean"] == pytest.approx(model_part)  # the rule at weight 0 is reported, not trained on
     assert all(0 < v < 1 for v in model_part) and all(0 <= v <= 1 for v in rule_part)
     assert by_key["reference_stage/samples"][-1] >= result.trained_samples
+    # the held-out evaluation before training was scored by the reward model, not sent to the reference
+    assert by_key["reward_model/texts"][-1] - by_key["reference_stage/samples"][-1] == 10
     assert by_key["reference_stage/mean_batch"][-1] > 1.5
     assert len(by_key["loss/kl"]) == 4 and by_key["loss/kl"][-1] > 0  # the policy moved off the reference
     assert controller.trainer.reference is None  # the trainer held no reference
