@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from workers.models import tinymodel
-from workers.models.tinymodel import (MANIFEST, WEIGHTS, TinyModelError, default_cache, file_sha256, install_folder,
-                                      recipe_id, verify_model_folder)
+from workers.models.tinymodel import (MANIFEST, WEIGHTS, cache_is_good, default_cache, file_sha256, install_folder,
+                                      recipe_id, shipped_manifest, verify_model_folder)
 from workers.tasks import datasets as tasks
 from workers.tasks.builtin_rewards import numeric_match
 
@@ -180,26 +180,6 @@ def train(recipe: dict, out: Path, progress: bool = True) -> dict:
     return report
 
 
-def _shipped() -> dict | None:
-    path = SHIPPED_DIR / MANIFEST
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def _good(out: Path, recipe: dict, shipped: dict | None) -> bool:
-    if not (out / MANIFEST).exists():
-        return False
-    try:
-        manifest = verify_model_folder(out)
-    except (TinyModelError, ValueError, OSError) as exc:
-        logger.warning("reward model cache %s is damaged (%s): replacing it", out, exc)
-        return False
-    if manifest.get("recipe") != recipe:
-        return False
-    if shipped and shipped.get("recipe") == recipe and manifest.get("source") != "rebuilt":
-        return manifest.get("sha256") == shipped.get("sha256")
-    return True
-
-
 def ensure_tiny_reward_model(root: str | os.PathLike | None = None, recipe: dict | None = None,
                              progress: bool = True, rebuild: bool = False) -> Path:
     """The folder of the tiny reward model: the shipped weights for the default recipe
@@ -207,8 +187,8 @@ def ensure_tiny_reward_model(root: str | os.PathLike | None = None, recipe: dict
     even when shipped weights exist."""
     recipe = {**DEFAULT_RECIPE, **(recipe or {})}
     out = Path(root or default_cache()) / f"tiny-rm-{recipe_id(recipe)}"
-    shipped = _shipped()
-    if not rebuild and _good(out, recipe, shipped):
+    shipped = shipped_manifest(SHIPPED_DIR)
+    if not rebuild and cache_is_good(out, recipe, shipped):
         return out
 
     def build(staging: Path) -> None:
@@ -222,7 +202,7 @@ def ensure_tiny_reward_model(root: str | os.PathLike | None = None, recipe: dict
         report["source"] = "rebuilt" if shipped and shipped.get("recipe") == recipe else "trained"
         (staging / MANIFEST).write_text(json.dumps(report, indent=2))
 
-    return install_folder(out, build, lambda: not rebuild and _good(out, recipe, shipped))
+    return install_folder(out, build, lambda: not rebuild and cache_is_good(out, recipe, shipped))
 
 
 def ship(folder: Path) -> None:

@@ -204,9 +204,9 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def shipped_manifest() -> dict | None:
-    """The manifest of the weights shipped with the project, or None if absent."""
-    path = SHIPPED_DIR / MANIFEST
+def shipped_manifest(folder: Path = SHIPPED_DIR) -> dict | None:
+    """The manifest of the weights shipped with the project in ``folder``, or None if absent."""
+    path = folder / MANIFEST
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -226,13 +226,16 @@ def verify_model_folder(folder: Path, manifest_name: str = MANIFEST) -> dict:
     return manifest
 
 
-def _cache_is_good(out: Path, recipe: dict, shipped: dict | None) -> bool:
+def cache_is_good(out: Path, recipe: dict, shipped: dict | None) -> bool:
+    """Whether the cached build at ``out`` is the one to use for ``recipe``: complete,
+    matching its checksum, and the shipped weights where those are the recipe's (unless
+    rebuilt on purpose). A damaged one is logged, to be replaced."""
     if not (out / MANIFEST).exists():
         return False
     try:
         manifest = verify_model_folder(out)
     except (TinyModelError, ValueError, OSError) as exc:
-        logger.warning("tiny model cache %s is damaged (%s): replacing it", out, exc)
+        logger.warning("model cache %s is damaged (%s): replacing it", out, exc)
         return False
     if manifest.get("recipe") != recipe:
         return False
@@ -251,7 +254,7 @@ def ensure_tiny_model(root: str | os.PathLike | None = None, recipe: dict | None
     recipe = {**DEFAULT_RECIPE, **(recipe or {})}
     out = Path(root or default_cache()) / f"tiny-{recipe_id(recipe)}"
     shipped = shipped_manifest()
-    if not rebuild and _cache_is_good(out, recipe, shipped):
+    if not rebuild and cache_is_good(out, recipe, shipped):
         return out
 
     def build(staging: Path) -> None:
@@ -267,7 +270,7 @@ def ensure_tiny_model(root: str | os.PathLike | None = None, recipe: dict | None
                 report["same_as_shipped"] = report["sha256"] == shipped.get("sha256")
             (staging / MANIFEST).write_text(json.dumps(report, indent=2))
 
-    return install_folder(out, build, lambda: not rebuild and _cache_is_good(out, recipe, shipped))
+    return install_folder(out, build, lambda: not rebuild and cache_is_good(out, recipe, shipped))
 
 
 def install_folder(out: Path, build: Callable[[Path], None], is_good: Callable[[], bool]) -> Path:
