@@ -101,6 +101,12 @@ spec, result = load_spec_file(sys.argv[1]), json.load(open(sys.argv[2]))
 print("result:", json.dumps(result))
 assert result["steps"] >= 1, f"no step trained: {result}"
 assert all(math.isfinite(v) for v in result.values() if isinstance(v, float)), result
+if spec.resources.colocate:  # the engines slept through every trainer step and woke for the update
+    steps = [json.loads(line) for line in open(sys.argv[2].replace("result.json", "metrics.jsonl"))]
+    slept = [m for m in steps if "engine/sleep_s" in m]
+    assert slept and len(slept) == result["steps"], f"{len(slept)} steps with engine/sleep_s of {result['steps']}"
+    print("sleep_s max %.2f, wake_s max %.2f" % (max(m["engine/sleep_s"] for m in slept),
+                                                  max(m["engine/wake_s"] for m in slept)))
 if result["steps"] < spec.stop.max_steps:
     print(f"note: {result['steps']} of {spec.stop.max_steps} steps before stop.max_minutes")
 EOF
@@ -140,14 +146,8 @@ check trainer-fp16 1 "bench/gpu_trainer.py: fp16, ZeRO 0 (autocast + GradScaler)
     "$PY" bench/gpu_trainer.py --stages 0 2 --dtype float16 --steps 3
 check disaggregated 2 "workers run gpu_specs/disaggregated.yaml: trainer GPU 0, engine GPU 1, async, CUDA graphs" \
     run_spec disaggregated
-check colocated 1 "workers run gpu_specs/colocated.yaml: engine and trainer on one GPU, sync" \
+check colocated 1 "workers run gpu_specs/colocated.yaml: engine and trainer on one GPU, sync, the engine asleep (vLLM sleep level 1) through every trainer step" \
     run_spec colocated
-if has 'from workers.rollout.engine import RolloutEngine; assert hasattr(RolloutEngine, "sleep")'; then
-    check sleep-wake 1 "colocated with vLLM sleep/wake" run_spec colocated
-else
-    not_built sleep-wake "colocated engines sleep (free their GPU memory) while the trainer steps" \
-        "issue 27: RolloutEngine has no sleep/wake; placement says so"
-fi
 if has 'import inspect; from workers.rollout.engine import RolloutEngine; assert "tensor_parallel" in inspect.signature(RolloutEngine).parameters'; then
     check tp2 3 "workers run gpu_specs/tp2.yaml: one engine over 2 GPUs" run_spec tp2
 else

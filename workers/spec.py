@@ -359,9 +359,8 @@ class ResourcesSpec(_Strict):
     trainer_process: bool = Field(False, description="the trainer in a process of its own even with one rank "
                                   "(always so with trainer_ranks > 1): it then shares no interpreter lock with "
                                   "the coordinator's event loop")
-    colocate: bool = Field(False, description="engines share the trainer's GPUs (schedule.mode sync); they keep "
-                           "their memory while it steps (vLLM sleep mode is not built yet), so both must fit a "
-                           "GPU together")
+    colocate: bool = Field(False, description="engines share the trainer's GPUs (schedule.mode sync, GPUs only); "
+                           "they sleep through each trainer step (vLLM sleep mode) and wake for the update")
 
     @field_validator("nodes")
     @classmethod

@@ -52,7 +52,7 @@ def test_the_table_lists_every_check_including_those_not_built_or_needing_more_g
   *memory.used*) echo 1000; echo 2345 ;;
 esac
 """)
-    # device_count 2; the feature probes (sleep/wake, tensor parallel) fail; everything else passes
+    # device_count 2; the feature probe (tensor parallel) fails; everything else passes
     python = _stub(tmp_path, "python", """case "$*" in
   *device_count*) echo 2 ;;
   *RolloutEngine*) exit 1 ;;
@@ -66,8 +66,8 @@ esac
     for name in ("trainer-bf16", "trainer-fp16", "disaggregated", "colocated", "collective", "build-05b"):
         assert rows[name][1] == "ok", rows[name]
         assert float(rows[name][2]) >= 0 and rows[name][3] == "2345"  # the most on any one GPU
-    for name in ("sleep-wake", "tp2"):
-        assert rows[name][1] == "not built", rows[name]
+    assert rows["tp2"][1] == "not built", rows["tp2"]
+    assert "vLLM sleep level 1" in rows["colocated"][4]  # colocated runs asleep through the trainer's steps
     assert "not built yet (issue 27" in result.stdout
     assert rows["zero3"][1] == "not run" and "needs 3 GPUs (2 visible)" in result.stdout
     assert rows["model-05b"][1] == "not run"  # the stand-in built no model folder

@@ -26,15 +26,22 @@ counted, per GPU, and where it comes from:
   share, and with ``rollout.max_model_len`` set, room for one such sequence's KV cache
   (what vLLM's v1/core/kv_cache_utils.py ``_check_enough_kv_cache_memory`` demands).
 - **Weight-receive buffers** (``rollout.weight_transport: collective``, outside vLLM's
-  share): ``WeightGroup._receive`` allocates every bucket of an update at once (a full
-  copy in the model's dtype, on each of the engine's GPUs: every worker receives the
-  whole state dict) and ``_fluxrl_apply`` keeps the received tensors until the next
-  update replaces them, so a receive holds two copies. ``rpc`` receives in host memory.
+  share): ``WeightGroup.receive_stream`` posts the next bucket while the current one is
+  copied into the parameters, so an engine GPU holds two buckets at a time, each
+  ``broadcast.BUCKET_BYTES`` or the largest tensor, whichever is larger (a tensor larger
+  than a bucket travels alone). ``rpc`` receives in host memory.
+
+Colocated plans (the engines on the trainer's GPUs) are counted in two phases, since the
+engines sleep through each trainer step (vLLM sleep level 1: weights to host memory, KV
+cache freed; ``RolloutEngine.sleep``): *generating* (the trainer's weights, gradients and
+optimizer states, the reference, and the engines' share) and *training* (the trainer's
+all, transients included, and the reference; the engines hold nothing), and between the
+two *updating* (the engines' weights awake, their KV cache still asleep, the receive
+buffers; the trainer's persistent states and, under ZeRO-3, its gathered weights).
 
 Not counted (they come on top): activations, CUDA contexts, DeepSpeed's communication
-buckets, the trainer's send buckets (a few x 32 MiB). Colocated engines keep their
-share while the trainer steps: vLLM sleep mode is not built, so a colocated GPU must
-hold both at once.
+buckets, the trainer's send buckets (a few x 32 MiB), what a sleeping engine keeps (its
+CUDA context and graphs).
 """
 from __future__ import annotations
 
@@ -42,6 +49,8 @@ import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
+
+from workers.weights.broadcast import BUCKET_BYTES
 
 if TYPE_CHECKING:
     from workers.spec import RunSpec
@@ -61,6 +70,7 @@ class ModelSize:
     the config says; an upper bound for models that compress or window their cache."""
     params: int
     kv_values_per_token: Optional[int] = None
+    largest: Optional[int] = None  # the largest tensor's elements (the embedding, as a rule)
 
 
 def model_size(path: str) -> Optional[ModelSize]:
@@ -78,11 +88,12 @@ def model_size(path: str) -> Optional[ModelSize]:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         params = sum(p.numel() for p in model.parameters())
+        largest = max((p.numel() for p in model.parameters()), default=0)
     except Exception as exc:  # noqa: BLE001 - an architecture transformers cannot build here
         logger.warning("model %s: parameter count unknown (%s: %s); GPU memory is not checked",
                        path, type(exc).__name__, exc)
         return None
-    return ModelSize(params, _kv_values_per_token(config))
+    return ModelSize(params, _kv_values_per_token(config), largest)
 
 
 def _kv_values_per_token(config) -> Optional[int]:
@@ -207,6 +218,7 @@ class GpuLoad:
     node: int
     gpu: int  # the plan's node-local id
     items: tuple[Item, ...]
+    phase: str = ""  # colocated plans: "generating", "updating" or "training" (engines asleep through the step)
 
     @property
     def total_gib(self) -> float:
@@ -250,16 +262,17 @@ class MemoryPlan:
             top = max(load.items, key=lambda i: i.gib)
             kinds = {i.kind for i in load.items}
             hints = [hint for kind, hint in self.hints if kind in kinds]
-            return (f"resources: GPU {load.gpu} of node {load.node} needs {total:.1f} GiB, it has "
-                    f"{self.gpu_memory_gib:.1f}: {load.listing()}. The largest is {top.owner}'s {top.what}."
-                    + (" Colocated engines keep their share while the trainer steps (vLLM sleep mode is not built "
-                       "yet)." if self.colocate and "engine" in kinds and kinds & {"trainer", "reference"} else "")
-                    + (" To fit: " + "; ".join(hints) if hints else ""))
+            return (f"resources: GPU {load.gpu} of node {load.node} needs {total:.1f} GiB"
+                    + {"generating": " while the engines generate",
+                       "updating": " while the engines take the weight update (their KV cache asleep)",
+                       "training": " while the trainer steps (the engines asleep)", "": ""}[load.phase]
+                    + f", it has {self.gpu_memory_gib:.1f}: {load.listing()}. The largest is {top.owner}'s "
+                    f"{top.what}." + (" To fit: " + "; ".join(hints) if hints else ""))
         return None
 
     def describe(self) -> list[str]:
-        lines = [f"  GPU {load.gpu} of node {load.node}: {load.total_gib:.1f} of {self.gpu_memory_gib:.1f} GiB "
-                 f"({load.listing()})" for load in self.gpus]
+        lines = [f"  GPU {load.gpu} of node {load.node}" + (f", {load.phase}" if load.phase else "")
+                 + f": {load.total_gib:.1f} of {self.gpu_memory_gib:.1f} GiB ({load.listing()})" for load in self.gpus]
         if self.engine_share_gib:
             lines.append(f"  an engine's share per GPU: {self.engine_share_gib:.1f} GiB, its weights "
                          f"{self.engine_weights_gib:.1f}, left for the KV cache and activations "
@@ -277,30 +290,42 @@ def plan_memory(spec: "RunSpec", plan, gpu_memory_gib: float, model: ModelSize) 
     trainer = trainer_memory(model.params, dtype, stage, ranks)
     reference = spec.algorithm.kl_coef > 0
     collective = spec.rollout.weight_transport == "collective"
+    receive_gib = 2 * max(BUCKET_BYTES, (model.largest or 0) * lp) / GIB
     capacity = gpu_memory_gib
-    loads: dict[tuple[int, int], list[Item]] = {}
+    # phase -> (node, gpu) -> items; colocated engines sleep through the trainer's step
+    phases = ("generating", "updating", "training") if plan.colocate else ("",)
+    loads: dict[str, dict[tuple[int, int], list[Item]]] = {phase: {} for phase in phases}
     share = 0.0
-    for p in plan.processes:
-        owner = p.name if p.role == "engine" else f"trainer rank {p.index}"
-        for gpu in p.gpus:
-            items = loads.setdefault((p.node, gpu), [])
-            if p.role == "trainer":
-                items += [Item(owner, "weights", trainer.weights_gib, "trainer"),
-                          Item(owner, "gradients", trainer.gradients_gib, "trainer"),
-                          Item(owner, "fp32 master weights and Adam states" if trainer.master else "Adam states",
-                               trainer.optimizer_gib, "trainer")]
-                what, gib = trainer.transient
-                if gib:
-                    items.append(Item(owner, what, gib, "trainer"))
-                if reference:
-                    items.append(Item(owner, "KL reference model", trainer.reference_gib, "reference"))
-            else:
-                share = p.gpu_memory_utilization * capacity
-                items.append(Item(owner, f"vLLM share (gpu_memory_utilization {p.gpu_memory_utilization:g})",
-                                  share, "engine"))
-                if collective:
-                    items.append(Item(owner, "weight-receive buffers (collective transport, 2 model copies)",
-                                      2 * model_gib, "receive"))
+    for phase in phases:
+        for p in plan.processes:
+            owner = p.name if p.role == "engine" else f"trainer rank {p.index}"
+            for gpu in p.gpus:
+                items = loads[phase].setdefault((p.node, gpu), [])
+                if p.role == "trainer":
+                    items += [Item(owner, "weights", trainer.weights_gib, "trainer"),
+                              Item(owner, "gradients", trainer.gradients_gib, "trainer"),
+                              Item(owner, "fp32 master weights and Adam states" if trainer.master else "Adam states",
+                                   trainer.optimizer_gib, "trainer")]
+                    what, gib = trainer.transient
+                    if phase == "updating":  # ZeRO-3 gathers the full weights to send them
+                        what, gib = "weights gathered for a weight sync (ZeRO-3)", trainer.gather_gib
+                    if gib and phase != "generating":
+                        items.append(Item(owner, what, gib, "trainer"))
+                    if reference:
+                        items.append(Item(owner, "KL reference model", trainer.reference_gib, "reference"))
+                elif phase == "updating":  # the weights awake, the KV cache still asleep
+                    items.append(Item(owner, "weights (awake for the update)", model_gib / plan.tensor_parallel,
+                                      "engine"))
+                    if collective:
+                        items.append(Item(owner, "weight-receive buffers (collective transport, 2 buckets)",
+                                          receive_gib, "receive"))
+                elif phase != "training":
+                    share = p.gpu_memory_utilization * capacity
+                    items.append(Item(owner, f"vLLM share (gpu_memory_utilization {p.gpu_memory_utilization:g})",
+                                      share, "engine"))
+                    if collective:
+                        items.append(Item(owner, "weight-receive buffers (collective transport, 2 buckets)",
+                                          receive_gib, "receive"))
     tp = plan.tensor_parallel
     engine_weights = model_gib / tp if plan.engines else 0.0
     kv_needed = None
@@ -313,6 +338,7 @@ def plan_memory(spec: "RunSpec", plan, gpu_memory_gib: float, model: ModelSize) 
              ("engine", "lower resources.gpu_memory_utilization" + (", or set resources.colocate false"
                                                                       if plan.colocate else "")),
              ("receive", "set rollout.weight_transport rpc (it receives the weights in host memory)"))
-    gpus = tuple(GpuLoad(node, gpu, tuple(items)) for (node, gpu), items in sorted(loads.items()))
+    gpus = tuple(GpuLoad(node, gpu, tuple(items), phase) for phase in phases
+                 for (node, gpu), items in sorted(loads[phase].items()))
     return MemoryPlan(capacity, gpus, trainer, engine_weights, share, share - engine_weights if plan.engines else 0.0,
                       kv_needed, hints, plan.colocate)

@@ -28,9 +28,11 @@ Layouts:
   the engines the next ``tensor_parallel``-sized blocks, exclusively; vLLM takes 0.9 of an
   engine GPU's memory (``resources.gpu_memory_utilization``).
 - **GPU, colocated** (``resources.colocate``, sync only): the engines share the trainer's
-  GPUs and take a share of their memory (0.5 by default). They do not sleep while the
-  trainer steps (vLLM sleep mode is not built yet): the trainer's state and the engines'
-  share must fit a GPU together, so a colocated GPU plan needs the model's size.
+  GPUs and take a share of their memory (0.5 by default). They sleep through each trainer
+  step (vLLM sleep level 1: weights to host memory, the KV cache freed) and wake for the
+  weight update, weights first. While they generate, the trainer's weights, gradients and
+  optimizer states stay on the GPU beside the engines' share, so a colocated GPU plan
+  needs the model's size. vLLM has sleep mode only on GPUs: a CPU plan refuses colocation.
 
 On GPUs a node's cores are split evenly among the processes on it. Trainer ranks split
 evenly over the nodes (rank r on node ``r // (ranks / nodes)``); engines are spread over
@@ -182,6 +184,11 @@ class Plan:
         return tuple(p for p in self.processes if p.role == "engine")
 
     @property
+    def sleeps(self) -> bool:
+        """Its engines sleep (vLLM sleep mode) through every trainer step: colocated GPU plans."""
+        return self.device == "gpu" and self.colocate
+
+    @property
     def weight_backend(self) -> str:
         """The trainer->engine weight group's backend, by placement: NCCL only when trainer
         rank 0 and every engine worker compute on a GPU of their own (NCCL refuses two
@@ -233,8 +240,8 @@ class Plan:
             lines.append(f"  {p.name}: {where}")
         if self.device == "gpu":
             if self.colocate:
-                lines.append("  colocated engines keep their GPU memory while the trainer steps (vLLM sleep mode is "
-                             "not built yet)")
+                lines.append("  colocated engines sleep while the trainer steps (vLLM sleep level 1: weights to host "
+                             "memory, KV cache freed), and wake for the weight update and generation")
             lines += self.memory.describe() if self.memory else ["  GPU memory not checked (model size unknown)"]
         return "\n".join(lines)
 
@@ -274,9 +281,8 @@ def plan_placement(spec: "RunSpec", machine: Optional[Machine] = None, model: Op
         if plan.colocate:
             raise PlacementError(
                 f"resources.colocate: the size of model.path {spec.model.path!r} is unknown (no model folder "
-                "there), so the planner cannot check that the trainer and the engines fit a GPU together; they "
-                "must, since colocated engines keep their memory while the trainer steps (vLLM sleep mode is not "
-                "built yet)")
+                "there), so the planner cannot check that the trainer's states and the engines' share fit a GPU "
+                "together while the engines generate")
         logger.debug("GPU memory not checked: the size of model.path %r is unknown", spec.model.path)
         return plan
     return replace(plan, memory=check_memory(spec, plan, machine, model))
@@ -290,6 +296,10 @@ def plan_cpu(spec: "RunSpec", machine: Machine) -> Plan:
     if res.tensor_parallel > 1:
         raise PlacementError(f"resources.tensor_parallel: {res.tensor_parallel} shards an engine over GPUs; on a "
                              "CPU an engine runs unsharded (set it to 1)")
+    if res.colocate:
+        raise PlacementError("resources.colocate: colocated engines sleep while the trainer steps, and vLLM has sleep "
+                             "mode only on GPUs (CUDA, ROCm, XPU); on a CPU, schedule.mode 'sync' already gives each "
+                             "phase the whole machine: leave it out")
     ranks_per_node = _ranks_per_node(res.trainer_ranks, res.nodes)
     engines_per_node = _spread(spec.rollout.engines, res.nodes)
     overlapped = spec.schedule.mode == "async" or spec.schedule.stream_train

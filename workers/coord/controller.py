@@ -262,10 +262,17 @@ class Controller:
         spec = self.spec
         version = self.trainer.version - (1 if stats is not None else 0)
         staleness = [version - s.completion.versions.oldest for g in groups for s in g.samples]
+        # colocated GPU plans: the engines' memory is the trainer's during its step
+        sleeps = self.processes.plan is not None and self.processes.plan.sleeps and stats is None
         if stats is None:
             batch = [t for g in groups for t in self._train_samples(g)]
+            sleep_s = await self.fleet.sleep() if sleeps else 0.0
             stats = await self._in_trainer(self.trainer.train_step, batch)
+        if sleeps:  # the weights first, so the update lands while the KV cache still sleeps
+            stats = {**stats, "engine/sleep_s": sleep_s, "engine/wake_s": await self.fleet.wake_up(["weights"])}
         timings = await self._send_weights(self.trainer.version)
+        if sleeps:
+            stats["engine/wake_s"] += await self.fleet.wake_up()
         self.gate.advance(self.trainer.version)
         postfix = self.metrics.report_step(step, groups, staleness, stats, timings, t_start,
                                            self.schedule.queue_depth() if self.schedule is not None else 0)

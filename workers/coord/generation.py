@@ -246,6 +246,15 @@ class Fleet:
                 if not any(e.dead for e in members):
                     raise
 
+    # -- colocated plans: the engines sleep through the trainer's step ----------------------
+    async def sleep(self) -> float:
+        """Every live engine frees its GPU memory (vLLM sleep level 1); the seconds, the slowest's."""
+        return max(await asyncio.gather(*(e.sleep() for e in list(self.engines))), default=0.0)
+
+    async def wake_up(self, tags: Optional[list[str]] = None) -> float:
+        """Every live engine wakes ``tags`` ("weights" before an update) or all; the slowest's seconds."""
+        return max(await asyncio.gather(*(e.wake_up(tags) for e in list(self.engines))), default=0.0)
+
     # -- a synchronous step's tail ---------------------------------------------------------
     async def _migrate_tail(self) -> None:
         """During a synchronous step's generation: when few requests remain, move some

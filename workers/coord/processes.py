@@ -149,7 +149,8 @@ class Processes:
             seed=spec.seed + process.index, rpc_timeout_s=ro.rpc_timeout_s, top_p=ro.top_p, top_k=ro.top_k,
             stop=list(ro.stop), stop_token_ids=list(checked.stop_ids), kv_cache_gb=ro.kv_cache_gb,
             gpu_memory_utilization=process.gpu_memory_utilization, host=host, env=self.plan.env(process),
-            cpu_single_process=ro.cpu_single_process, enforce_eager=ro.enforce_eager)
+            cpu_single_process=ro.cpu_single_process, enforce_eager=ro.enforce_eager,
+            sleep_mode=self.plan.sleeps)
 
     def engines(self, checked) -> list[RolloutEngine]:
         """The rollout engines, not started yet: each a server process of its own

@@ -133,8 +133,10 @@ class RolloutEngine:
     def __init__(self, model_path: str, *, index: int = 0, update_mode: str = "keep", max_model_len: int = 256,
                  max_num_seqs: int = 256, dtype: str = "float32", seed: int = 0, rpc_timeout_s: float = 60.0,
                  sampling: SamplingOptions = SamplingOptions(), gpu_memory_utilization: Optional[float] = None,
-                 cpu_single_process: bool = False, enforce_eager: Optional[bool] = None):
+                 cpu_single_process: bool = False, enforce_eager: Optional[bool] = None, sleep_mode: bool = False):
         self.enforce_eager = enforce_eager  # rollout.enforce_eager (None: by device)
+        self.sleep_mode = sleep_mode  # colocated GPU plans: vLLM sleep mode (sleep/wake_up around trainer steps)
+        self.asleep: Optional[str] = None  # what sleeps now: "all" or "kv_cache"; None when awake
         self.gpu_memory_utilization = gpu_memory_utilization  # the plan's share of the GPU (None: vLLM's default)
         self.cpu_single_process = cpu_single_process  # rollout.cpu_single_process
         self.model_path, self.index, self.update_mode = model_path, index, update_mode
@@ -201,8 +203,35 @@ class RolloutEngine:
             # a cached prefix computed with old weights would leak into new requests
             enable_prefix_caching=False,
             distributed_executor_backend="uni",
+            # vLLM checks the platform (CUDA, ROCm, XPU) and turns its cumem allocator on
+            **({"enable_sleep_mode": True} if self.sleep_mode else {}),
             **({"gpu_memory_utilization": self.gpu_memory_utilization} if self.gpu_memory_utilization else {}),
         )
+
+    # -- colocated plans: asleep while the trainer steps ---------------------------------
+    async def sleep(self) -> float:
+        """Free this engine's GPU memory for the trainer's step: vLLM's sleep level 1 (the
+        weights offloaded to host memory, the KV cache discarded; vllm/v1/worker/gpu_worker.py
+        ``sleep``). Level 1, not 2: a woken engine holds exactly the weights it slept with,
+        whatever the next update sends. The sync schedule calls it after its generation
+        barrier, so nothing is running (vLLM would abort it). Returns the seconds it took."""
+        if not self.sleep_mode:
+            raise RuntimeError(f"rollout engine {self.index} was started without sleep mode")
+        t = time.perf_counter()
+        await self._call("sleep", self.engine.sleep(level=1))
+        self.asleep = "all"
+        return time.perf_counter() - t
+
+    async def wake_up(self, tags: Optional[list[str]] = None) -> float:
+        """Wake what sleeps: ``["weights"]`` first, so that an update lands in them while the
+        KV cache still sleeps (the weight-receive buffers fit where it was), then the rest
+        (``None``). vLLM resumes scheduling once all of it is back. Returns the seconds."""
+        if self.asleep is None:
+            return 0.0
+        t = time.perf_counter()
+        fully_awake = await self._call("wake_up", self.engine.wake_up(tags))
+        self.asleep = None if fully_awake else "kv_cache"
+        return time.perf_counter() - t
 
     def shutdown(self) -> None:
         if self.engine is not None:

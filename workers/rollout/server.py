@@ -80,6 +80,7 @@ class EngineServerConfig(wire.Message):
     env: dict[str, str] = {}  # the plan's placement: CUDA_VISIBLE_DEVICES, VLLM_CPU_OMP_THREADS_BIND, ...
     cpu_single_process: bool = False  # rollout.cpu_single_process
     enforce_eager: Optional[bool] = None  # rollout.enforce_eager (None: eager on the CPU, CUDA graphs on GPUs)
+    sleep_mode: bool = False  # colocated GPU plans: asleep while the trainer steps
     heartbeat_timeout_s: float = 30.0  # a remote server this long silent is dead (a busy machine is not)
 
     @field_validator("env")
@@ -153,6 +154,19 @@ class ChecksumRequest(wire.Message):
     id: int
 
 
+class SleepRequest(wire.Message):
+    """Colocated plans: free the engine's GPU memory (vLLM sleep level 1)."""
+    kind: Literal["sleep"] = "sleep"
+    id: int
+
+
+class WakeRequest(wire.Message):
+    """Wake ``tags`` (vLLM's: "weights", "kv_cache"), or all of it."""
+    kind: Literal["wake"] = "wake"
+    id: int
+    tags: Optional[list[Literal["weights", "kv_cache"]]] = None
+
+
 class PingRequest(wire.Message):
     kind: Literal["ping"] = "ping"
     id: int = 0
@@ -165,7 +179,7 @@ class ShutdownRequest(wire.Message):
 
 EngineRequest = Annotated[
     Union[StartRequest, GenerateRequest, GroupRequest, HandOffRequest, UpdateRequest, GoRequest, JoinGroupRequest,
-          ChecksumRequest, PingRequest, ShutdownRequest],
+          ChecksumRequest, SleepRequest, WakeRequest, PingRequest, ShutdownRequest],
     Field(discriminator="kind"),
 ]
 
@@ -229,7 +243,7 @@ class UpdatedReply(wire.Message):
 class ValueReply(wire.Message):
     kind: Literal["value"] = "value"
     id: int
-    value: Union[int, str, None, list[int]]
+    value: Union[int, float, str, None, list[int]]
     stats: EngineStats
 
 
@@ -297,7 +311,7 @@ class _Server:
             max_num_seqs=config.max_num_seqs, dtype=config.dtype, seed=config.seed, rpc_timeout_s=config.rpc_timeout_s,
             sampling=SamplingOptions(config.top_p, config.top_k, tuple(config.stop), tuple(config.stop_token_ids)),
             gpu_memory_utilization=config.gpu_memory_utilization, cpu_single_process=config.cpu_single_process,
-            enforce_eager=config.enforce_eager)
+            enforce_eager=config.enforce_eager, sleep_mode=config.sleep_mode)
         self.started = False
         self.stop = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
@@ -408,6 +422,10 @@ class _Server:
             value = await e.join_weight_group(request.info)
         elif isinstance(request, ChecksumRequest):
             value = await e.weights_checksum()
+        elif isinstance(request, SleepRequest):
+            value = await e.sleep()
+        elif isinstance(request, WakeRequest):
+            value = await e.wake_up(request.tags)
         else:
             raise TypeError(f"unexpected request {request.kind!r}")
         return ValueReply(id=request.id, value=value, stats=self.stats())
@@ -458,6 +476,7 @@ class EngineClient:
         self.version = 0
         self.generated_tokens = 0
         self.worker_count = 1
+        self.sleep_mode, self.asleep = config.sleep_mode, None  # as RolloutEngine's
         self._core_pids: list[int] = []
         self._busy_s, self._running, self._stats_at = 0.0, False, time.perf_counter()
         self._core_dead = False
@@ -579,6 +598,18 @@ class EngineClient:
 
     async def weights_checksum(self) -> Optional[str]:
         return (await self._request(ChecksumRequest(id=next(_request_ids)))).value
+
+    async def sleep(self) -> float:
+        seconds = float((await self._request(SleepRequest(id=next(_request_ids)))).value)
+        self.asleep = "all"
+        return seconds
+
+    async def wake_up(self, tags: Optional[list[str]] = None) -> float:
+        if self.asleep is None:
+            return 0.0
+        seconds = float((await self._request(WakeRequest(id=next(_request_ids), tags=tags))).value)
+        self.asleep = "kv_cache" if tags == ["weights"] else None
+        return seconds
 
     async def update_weights(self, weights: "bytes | CollectiveWeights", version: int) -> UpdateTiming:
         rid = next(_request_ids)

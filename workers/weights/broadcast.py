@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 ABORT_PREFIX = "fluxrl/weights/abort/"  # + a random name per update, known only to the group's members
 _SLICE = datetime.timedelta(milliseconds=100)
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+BUCKET_BYTES = 32 * 2**20  # a bucket's size by default; an engine receives two at a time (the planner counts them)
 _ALIGN = 64  # bytes: every tensor's offset in a bucket, so a byte slice can be viewed as its dtype
 
 
@@ -461,9 +462,9 @@ class WeightBroadcaster:
     (``RankZeroSender``: ``broadcast(None, version)`` then sends what that rank holds)."""
 
     def __init__(self, host: str = "127.0.0.1", backend: Optional[str] = None, timeout_s: float = 60.0,
-                 bucket_mb: float = 32.0, device: Optional[torch.device] = None, sender=None):
+                 bucket_bytes: int = BUCKET_BYTES, device: Optional[torch.device] = None, sender=None):
         self.host, self.backend, self.timeout_s = host, backend or default_backend(), timeout_s
-        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.bucket_bytes = int(bucket_bytes)
         self.sender = sender or LocalSender(device)
         self.engines: list = []
         self.opened = False

@@ -32,58 +32,69 @@ COLOCATED_ZERO3 = {"gpus": 2, "trainer_ranks": 2, "tensor_parallel": 2, "colocat
 
 
 def test_7b_bf16_on_one_80gb_gpu_colocated_with_an_engine_is_refused():
-    # ZeRO 0 in bfloat16 trains under autocast: fp32 weights, gradients and Adam states (16 bytes a parameter)
+    # ZeRO 0 in bfloat16 trains under autocast: fp32 weights, gradients and Adam states (16 bytes a parameter);
+    # while the engine generates, they sit beside its share (the autocast copies come only in the step)
     assert refused(spec({"gpus": 1, "colocate": True}), ONE) == (
-        "resources: GPU 0 of node 0 needs 157.3 GiB, it has 80.0: trainer rank 0 weights 26.1, gradients 26.1, "
-        "Adam states 52.2, low-precision weight copies for the backward (autocast) 13.0; engine 0 vLLM share "
-        "(gpu_memory_utilization 0.5) 40.0. The largest is trainer rank 0's Adam states. "
-        "Colocated engines keep their share while the trainer steps (vLLM sleep mode is not built yet). To fit: "
-        "raise trainer.zero_stage (now 0) or resources.trainer_ranks (now 1); lower resources.gpu_memory_utilization, "
-        "or set resources.colocate false")
+        "resources: GPU 0 of node 0 needs 144.3 GiB while the engines generate, it has 80.0: trainer rank 0 "
+        "weights 26.1, gradients 26.1, Adam states 52.2; engine 0 vLLM share (gpu_memory_utilization 0.5) 40.0. "
+        "The largest is trainer rank 0's Adam states. To fit: raise trainer.zero_stage (now 0) or "
+        "resources.trainer_ranks (now 1); lower resources.gpu_memory_utilization, or set resources.colocate false")
 
 
 def test_the_same_split_over_2_gpus_with_zero3_fits():
     # ZeRO-3 in bf16 (DeepSpeed's bf16 mode): 1 + 2 (fp32 gradients) + 6 + 2 (the step's fp32 copy) bytes a parameter
+    # The engines sleep through the trainer's step: three phases, each must fit.
     plan = plan_placement(spec(COLOCATED_ZERO3, trainer={"zero_stage": 3}), TWO, SEVEN_B)
-    assert [(g.node, g.gpu, round(g.total_gib, 2)) for g in plan.memory.gpus] == [(0, 0, 79.71), (0, 1, 79.71)]
-    assert [(i.owner, i.what, round(i.gib, 2)) for i in plan.memory.gpus[1].items] == [
-        ("trainer rank 1", "weights", 6.52),
-        ("trainer rank 1", "gradients", 13.04),
-        ("trainer rank 1", "fp32 master weights and Adam states", 39.12),
-        ("trainer rank 1", "fp32 gradients at the optimizer step", 13.04),
-        ("engine 0", "vLLM share (gpu_memory_utilization 0.1)", 8.0),
-    ]
+    assert [(g.phase, g.gpu, round(g.total_gib, 2)) for g in plan.memory.gpus] == [
+        ("generating", 0, 66.67), ("generating", 1, 66.67), ("updating", 0, 78.23), ("updating", 1, 78.23),
+        ("training", 0, 71.71), ("training", 1, 71.71)]
+    generating, updating, training = (plan.memory.gpus[i] for i in (1, 3, 5))
+    persistent = [("trainer rank 1", "weights", 6.52), ("trainer rank 1", "gradients", 13.04),
+                  ("trainer rank 1", "fp32 master weights and Adam states", 39.12)]
+    assert [(i.owner, i.what, round(i.gib, 2)) for i in generating.items] == persistent + [
+        ("engine 0", "vLLM share (gpu_memory_utilization 0.1)", 8.0)]
+    # the update: ZeRO-3 gathers the full weights; the engine's weights wake (split over its 2 GPUs), its KV cache not
+    assert [(i.owner, i.what, round(i.gib, 2)) for i in updating.items] == persistent + [
+        ("trainer rank 1", "weights gathered for a weight sync (ZeRO-3)", 13.04),
+        ("engine 0", "weights (awake for the update)", 6.52)]
+    assert [(i.owner, i.what, round(i.gib, 2)) for i in training.items] == persistent + [
+        ("trainer rank 1", "fp32 gradients at the optimizer step", 13.04)]
     text = plan.describe()
-    assert "  GPU 0 of node 0: 79.7 of 80.0 GiB (trainer rank 0 weights 6.5, gradients 13.0, fp32 master weights and " \
-           "Adam states 39.1, fp32 gradients at the optimizer step 13.0; engine 0 vLLM share " \
-           "(gpu_memory_utilization 0.1) 8.0)" in text
+    assert "  GPU 0 of node 0, training: 71.7 of 80.0 GiB (trainer rank 0 weights 6.5, gradients 13.0, fp32 master " \
+           "weights and Adam states 39.1, fp32 gradients at the optimizer step 13.0)" in text
+    assert "colocated engines sleep while the trainer steps (vLLM sleep level 1: weights to host memory, KV cache " \
+           "freed), and wake for the weight update and generation" in text
     assert "  an engine's share per GPU: 8.0 GiB, its weights 6.5, left for the KV cache and activations 1.5" in text
 
 
 def test_a_kl_reference_tips_the_plan_over():
+    # the first phase over: the weight update (ZeRO-3's gather beside the woken engine weights)
     assert refused(spec(COLOCATED_ZERO3, trainer={"zero_stage": 3}, algorithm={"kl_coef": 0.1}), TWO) == (
-        "resources: GPU 0 of node 0 needs 92.8 GiB, it has 80.0: trainer rank 0 weights 6.5, gradients 13.0, "
-        "fp32 master weights and Adam states 39.1, fp32 gradients at the optimizer step 13.0, KL reference model "
-        "13.0; engine 0 vLLM share (gpu_memory_utilization 0.1) 8.0. The largest is trainer rank 0's fp32 master "
-        "weights and Adam states. Colocated engines keep their share while the trainer steps (vLLM sleep mode is "
-        "not built yet). To fit: raise resources.trainer_ranks (now 2, ZeRO-3); set algorithm.kl_coef 0 (its "
-        "reference model is a full copy on every trainer GPU); lower resources.gpu_memory_utilization, or set "
-        "resources.colocate false")
+        "resources: GPU 0 of node 0 needs 91.3 GiB while the engines take the weight update (their KV cache "
+        "asleep), it has 80.0: trainer rank 0 weights 6.5, gradients 13.0, fp32 master weights and Adam states "
+        "39.1, weights gathered for a weight sync (ZeRO-3) 13.0, KL reference model 13.0; engine 0 weights (awake "
+        "for the update) 6.5. The largest is trainer rank 0's fp32 master weights and Adam states. To fit: raise "
+        "resources.trainer_ranks (now 2, ZeRO-3); set algorithm.kl_coef 0 (its reference model is a full copy on "
+        "every trainer GPU); lower resources.gpu_memory_utilization, or set resources.colocate false")
 
 
 def test_collective_receive_buffers_must_fit_beside_the_engines_share():
-    three_b = ModelSize(3 * 10**9)  # trainer: 18 bytes a parameter (autocast), 50.3 GiB
-    run = spec({"gpus": 2}, mode="async", rollout={"weight_transport": "collective"})
+    # The receive holds two buckets at a time, each 32 MiB or the largest tensor: here a 151936 x 2048 bf16
+    # embedding, 0.58 GiB, so 1.16 GiB (not the model: 5.6 GiB a copy)
+    three_b = ModelSize(3 * 10**9, largest=151936 * 2048)  # trainer: 18 bytes a parameter (autocast), 50.3 GiB
+    run = spec({"gpus": 2, "gpu_memory_utilization": 0.99}, mode="async", rollout={"weight_transport": "collective"})
     assert refused(run, TWO, three_b) == (
-        "resources: GPU 1 of node 0 needs 83.2 GiB, it has 80.0: engine 0 vLLM share (gpu_memory_utilization 0.9) "
-        "72.0, weight-receive buffers (collective transport, 2 model copies) 11.2. The largest is engine 0's vLLM "
-        "share (gpu_memory_utilization 0.9). To fit: lower resources.gpu_memory_utilization; set "
+        "resources: GPU 1 of node 0 needs 80.4 GiB, it has 80.0: engine 0 vLLM share (gpu_memory_utilization 0.99) "
+        "79.2, weight-receive buffers (collective transport, 2 buckets) 1.2. The largest is engine 0's vLLM "
+        "share (gpu_memory_utilization 0.99). To fit: lower resources.gpu_memory_utilization; set "
         "rollout.weight_transport rpc (it receives the weights in host memory)")
     plan = plan_placement(spec({"gpus": 2}, mode="async"), TWO, three_b)  # rpc: received in host memory
     assert [round(g.total_gib, 2) for g in plan.memory.gpus] == [50.29, 72.0]
-    plan = plan_placement(spec({"gpus": 2, "gpu_memory_utilization": 0.85}, mode="async",
-                               rollout={"weight_transport": "collective"}), TWO, three_b)
-    assert round(plan.memory.gpus[1].total_gib, 2) == 79.18
+    collective = spec({"gpus": 2, "gpu_memory_utilization": 0.98}, mode="async",
+                      rollout={"weight_transport": "collective"})
+    assert round(plan_placement(collective, TWO, three_b).memory.gpus[1].total_gib, 2) == 79.56
+    # no tensor above a bucket: two buckets, 64 MiB
+    assert round(plan_placement(collective, TWO, ModelSize(3 * 10**9)).memory.gpus[1].total_gib, 3) == 78.463
 
 
 def test_an_engines_weights_must_leave_room_in_its_share():
@@ -108,8 +119,7 @@ def test_one_max_model_len_sequence_must_fit_the_kv_cache():
 def test_a_colocated_plan_needs_the_model_size():
     assert refused(spec({"gpus": 1, "colocate": True}), ONE, None) == (
         "resources.colocate: the size of model.path 'm' is unknown (no model folder there), so the planner cannot "
-        "check that the trainer and the engines fit a GPU together; they must, since colocated engines keep their "
-        "memory while the trainer steps (vLLM sleep mode is not built yet)")
+        "check that the trainer's states and the engines' share fit a GPU together while the engines generate")
     plan = plan_placement(spec({"gpus": 2}, mode="async"), TWO)  # disaggregated: planned as before, unchecked
     assert plan.memory is None and "GPU memory not checked (model size unknown)" in plan.describe()
 
@@ -163,7 +173,9 @@ def _tiny_llama(folder, tied=False):
 
 def test_model_size_counts_parameters_on_the_meta_device(tmp_path):
     # per layer: q 64x64 + k 64x32 + v 64x32 + o 64x64 + MLP 3x64x128 + 2 norms of 64 = 36992
-    assert model_size(_tiny_llama(tmp_path / "untied")) == ModelSize(2 * 36992 + 2 * 6400 + 64, 2 * 2 * 2 * 16)
+    # (the largest tensor: an MLP projection, 64 x 128, above the 100 x 64 embedding)
+    assert model_size(_tiny_llama(tmp_path / "untied")) == ModelSize(2 * 36992 + 2 * 6400 + 64, 2 * 2 * 2 * 16,
+                                                                     64 * 128)
     assert model_size(_tiny_llama(tmp_path / "tied", tied=True)).params == 2 * 36992 + 6400 + 64
     assert model_size(str(tmp_path / "none")) is None
     # the planner reads model.path itself (the controller has resolved it by then); CPU plans are not counted

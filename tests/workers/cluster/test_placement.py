@@ -73,14 +73,12 @@ def test_two_nodes_of_8_gpus():
     assert plan.env(plan.trainers[5])["RANK"] == "5" and plan.env(plan.trainers[5])["LOCAL_RANK"] == "1"
 
 
-def test_colocated_engines_share_the_trainer_gpus_and_do_not_sleep():
+def test_colocated_engines_share_the_trainer_gpus_and_sleep_through_its_steps():
     plan = plan_placement(spec({"queue": "gpu", "gpus": 4, "trainer_ranks": 4, "tensor_parallel": 2,
                                 "colocate": True}, engines=2, mode="sync"),
                           Machine(cpu_cores=6, gpus_per_node=4, gpu_memory_gib=80), ModelSize(10**8))
-    assert (plan.colocate, plan.overlapped) == (True, False)
-    # vLLM sleep mode is not built: the plan says so rather than claim it
-    assert "colocated engines keep their GPU memory while the trainer steps (vLLM sleep mode is not built yet)" \
-        in plan.describe()
+    assert (plan.colocate, plan.overlapped, plan.sleeps) == (True, False, True)
+    assert "colocated engines sleep while the trainer steps" in plan.describe()
     assert summary(plan) == [
         ("trainer 0", 0, "0,1,2,3", (0,), None, "0"),
         ("trainer 1", 0, "0,1,2,3", (1,), None, "1"),
@@ -194,6 +192,13 @@ def test_too_many_gpus_on_a_node_names_the_count():
     assert refused({"gpus": 2, "trainer_ranks": 2}, FOUR).startswith("resources: needs 3 GPUs on node 0")
 
 
+def test_a_cpu_plan_refuses_colocation_since_vllm_sleeps_only_on_gpus():
+    assert refused({"colocate": True}, Machine(cpu_cores=2), mode="sync") == (
+        "resources.colocate: colocated engines sleep while the trainer steps, and vLLM has sleep mode only on GPUs "
+        "(CUDA, ROCm, XPU); on a CPU, schedule.mode 'sync' already gives each phase the whole machine: leave it out")
+    assert not plan_placement(spec(mode="sync"), Machine(cpu_cores=2)).sleeps
+
+
 def test_more_gpus_than_the_machine_has():
     assert refused({"gpus": 8}, FOUR) == "resources.gpus: the run asks for 8 GPUs, the machine has 4"
     assert refused({"gpus": 16, "nodes": 2}, FOUR) == \
@@ -249,9 +254,10 @@ def test_check_trainer_memory_refuses_what_does_not_fit():
         == 42.38  # 3.26 + 6.52 + 19.56 + 13.04 (the full weights gathered for a weight sync)
     colocated = spec({"queue": "gpu", "trainer_ranks": 4, "colocate": True}, mode="sync",
                      model={"path": "m", "dtype": "bfloat16"}, trainer={"zero_stage": 3})
-    with pytest.raises(PlacementError, match=r"^resources: GPU 0 of node 0 needs 124.8 GiB, it has 80.0: .*; engine 0 "
-                                             r"vLLM share \(gpu_memory_utilization 0.5\) 40.0\. .*Colocated engines "
-                                             r"keep their share while the trainer steps"):
+    # while the engine generates: the trainer's states beside its share (the step's transients come when it sleeps)
+    with pytest.raises(PlacementError, match=r"^resources: GPU 0 of node 0 needs 98.7 GiB while the engines generate, "
+                                             r"it has 80.0: .*; engine 0 vLLM share \(gpu_memory_utilization 0.5\) "
+                                             r"40.0\. The largest is engine 0's vLLM share"):
         check_trainer_memory(colocated, plan_placement(colocated, machine, ModelSize(10**8)), machine, 14 * 10**9)
 
 
