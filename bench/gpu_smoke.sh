@@ -7,8 +7,7 @@
 # specs (bench/gpu_specs/) and the trainer bench (bench/gpu_trainer.py), then prints one
 # table: each check, what it ran, its status, seconds and the peak GPU memory seen while it
 # ran (nvidia-smi, sampled every second, the most on any one GPU). A check that needs more
-# GPUs than are visible says how many; one whose feature does not exist yet says "not built
-# yet" (nothing is skipped silently). Exit code: 0 when every check that could run passed,
+# GPUs than are visible says how many (nothing is skipped silently). Exit code: 0 when every check that could run passed,
 # 1 when one failed, 2 at once when no GPU is visible.
 #
 # Environment: PYTHON (default .venv/bin/python), SMOKE_KEEP=1 keeps OUT_DIR's run folders.
@@ -82,10 +81,6 @@ check() {
     fi
 }
 
-not_built() {  # not_built NAME WHAT WHY: a row for a check whose feature does not exist yet
-    ROWS+=("$1|$2|not built yet ($3)|-|-")
-}
-
 # run SPEC: `python -m workers run` on a rendered copy of bench/gpu_specs/SPEC.yaml (${VARS}
 # expanded), then checks its result.json: every step trained, finite numbers.
 run_spec() {
@@ -112,8 +107,6 @@ if result["steps"] < spec.stop.max_steps:
 EOF
 }
 
-# A probe of the code as it is: does the feature exist? (So the day it is built, this runs it.)
-has() { "$PY" -c "$1" >/dev/null 2>&1; }
 
 build_05b() {  # the 0.5B-class model and a chat dataset for it, built locally (no download)
     "$PY" -m workers build-model qwen2 --out "$OUT/zoo-qwen2" --steps 1 --dataset "$OUT/zoo-qwen2.jsonl" --rows 2000 \
@@ -148,12 +141,8 @@ check disaggregated 2 "workers run gpu_specs/disaggregated.yaml: trainer GPU 0, 
     run_spec disaggregated
 check colocated 1 "workers run gpu_specs/colocated.yaml: engine and trainer on one GPU, sync, the engine asleep (vLLM sleep level 1) through every trainer step" \
     run_spec colocated
-if has 'import inspect; from workers.rollout.engine import RolloutEngine; assert "tensor_parallel" in inspect.signature(RolloutEngine).parameters'; then
-    check tp2 3 "workers run gpu_specs/tp2.yaml: one engine over 2 GPUs" run_spec tp2
-else
-    not_built tp2 "workers run gpu_specs/tp2.yaml: one engine over 2 GPUs (tensor_parallel 2)" \
-        "issue 27: the engine passes no tensor_parallel_size to vLLM (uni executor)"
-fi
+check tp2 3 "workers run gpu_specs/tp2.yaml: one engine over 2 GPUs (tensor_parallel 2, vLLM's mp executor)" \
+    run_spec tp2
 check collective 2 "workers run gpu_specs/collective.yaml: weights over NCCL to an engine server process" \
     run_spec collective
 check zero3 3 "workers run gpu_specs/zero3.yaml: 2 trainer ranks ZeRO-3 + KL, engine on a third GPU" \
@@ -174,7 +163,7 @@ printf '%s\n' "---------------+-----------+---------+---------------+---------"
 for row in "${ROWS[@]}"; do
     IFS='|' read -r name what status seconds peak <<<"$row"
     short=$status
-    case $status in ok) ;; FAILED*) short=FAILED ;; "not built"*) short="not built" ;; *) short="not run" ;; esac
+    case $status in ok) ;; FAILED*) short=FAILED ;; *) short="not run" ;; esac
     printf '%-14s | %-9s | %7s | %13s | %s\n' "$name" "$short" "$seconds" "$peak" "$what"
     [ "$short" = ok ] || echo "               ↳ $status"
 done

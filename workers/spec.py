@@ -348,8 +348,9 @@ class ResourcesSpec(_Strict):
     gpus_per_node: Optional[int] = Field(None, ge=1, le=64, description="default: gpus / nodes, or all of the "
                                          "worker's")
     trainer_ranks: int = Field(1, ge=1, le=4096, description="trainer processes (DeepSpeed ranks), one GPU each")
-    tensor_parallel: int = Field(1, ge=1, le=64, description="GPUs per rollout engine (one node's); the number "
-                                 "of engines is rollout.engines")
+    tensor_parallel: int = Field(1, ge=1, le=64, description="shards per rollout engine, each a vLLM worker "
+                                 "process: GPUs per engine (one node's), or on a CPU the engine's cores split among "
+                                 "them; the number of engines is rollout.engines")
     gpu_memory_utilization: Optional[float] = Field(None, gt=0, le=1, description="share of an engine GPU's "
                                                     "memory vLLM takes; default 0.9, 0.5 with colocate")
     engine_processes: Optional[bool] = Field(None, description="each rollout engine in a server process of its "

@@ -223,8 +223,9 @@ class Plan:
         if process.role == "trainer":
             env |= {"RANK": str(process.index), "LOCAL_RANK": str(process.local_rank or 0),
                     "WORLD_SIZE": str(len(self.trainers))}
-        elif self.device == "cpu":
-            env["VLLM_CPU_OMP_THREADS_BIND"] = process.cpu_bind
+        elif self.device == "cpu":  # one core list per tensor-parallel worker, "|" between them
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                format_cores(block) for block in _blocks(list(process.cpu_cores), self.tensor_parallel))
         return env
 
     def describe(self) -> str:
@@ -293,9 +294,11 @@ def plan_cpu(spec: "RunSpec", machine: Machine) -> Plan:
     run on cores). Async: half the cores for generation, the rest for training; sync:
     the whole machine for each phase (what the controller did before the planner)."""
     res = spec.resources
-    if res.tensor_parallel > 1:
-        raise PlacementError(f"resources.tensor_parallel: {res.tensor_parallel} shards an engine over GPUs; on a "
-                             "CPU an engine runs unsharded (set it to 1)")
+    tp = res.tensor_parallel
+    if tp > 1 and (res.engine_processes is False or spec.rollout.cpu_single_process):
+        raise PlacementError(f"resources.tensor_parallel: {tp} shards an engine over {tp} worker processes of "
+                             "vLLM's own (its mp executor), which an engine inside the coordinator's process "
+                             "cannot have: leave resources.engine_processes and rollout.cpu_single_process out")
     if res.colocate:
         raise PlacementError("resources.colocate: colocated engines sleep while the trainer steps, and vLLM has sleep "
                              "mode only on GPUs (CUDA, ROCm, XPU); on a CPU, schedule.mode 'sync' already gives each "
@@ -317,8 +320,8 @@ def plan_cpu(spec: "RunSpec", machine: Machine) -> Plan:
             trainers.append(Process("trainer", first_rank + j, node, block, len(block), local_rank=j))
         for j, block in enumerate(_blocks(generation, n_engines)):
             engines.append(Process("engine", first_engine + j, node, block, len(block)))
-    return Plan("cpu", res.nodes, 0, 1, res.colocate, overlapped, tuple(trainers + engines),
-                engine_processes=bool(res.engine_processes) or res.nodes > 1)
+    return Plan("cpu", res.nodes, 0, tp, res.colocate, overlapped, tuple(trainers + engines),
+                engine_processes=bool(res.engine_processes) or res.nodes > 1 or tp > 1)
 
 
 def plan_gpu(spec: "RunSpec", machine: Machine) -> Plan:

@@ -150,7 +150,7 @@ class Processes:
             stop=list(ro.stop), stop_token_ids=list(checked.stop_ids), kv_cache_gb=ro.kv_cache_gb,
             gpu_memory_utilization=process.gpu_memory_utilization, host=host, env=self.plan.env(process),
             cpu_single_process=ro.cpu_single_process, enforce_eager=ro.enforce_eager,
-            sleep_mode=self.plan.sleeps)
+            sleep_mode=self.plan.sleeps, tensor_parallel=self.plan.tensor_parallel)
 
     def engines(self, checked) -> list[RolloutEngine]:
         """The rollout engines, not started yet: each a server process of its own

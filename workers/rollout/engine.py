@@ -133,7 +133,9 @@ class RolloutEngine:
     def __init__(self, model_path: str, *, index: int = 0, update_mode: str = "keep", max_model_len: int = 256,
                  max_num_seqs: int = 256, dtype: str = "float32", seed: int = 0, rpc_timeout_s: float = 60.0,
                  sampling: SamplingOptions = SamplingOptions(), gpu_memory_utilization: Optional[float] = None,
-                 cpu_single_process: bool = False, enforce_eager: Optional[bool] = None, sleep_mode: bool = False):
+                 cpu_single_process: bool = False, enforce_eager: Optional[bool] = None, sleep_mode: bool = False,
+                 tensor_parallel: int = 1):
+        self.tensor_parallel = tensor_parallel  # resources.tensor_parallel: vLLM workers the model is sharded over
         self.enforce_eager = enforce_eager  # rollout.enforce_eager (None: by device)
         self.sleep_mode = sleep_mode  # colocated GPU plans: vLLM sleep mode (sleep/wake_up around trainer steps)
         self.asleep: Optional[str] = None  # what sleeps now: "all" or "kv_cache"; None when awake
@@ -202,7 +204,9 @@ class RolloutEngine:
             logprobs_mode="processed_logprobs",
             # a cached prefix computed with old weights would leak into new requests
             enable_prefix_caching=False,
-            distributed_executor_backend="uni",
+            # one shard: the worker in the engine core process; more: vLLM's worker processes
+            tensor_parallel_size=self.tensor_parallel,
+            distributed_executor_backend="uni" if self.tensor_parallel == 1 else "mp",
             # vLLM checks the platform (CUDA, ROCm, XPU) and turns its cumem allocator on
             **({"enable_sleep_mode": True} if self.sleep_mode else {}),
             **({"gpu_memory_utilization": self.gpu_memory_utilization} if self.gpu_memory_utilization else {}),
@@ -440,7 +444,7 @@ class RolloutEngine:
     # -- weight updates ------------------------------------------------------------
     @property
     def worker_count(self) -> int:
-        """Its vLLM workers (ranks it takes in a weight group): 1 with the uni executor."""
+        """Its vLLM workers (ranks it takes in a weight group): its tensor-parallel shards."""
         parallel = getattr(getattr(self.engine, "vllm_config", None), "parallel_config", None)
         return int(getattr(parallel, "world_size", 1) or 1)
 
@@ -541,4 +545,9 @@ class RolloutEngine:
         self._gap_ema = gap if self._gap_ema is None else 0.9 * self._gap_ema + 0.1 * gap
 
     async def weights_checksum(self) -> Optional[str]:
-        return (await self._call("a checksum", self.engine.collective_rpc("fluxrl_loaded_checksum")))[0]
+        """The checksum of the state dict its last update loaded, the same in every shard
+        (each tensor-parallel worker takes the whole update and keeps its slice)."""
+        sums = await self._call("a checksum", self.engine.collective_rpc("fluxrl_loaded_checksum"))
+        if len(set(sums)) > 1:
+            raise RuntimeError(f"rollout engine {self.index}: its {len(sums)} shards loaded different weights: {sums}")
+        return sums[0]

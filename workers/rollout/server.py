@@ -81,6 +81,7 @@ class EngineServerConfig(wire.Message):
     cpu_single_process: bool = False  # rollout.cpu_single_process
     enforce_eager: Optional[bool] = None  # rollout.enforce_eager (None: eager on the CPU, CUDA graphs on GPUs)
     sleep_mode: bool = False  # colocated GPU plans: asleep while the trainer steps
+    tensor_parallel: int = Field(1, ge=1, le=64)  # shards (vLLM workers) of this engine
     heartbeat_timeout_s: float = 30.0  # a remote server this long silent is dead (a busy machine is not)
 
     @field_validator("env")
@@ -311,7 +312,7 @@ class _Server:
             max_num_seqs=config.max_num_seqs, dtype=config.dtype, seed=config.seed, rpc_timeout_s=config.rpc_timeout_s,
             sampling=SamplingOptions(config.top_p, config.top_k, tuple(config.stop), tuple(config.stop_token_ids)),
             gpu_memory_utilization=config.gpu_memory_utilization, cpu_single_process=config.cpu_single_process,
-            enforce_eager=config.enforce_eager, sleep_mode=config.sleep_mode)
+            enforce_eager=config.enforce_eager, sleep_mode=config.sleep_mode, tensor_parallel=config.tensor_parallel)
         self.started = False
         self.stop = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()

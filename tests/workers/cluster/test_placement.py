@@ -221,9 +221,21 @@ def test_trainer_ranks_must_divide_over_nodes():
 def test_gpus_asked_of_a_machine_without_any():
     assert refused({"queue": "gpu", "gpus": 2}, Machine(cpu_cores=8)) == \
         "resources.gpus: the run asks for 2 GPU(s), the machine has none"
-    assert refused({"tensor_parallel": 2}, Machine(cpu_cores=8)).startswith("resources.tensor_parallel: 2 shards")
     # the controller's CPU path does not read GPU counts (older specs ran on CPU with them)
     assert plan_cpu(spec({"gpus": 2}), Machine(cpu_cores=2)).device == "cpu"
+
+
+def test_tensor_parallel_on_the_cpu_splits_an_engines_cores_among_its_shards():
+    eight = Machine(cpu_cores=8)
+    plan = plan_placement(spec({"tensor_parallel": 2}, engines=2), eight)  # async: cores 0-3 generate
+    assert (plan.tensor_parallel, plan.engine_processes) == (2, True)  # vLLM's workers: processes of their own
+    assert [plan.env(p)["VLLM_CPU_OMP_THREADS_BIND"] for p in plan.engines] == ["0|1", "2|3"]
+    one_core = plan_placement(spec({"tensor_parallel": 2}), Machine(cpu_cores=2))  # async: core 0 generates
+    assert plan.env(one_core.engines[0])["VLLM_CPU_OMP_THREADS_BIND"] == "0|0"  # both shards share it
+    assert refused({"tensor_parallel": 2, "engine_processes": False}, eight) == (
+        "resources.tensor_parallel: 2 shards an engine over 2 worker processes of vLLM's own (its mp executor), "
+        "which an engine inside the coordinator's process cannot have: leave resources.engine_processes and "
+        "rollout.cpu_single_process out")
 
 
 # -- trainer memory -------------------------------------------------------------------------

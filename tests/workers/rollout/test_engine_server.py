@@ -171,3 +171,76 @@ def test_a_drain_server_then_killed_ends_pending_calls_at_once_and_leaves_no_pro
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids)  # its vLLM core went with it
+
+
+# -- an engine sharded over two vLLM workers (resources.tensor_parallel: 2) -------------------
+
+def _sharded_config(tiny_model_path) -> EngineServerConfig:
+    """What the planner gives a tensor_parallel 2 engine here (sync: the machine's cores, one
+    list per shard in VLLM_CPU_OMP_THREADS_BIND)."""
+    from workers.cluster.placement import Machine, plan_placement
+    from workers.spec import validate_spec
+
+    spec = validate_spec({"name": "tp", "model": {"path": tiny_model_path}, "task": {"dataset": "gen:add"},
+                          "schedule": {"mode": "sync"}, "resources": {"tensor_parallel": 2}})
+    plan = plan_placement(spec, Machine(cpu_cores=2))
+    assert plan.engine_processes and plan.tensor_parallel == 2
+    assert plan.env(plan.engines[0])["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    return EngineServerConfig(model_path=tiny_model_path, index=7, max_model_len=256, tensor_parallel=2,
+                              env=plan.env(plan.engines[0]))
+
+
+def test_a_two_shard_engine_generates_what_one_shard_generates_and_every_shard_takes_each_update(
+        loop, engine, tiny_model_path):
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    prompts = [encode(f"{a}+{b}=") for a, b in [(12, 34), (5, 67), (80, 9), (41, 41)]]
+
+    async def greedy(e):
+        return await asyncio.gather(*(e.generate(p, 12, 0.0, ignore_eos=True) for p in prompts))
+
+    def same(one, two):
+        assert [c.token_ids for c in two] == [c.token_ids for c in one]
+        # the shards sum their partial products in another order: equal to float32 rounding
+        assert max(abs(a - b) for x, y in zip(one, two) for a, b in zip(x.logprobs, y.logprobs)) < 1e-3
+
+    sharded = EngineClient(_sharded_config(tiny_model_path))
+    loop.run_until_complete(sharded.start())
+    try:
+        assert sharded.worker_count == 2 and len(sharded.core_pids()) == 1
+        before = loop.run_until_complete(greedy(engine))
+        same(before, loop.run_until_complete(greedy(sharded)))
+
+        # an update over the RPC: each shard takes the whole state dict and keeps its slice
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+        state = {k: v.clone() for k, v in perturb(model, scale=0.02, seed=21).items()}
+        blob = serialize_state_dict(state)
+        loop.run_until_complete(engine.update_weights(blob, engine.version + 1))
+        loop.run_until_complete(sharded.update_weights(blob, 1))
+        rpc = loop.run_until_complete(greedy(engine))
+        assert [c.token_ids for c in rpc] != [c.token_ids for c in before]  # the update changed the policy
+        same(rpc, loop.run_until_complete(greedy(sharded)))
+        # every shard's checksum is the trainer's (weights_checksum refuses shards that disagree)
+        assert loop.run_until_complete(sharded.weights_checksum()) == tensors_checksum(state)
+
+        # a collective update: the engine's two workers are two ranks of the weight group
+        state = copy.deepcopy(perturb(model, scale=0.02, seed=22))
+
+        async def broadcast():
+            broadcaster = WeightBroadcaster(timeout_s=60)
+            await broadcaster.open([sharded])
+            try:
+                assert broadcaster.group.world_size == 3  # the sender and the two shards
+                return await broadcaster.broadcast(state, 2)
+            finally:
+                broadcaster.close()
+
+        [timing] = loop.run_until_complete(broadcast())
+        assert timing.version == 2 == sharded.version
+        assert loop.run_until_complete(sharded.weights_checksum()) == tensors_checksum(state)
+        loop.run_until_complete(engine.update_weights(serialize_state_dict(state), engine.version + 1))
+        same(loop.run_until_complete(greedy(engine)), loop.run_until_complete(greedy(sharded)))
+    finally:
+        sharded.shutdown()
