@@ -9,6 +9,8 @@ from workers.cluster.memory import ModelSize, model_size, trainer_memory
 from workers.cluster.placement import Machine, PlacementError, plan_placement
 from workers.spec import validate_spec
 
+pytestmark = pytest.mark.distributed  # the planner's refusals are part of `pytest -m distributed` (issue 27)
+
 SEVEN_B = ModelSize(7 * 10**9)
 ONE = Machine(cpu_cores=8, gpus_per_node=1, gpu_memory_gib=80)
 TWO = Machine(cpu_cores=8, gpus_per_node=2, gpu_memory_gib=80)

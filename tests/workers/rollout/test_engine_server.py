@@ -190,6 +190,7 @@ def _sharded_config(tiny_model_path) -> EngineServerConfig:
                               env=plan.env(plan.engines[0]))
 
 
+@pytest.mark.distributed
 def test_a_two_shard_engine_generates_what_one_shard_generates_and_every_shard_takes_each_update(
         loop, engine, tiny_model_path):
     import copy
