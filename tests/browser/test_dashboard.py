@@ -318,6 +318,30 @@ def test_compare_two_runs_from_the_runs_list(page, api, screenshot):
     screenshot(page, "11-compare")
 
 
+def test_the_compare_page_overlays_a_gae_run_with_a_grpo_run(page, api):
+    gae = api.submit("cmp-gae", tags=["rlhf"], algorithm={"advantage": "gae"})
+    grpo = api.submit("cmp-grpo", tags=["rlhf"])
+    critic = {"critic/value_loss": lambda s: 1.0 / (1 + s), "critic/explained_var": lambda s: min(0.9, s / 20)}
+    for run, extra in ((gae, critic), (grpo, {})):
+        api.worker(run["id"]).post(f"/api/runs/{run['id']}/metrics/",
+                                   {"points": points({**REWARD_CURVE, **extra}, range(1, 21))})
+
+    page.goto(f"/compare/?runs={gae['id']},{grpo['id']}")
+    chart = "document.getElementById('compare-chart')"
+    page.wait_for_function(f"{chart}.data && {chart}.data.length === 4")  # reward/mean: both runs, raw + smoothed
+    # the critic's metrics are offered (the GAE run has them) and drawn for that run alone
+    page.get_by_label("Metric", exact=True).select_option("critic/explained_var")
+    page.locator("#smoothing").fill("0")
+    page.wait_for_function(f"{chart}.data.length === 2 && {chart}.layout.yaxis.title.text === 'critic/explained_var'")
+    lengths = page.evaluate(f"Object.fromEntries({chart}.data.map((t) => [t.name, t.y.length]))")
+    assert lengths == {f"cmp-gae #{gae['id']}": 20, f"cmp-grpo #{grpo['id']}": 0}
+    assert page.evaluate(f"{chart}.data[0].y.at(-1)") == pytest.approx(0.9)
+    expect(page.locator("#compare-note")).to_contain_text(f"No critic/explained_var points: cmp-grpo #{grpo['id']}")
+    # the algorithm is one of the differences the page lists
+    fields = page.locator("#diff-table tbody tr:visible td:first-child code").all_inner_texts()
+    assert fields == ["name", "algorithm.advantage"]
+
+
 def test_keyboard_reaches_the_content_and_the_navigation(page):
     page.goto("/")
     page.keyboard.press("Tab")
