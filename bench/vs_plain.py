@@ -60,7 +60,12 @@ ENGINE_SYSTEMS = {"sync": {"schedule": {"mode": "sync"}}, "async": {},
                   "async_proc": {"resources": {"trainer_process": True}},
                   "sync_proc": {"schedule": {"mode": "sync"}, "resources": {"trainer_process": True}},
                   # vLLM's model in its engine core process (no worker process spin-waiting)
-                  "sync_single": {"schedule": {"mode": "sync"}, "rollout": {"cpu_single_process": True}}}
+                  "sync_single": {"schedule": {"mode": "sync"}, "rollout": {"cpu_single_process": True}},
+                  # the engine in a server process of its own (the GPU launch path), vLLM's engine core
+                  # in a process of its own beside it, or inside it (no core process, nothing to spin)
+                  "async_server": {"resources": {"engine_processes": True}},
+                  "async_server_single": {"resources": {"engine_processes": True},
+                                          "rollout": {"cpu_single_process": True}}}
 SYSTEMS = ["plain", "trl", "sync", "async"]
 OTHER_LOOPS = ("trl",)  # systems that are neither the plain loop nor the engine
 NO_STEP_LIMIT = 10 ** 9  # the time budget stops every run

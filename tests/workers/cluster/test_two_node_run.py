@@ -1,7 +1,7 @@
 """A run over two "nodes" on loopback: node 0 is the coordinator (this test's process,
 with one trainer rank and one engine server), node 1 a node agent started as a separate
 process tree (``python -m workers node``) with the other trainer rank and engine server.
-The two ranks form one DeepSpeed world (ZeRO 2 and 3, gloo); the engines are served
+The two ranks form one DeepSpeed world (ZeRO 3, gloo); the engines are served
 over the typed protocol of workers/rollout/server.py. It trains, keeps staleness within
 η, and after every update both engines hold exactly the trainer's weights. A killed
 rank fails the run naming it, every process of the run is gone, and a resumed run
@@ -100,27 +100,6 @@ def _run(controller) -> object:
     return asyncio.run(controller.run())
 
 
-# ZeRO 2 with the RPC transport trains over two nodes in the resumed run of the killed-rank
-# test below, which asserts all of this on it (one run and one node start-up fewer).
-@pytest.mark.parametrize("stage, transport", [(3, "collective")])
-def test_two_nodes_train_with_two_ranks_and_two_engine_processes(stage, transport, tmp_path, cluster_env):
-    steps = 4
-    node = _start_node(cluster_env, tmp_path / "node1.log")
-    try:
-        controller = CheckingController(validate_spec(_spec(stage, transport, steps)), tmp_path / "out",
-                                        progress=False, rendezvous=cluster_env)
-        result = _run(controller)
-        assert node.wait(timeout=60) == 0, (tmp_path / "node1.log").read_text()[-3000:]
-    finally:
-        if node.poll() is None:
-            os.killpg(node.pid, signal.SIGKILL)
-    _assert_trained_on_both_nodes(controller, result, steps, steps)
-    if transport == "collective":  # trainer rank 0 broadcast to both nodes' engines itself
-        from workers.weights.broadcast import RankZeroSender
-
-        assert isinstance(controller.broadcaster.sender, RankZeroSender) and controller.broadcaster.last_send_ms
-
-
 def _assert_trained_on_both_nodes(controller, result, steps, trained_here):
     """Every step trained within η = 1, both nodes' engines generated and held the trainer's
     weights after every update (``trained_here`` of them in this run), nothing left behind."""
@@ -134,13 +113,19 @@ def _assert_trained_on_both_nodes(controller, result, steps, trained_here):
     assert not any(_alive(pid) for pid in servers + controller.trainer.pids)  # nothing left behind
 
 
+# One test, two node start-ups: a two-node run (ZeRO-3, trainer rank 0 broadcasting to both
+# nodes' engines over the collective) trains, is failed by a killed rank, and resumes from its
+# checkpoint as a full two-node run; the checks hold after every update of both runs. (ZeRO-2
+# and the RPC transport over rank processes are tests/workers/coord/test_distributed_run.py's.)
 def test_a_killed_rank_fails_the_two_node_run_and_the_resumed_run_trains_on_both_nodes_without_gaps(tmp_path,
                                                                                                      cluster_env):
+    from workers.weights.broadcast import RankZeroSender
+
     out = tmp_path / "out"
-    spec = _spec(2, "rpc", 6, checkpoint_every=2)
+    spec = _spec(3, "collective", 6, checkpoint_every=2)
     node = _start_node(cluster_env, tmp_path / "node1.log")
 
-    class KillAtStep3(Controller):
+    class KillAtStep3(CheckingController):
         async def _train_on(self, groups, step, t_start, stats=None):
             if step == 3:  # node 1's trainer rank dies mid-run (before this step trains)
                 rank1 = self.node_trainer_pids[1][0]
@@ -162,6 +147,10 @@ def test_a_killed_rank_fails_the_two_node_run_and_the_resumed_run_trains_on_both
     assert failed_after < 30
     assert not any(_alive(e.server_pid) for e in controller.engines + controller._dead)
     assert not any(_alive(pid) for pid in controller.trainer.pids)
+    # before the kill: both nodes' engines held the trainer's weights after every update (the first, steps 1-2),
+    # broadcast by trainer rank 0 itself
+    assert [v for v, _ in controller.checks] == [0, 1, 2] and all(all(ok) and len(ok) == 2 for _, ok in controller.checks)
+    assert isinstance(controller.broadcaster.sender, RankZeroSender) and controller.broadcaster.last_send_ms
 
     # resume: a new node agent, the same run folder, from the step-2 checkpoint
     info = latest_checkpoint(out)
@@ -174,8 +163,9 @@ def test_a_killed_rank_fails_the_two_node_run_and_the_resumed_run_trains_on_both
     finally:
         if node.poll() is None:
             os.killpg(node.pid, signal.SIGKILL)
-    # The resumed run is a full two-node run with ZeRO 2 and the RPC transport: steps 3-6 here.
+    # The resumed run is a full two-node run, ZeRO-3 over the collective: steps 3-6 here.
     _assert_trained_on_both_nodes(resumed, result, 6, 6 - info.step)
+    assert isinstance(resumed.broadcaster.sender, RankZeroSender)
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
              if "reward/mean" in line]
     assert sorted(set(steps)) == list(range(1, 7)), steps  # no step missing

@@ -5,7 +5,7 @@ The run's own engine is also the check that vLLM on the CPU generates what trans
 generates greedily on these models (its evaluation before training), and that after the
 in-flight updates it samples from exactly the trainer's final weights.
 
-That RL raises the held-out reward is asserted on Qwen2 (150 steps). On Llama and GPT-2
+That RL raises the held-out reward is asserted on Qwen2 (50 steps). On Llama and GPT-2
 the run is short: what depends on the architecture (tokenizer, template, stop ids, the
 weight layout vLLM loads an update into, GPT-2's transposed Conv1D included) is checked
 exactly there, while a rise of a few hundredths after 150 steps is a noisy figure (GPT-2
@@ -24,9 +24,11 @@ from workers.models.modelzoo import ensure_zoo_model, greedy_completions, write_
 from workers.spec import validate_spec
 from workers.tasks.datasets import load_rows
 
-RL_STEPS = 150
-SHORT_STEPS = 12
 ALL = os.environ.get("FLUXRL_ZOO_RL_ALL") == "1"
+# Qwen2's held-out sampled reward rose +0.101 in 40 steps, +0.152 in 80 and +0.146 in 150 (one run
+# each, 2026-11-26): the rise is there early, so the default run takes 50 steps, ALL the README's 150.
+RL_STEPS = 150 if ALL else 50
+SHORT_STEPS = 12
 ARCHS = {"qwen2": RL_STEPS, "llama": RL_STEPS if ALL else SHORT_STEPS, "gpt2": RL_STEPS if ALL else SHORT_STEPS}
 RISE = 0.03  # 3200 samples before and after: the difference's standard error is about 0.01
 
