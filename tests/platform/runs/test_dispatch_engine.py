@@ -47,7 +47,7 @@ reward: {function: numeric_match}
 algorithm: {loss: ppo, group_size: 4, lr: 1.0e-3}
 rollout: {engines: 1, max_tokens: 16, update_mode: keep}
 schedule: {mode: async, max_staleness: 2, batch_prompts: 4}
-stop: {max_steps: 30, max_minutes: 5}
+stop: {max_steps: 12, max_minutes: 5}
 eval: {every_steps: 0, prompts: 20}
 """
 
