@@ -17,6 +17,12 @@ Systems, all on ``examples/add-async.yaml`` (the tiny model, 2-digit addition, 1
 - sync: the engine (``python -m workers run``) with ``schedule.mode: sync``;
 - async: the engine as the example has it (keep updates, max staleness 2).
 
+Other engine systems (``--systems plain,...``): ``async_proc``/``sync_proc`` (the trainer in
+a process of its own), ``sync_single`` (vLLM's model in its engine core), ``async_server``
+(the engine in a server process of its own, as on GPUs, vLLM's engine core beside it) and
+``async_server_single`` (the same server with vLLM inside it: no engine core process, no
+worker process, nothing spin-waiting, and no interpreter lock shared with the trainer).
+
 Each gets ``--minutes`` of training loop (as ``stop.max_minutes`` counts it: periodic
 evaluations included). Clocks below leave the periodic evaluations out, so that the
 plain loop's HF evaluation and the engine's vLLM one cost nothing either way. Reported

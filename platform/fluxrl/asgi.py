@@ -30,17 +30,20 @@ class BodyLimit:
     spool them to disk, and parse them before any view looks at the size): at once when
     Content-Length says so, and a chunked body once it goes past the limit (Django is told
     the client left). The server itself has already received the body by then (daphne
-    buffers it): a proxy's body limit stops it earlier still. Websockets pass untouched."""
+    buffers it): a proxy's body limit stops it earlier still. Websockets pass untouched.
+    ``larger``: paths whose POST may carry more (a model folder's archive)."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, larger: dict[str, int] | None = None):
+        self.app, self.default_bytes, self.larger = app, max_bytes, larger or {}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        max_bytes = self.larger.get(scope.get("path", ""), self.default_bytes) if scope.get("method") == "POST" \
+            else self.default_bytes
         declared = next((value for name, value in scope.get("headers", ()) if name.lower() == b"content-length"), b"")
-        if declared.strip().isdigit() and int(declared) > self.max_bytes:
-            return await self.refuse(send)
+        if declared.strip().isdigit() and int(declared) > max_bytes:
+            return await self.refuse(send, max_bytes)
         received, over, started = 0, False, False
 
         async def limited_receive():
@@ -48,7 +51,7 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > max_bytes:
                     over = True
                     return {"type": "http.disconnect"}  # Django stops reading and answers nothing
             return message
@@ -60,11 +63,12 @@ class BodyLimit:
 
         await self.app(scope, limited_receive, watched_send)
         if over and not started:
-            await self.refuse(send)
+            await self.refuse(send, max_bytes)
 
-    async def refuse(self, send):
+    async def refuse(self, send, max_bytes: int):
+        setting = "FLUXRL_MAX_BODY_MB" if max_bytes == self.default_bytes else "FLUXRL_MAX_MODEL_MB"
         body = json.dumps({"error": {"code": "too_large", "message": f"The request body is over the server's limit "
-                                     f"of {self.max_bytes} bytes (FLUXRL_MAX_BODY_MB).", "fields": {}}}).encode()
+                                     f"of {max_bytes} bytes ({setting}).", "fields": {}}}).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
@@ -77,7 +81,8 @@ http_app = ASGIStaticFilesHandler(django_asgi_app) if settings.FLUXRL_SERVE_STAT
 
 application = ProtocolTypeRouter(
     {
-        "http": BodyLimit(http_app, settings.FLUXRL_MAX_BODY_BYTES),
+        "http": BodyLimit(http_app, settings.FLUXRL_MAX_BODY_BYTES,
+                          larger={"/api/models/": settings.FLUXRL_MAX_MODEL_BYTES + 2**20}),  # + the form fields
         "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(TokenAuthMiddleware(URLRouter(websocket_urlpatterns)))),
     }
 )

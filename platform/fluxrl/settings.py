@@ -63,6 +63,7 @@ INSTALLED_APPS = [
     "channels",
     "fluxrl.accounts",
     "fluxrl.datasets",
+    "fluxrl.modelstore",
     "fluxrl.rewards",
     "fluxrl.runs",
     "fluxrl.metrics",
@@ -243,6 +244,9 @@ if HAS_SIDECAR:  # no internet: serve Swagger UI / Redoc from our own static fil
 
 # --- FluxRL limits ---
 FLUXRL_MAX_UPLOAD_BYTES = int(float(os.environ.get("FLUXRL_MAX_UPLOAD_MB", "64")) * 1024 * 1024)
+# A model folder's archive and its unpacked files (POST /api/models/): each at most this (the
+# web server holds an upload while it arrives: larger models belong in FLUXRL_MODEL_ROOTS).
+FLUXRL_MAX_MODEL_BYTES = int(float(os.environ.get("FLUXRL_MAX_MODEL_MB", "1024")) * 1024 * 1024)
 FLUXRL_INGEST_MAX_POINTS = int(os.environ.get("FLUXRL_INGEST_MAX_POINTS", "1000"))
 FLUXRL_INGEST_MAX_SAMPLES = int(os.environ.get("FLUXRL_INGEST_MAX_SAMPLES", "500"))
 FLUXRL_INGEST_MAX_BYTES = int(os.environ.get("FLUXRL_INGEST_MAX_BYTES", str(1024 * 1024)))

@@ -24,11 +24,13 @@ from django.db import close_old_connections
 from fluxrl.accounts import services as accounts
 from fluxrl.accounts.models import Membership, RunToken
 from fluxrl.datasets import services as datasets
+from fluxrl.modelstore import services as modelstore
 from fluxrl.rewards.services import create_function
 from fluxrl.runs.models import Run, RunStatus
 from fluxrl.runs.services import add_checkpoint, add_samples, submit_run, transition
 from fluxrl.metrics.services import ingest_points
 from fluxrl.wsgi import application
+from tests.platform.model_archives import tiny_rm_upload
 
 EXAMPLES = 12  # per operation and generation mode
 
@@ -75,6 +77,7 @@ def fuzz_world(team_a, alice, bob, settings, monkeypatch, keep_test_connection):
     monkeypatch.setattr(datasets, "MAX_GENERATED_ROWS", 500)
     dataset = datasets.generate_version(team_a, alice, "add", "add", n=20, seed=1)
     reward = create_function(team_a, alice, "exact", "def reward(prompt, completion, **f):\n    return 1.0\n")
+    stored = modelstore.upload_version(team_a, alice, "rm", tiny_rm_upload())
     run = submit_run(team_a, alice, {"name": "fuzz", "model": {"path": "builtin:tiny"}, "task": {"dataset": "add@1"}})
     transition(run, RunStatus.STARTING)
     transition(run, RunStatus.RUNNING)
@@ -89,7 +92,7 @@ def fuzz_world(team_a, alice, bob, settings, monkeypatch, keep_test_connection):
         "bob": bob,
         "team": team_a,
         "ids": {"teams": team_a.slug, "tokens": victim.pk, "datasets": dataset.dataset_id, "rewards": reward.function_id,
-                "runs": run.pk},
+                "runs": run.pk, "models": stored.model_id},
     }
 
 

@@ -31,11 +31,13 @@ from rest_framework.test import APIClient
 from fluxrl.accounts import services as accounts
 from fluxrl.accounts.models import Membership, Role, Team
 from fluxrl.datasets.services import add_version
+from fluxrl.modelstore.services import upload_version as upload_model
 from fluxrl.metrics.services import ingest_points
 from fluxrl.rewards.services import create_function
 from fluxrl.routing import websocket_urlpatterns
 from fluxrl.runs.models import Run, RunStatus
 from fluxrl.runs.services import add_checkpoint, add_samples, submit_run, transition
+from tests.platform.model_archives import tiny_rm_upload
 
 CANARY = "zqcanary"
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
@@ -64,6 +66,7 @@ class World:
     api_token: object
     run_key: str
     refs: dict = field(default_factory=dict)
+    model: object = None  # an uploaded model folder (fluxrl.modelstore)
 
 
 def build_world(team: Team, admin, member, marker: str) -> World:
@@ -85,8 +88,9 @@ def build_world(team: Team, admin, member, marker: str) -> World:
     add_checkpoint(run, step=1, version=1, path=f"/ckpt/{marker}")
     api_token, _ = accounts.create_api_token(admin, f"{marker}-token")
     _, run_key = accounts.create_run_token(run)
+    stored = upload_model(team, admin, f"{marker}-rm", tiny_rm_upload(), description=marker)
     return World(team, admin, member, dataset.dataset, reward.function, run, api_token, run_key,
-                 refs={"dataset": f"{marker}-data@1", "reward": f"{marker}-reward@1"})
+                 refs={"dataset": f"{marker}-data@1", "reward": f"{marker}-reward@1"}, model=stored.model)
 
 
 # --- the routes ---------------------------------------------------------------------------
@@ -123,6 +127,7 @@ def fill(route: Route, world: World) -> str:
     """The route's URL with each path parameter naming one of the world's objects."""
     admin_model = getattr(getattr(route.callback, "model_admin", None), "model", None)
     owned = {Team: world.team, Run: world.run, type(world.dataset): world.dataset, type(world.reward): world.reward,
+             type(world.model): world.model,
              get_user_model(): world.member, type(world.api_token): world.api_token,
              Membership: world.team.memberships.first()}
 
@@ -151,6 +156,7 @@ PARAM_FILLERS = {
     ("tokens", "pk"): lambda w: w.api_token.pk,
     ("datasets", "pk"): lambda w: w.dataset.pk,
     ("rewards", "pk"): lambda w: w.reward.pk,
+    ("models", "pk"): lambda w: w.model.pk,
     ("runs", "pk"): lambda w: w.run.pk,
     ("runs", "run_id"): lambda w: w.run.pk,
     ("versions", "version"): lambda w: 1,

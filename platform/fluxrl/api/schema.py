@@ -19,6 +19,7 @@ ERROR_SCHEMA = {
 ERROR_STATUSES = {
     "400": "Invalid input", "401": "Missing, invalid, expired or revoked token", "403": "Not allowed (scope, role, run token)",
     "404": "Not found (or another team's)", "409": "Conflict (e.g. illegal run state transition)", "413": "Too large",
+    "415": "Unsupported media type (a body the endpoint's parsers cannot read)",
 }
 # Declared only by the operations that can answer them (extend_schema); given the error body here.
 OPTIONAL_ERROR_STATUSES = ("429", "501")

@@ -6,6 +6,7 @@ from .permissions import IsTeamUser
 urlpatterns = [
     path("", include("fluxrl.accounts.api.urls")),
     path("", include("fluxrl.datasets.api.urls")),
+    path("", include("fluxrl.modelstore.api.urls")),
     path("", include("fluxrl.rewards.api.urls")),
     path("", include("fluxrl.runs.api.urls")),
     path("", include("fluxrl.metrics.api.urls")),

@@ -11,7 +11,9 @@ from pathlib import Path
 
 from django.conf import settings
 
-from fluxrl.errors import InvalidInput, field_error
+from fluxrl.errors import InvalidInput, NotFound, field_error
+from fluxrl.modelstore import services as modelstore
+from fluxrl.modelstore.models import StoredModelVersion
 from workers.spec import SpecError, validate_spec
 
 from .models import Run
@@ -27,6 +29,8 @@ BUILTIN_REWARD_MODELS = ("builtin:tiny-rm",)  # reward.model.path (workers/model
 MODEL_ROOTS_ENV = "FLUXRL_MODEL_ROOTS"
 MODEL_FIELD = "spec.model.path"
 REWARD_MODEL_FIELD = "spec.reward.model.path"
+STORED_PREFIX = "model:"  # model:<name>[@<version>]: a folder the team uploaded (POST /api/models/)
+CAUSAL_LM, CLASSIFIER = StoredModelVersion.Kind.CAUSAL_LM, StoredModelVersion.Kind.SEQUENCE_CLASSIFICATION
 _ROOT_RELATIVE = re.compile(r"[\w-][\w.-]*(/[\w.-]+)*")  # "Qwen/Qwen2-0.5B": a hub id, or a name under a model root
 
 
@@ -67,11 +71,29 @@ def _own_run_output(team, real: Path) -> bool:
             and Run.objects.filter(pk=int(run_id), team=team).exists())
 
 
-def check_model_path(team, path: str, field: str = MODEL_FIELD, builtins: tuple[str, ...] = BUILTIN_MODELS) -> str:
+def stored_model_version(team, path: str, field: str = MODEL_FIELD, kind: str = CAUSAL_LM):
+    """The team's uploaded model version that ``model:<name>[@<version>]`` names, which
+    must be of ``kind`` (a causal LM for model.path, a classifier for reward.model.path),
+    or a 400 naming ``field``; None for any other path."""
+    if not isinstance(path, str) or not path.startswith(STORED_PREFIX):
+        return None
+    try:
+        version = modelstore.get_version(team, path[len(STORED_PREFIX):], field=field)
+    except NotFound as exc:  # a dangling reference is a bad spec, not a missing URL
+        raise InvalidInput("; ".join(f"{f}: {exc.message}" for f in exc.fields), fields=exc.fields) from None
+    if version.kind != kind:
+        raise field_error(field, f"{path} is a {version.architecture} ({version.kind}); {field.removeprefix('spec.')} "
+                                 f"needs a {kind} model")
+    return version
+
+
+def check_model_path(team, path: str, field: str = MODEL_FIELD, builtins: tuple[str, ...] = BUILTIN_MODELS,
+                     kind: str = CAUSAL_LM) -> str:
     """The model.path (or another model folder the spec names, as ``field``) a worker of
     `team` may load, or a 400 naming ``field``.
 
-    Allowed: a built-in name (``builtins``); a folder under a model root (an absolute
+    Allowed: a built-in name (``builtins``); ``model:<name>[@<version>]``, a folder the
+    team uploaded (of ``kind``); a folder under a model root (an absolute
     path, or a name relative to a root such as "Qwen/Qwen2-0.5B" when that folder exists
     there); the outputs of one of the team's own runs (run_output_dir). Never another
     team's outputs or any other folder of the worker host. Symlinks and `..` are resolved
@@ -83,8 +105,12 @@ def check_model_path(team, path: str, field: str = MODEL_FIELD, builtins: tuple[
         if path not in builtins:
             raise field_error(field, f"unknown built-in model {path!r}; choose one of {list(builtins)}")
         return path
+    stored = stored_model_version(team, path, field, kind)
+    if stored is not None:
+        return os.path.realpath(stored.path)
     roots = model_roots()
-    where = (f"a built-in name ({', '.join(builtins)}), a folder under a model root "
+    where = (f"a built-in name ({', '.join(builtins)}), model:<name> (a folder your team uploaded), a folder under "
+             f"a model root "
              f"({', '.join(map(str, roots)) or 'none configured'}; {MODEL_ROOTS_ENV}) or the outputs of one of "
              "your team's runs")
     if not os.path.isabs(path):
@@ -108,7 +134,7 @@ def check_reward_model_path(team, spec: dict) -> str | None:
     reward_model = (spec.get("reward") or {}).get("model")
     if not isinstance(reward_model, dict) or not isinstance(reward_model.get("path"), str):
         return None  # absent, or malformed: validate_spec names it
-    return check_model_path(team, reward_model["path"], REWARD_MODEL_FIELD, BUILTIN_REWARD_MODELS)
+    return check_model_path(team, reward_model["path"], REWARD_MODEL_FIELD, BUILTIN_REWARD_MODELS, CLASSIFIER)
 
 
 def engine_spec(spec: dict, dataset_version=None, reward_version=None, model_path: str | None = None,
@@ -136,6 +162,14 @@ def resolve_spec(run: Run) -> dict:
     so a moved FLUXRL_DATA_DIR is followed). Use this at dispatch time. The model path is
     checked again (a spec stored before the rule, or a symlink swapped after submission,
     must not slip through), and the engine is given the folder it resolved to."""
-    model_path = check_model_path(run.team, (run.spec.get("model") or {}).get("path", ""))
+    # an uploaded model's version was pinned at submission; anything else is checked again
+    if run.model_version is not None:
+        model_path = os.path.realpath(run.model_version.path)
+    else:
+        model_path = check_model_path(run.team, (run.spec.get("model") or {}).get("path", ""))
+    if run.reward_model_version is not None:
+        reward_model_path = os.path.realpath(run.reward_model_version.path)
+    else:
+        reward_model_path = check_reward_model_path(run.team, run.spec)
     return engine_spec(run.spec, run.dataset_version, run.reward_version, model_path=model_path,
-                       reward_model_path=check_reward_model_path(run.team, run.spec))
+                       reward_model_path=reward_model_path)

@@ -30,6 +30,11 @@ class Run(models.Model):
     resolved_spec = models.JSONField(help_text="engine-ready spec at submission (see services.resolve_spec)")
     dataset_version = models.ForeignKey("datasets.DatasetVersion", null=True, blank=True, on_delete=models.PROTECT, related_name="runs")
     reward_version = models.ForeignKey("rewards.RewardVersion", null=True, blank=True, on_delete=models.PROTECT, related_name="runs")
+    # model:<name> references of model.path and reward.model.path, pinned at submission
+    model_version = models.ForeignKey("modelstore.StoredModelVersion", null=True, blank=True, on_delete=models.PROTECT,
+                                      related_name="runs_as_policy")
+    reward_model_version = models.ForeignKey("modelstore.StoredModelVersion", null=True, blank=True,
+                                             on_delete=models.PROTECT, related_name="runs_as_reward_model")
     notes = models.TextField(blank=True)
     status = models.CharField(max_length=10, choices=RunStatus.choices, default=RunStatus.QUEUED, db_index=True)
     failure_reason = models.TextField(blank=True)

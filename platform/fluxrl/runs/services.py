@@ -30,8 +30,11 @@ from .engine_inputs import (  # noqa: F401 - re-exported: callers name them as r
     BUILTIN_MODELS,
     MODEL_FIELD,
     MODEL_ROOTS_ENV,
+    CLASSIFIER,
+    REWARD_MODEL_FIELD,
     check_model_path,
     check_reward_model_path,
+    stored_model_version,
     engine_spec,
     model_roots,
     resolve_spec,
@@ -129,11 +132,14 @@ def submit_run(team, owner, spec_input, tags=(), notes: str = "") -> Run:
     model_path = check_model_path(team, spec["model"]["path"])
     reward_model_path = check_reward_model_path(team, spec)
     dataset_version, reward_version = resolve_references(team, spec)
+    reward_model = (spec.get("reward") or {}).get("model") or {}
     run = Run.objects.create(
         team=team, owner=owner, name=spec["name"], spec=spec, notes=notes,
         resolved_spec=engine_spec(spec, dataset_version, reward_version, model_path=model_path,
                                   reward_model_path=reward_model_path),
         dataset_version=dataset_version, reward_version=reward_version,
+        model_version=stored_model_version(team, spec["model"]["path"]),
+        reward_model_version=stored_model_version(team, reward_model.get("path"), REWARD_MODEL_FIELD, CLASSIFIER),
     )
     set_tags(run, tags)
     transaction.on_commit(partial(enqueue_run, run))  # after commit, so the worker finds the row

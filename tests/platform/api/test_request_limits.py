@@ -186,6 +186,21 @@ def test_a_chunked_body_is_cut_off_past_the_cap_before_django(settings):
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_model_upload_has_its_own_larger_cap_and_nothing_else_does(settings):
+    from asgiref.sync import async_to_sync
+
+    over_default = settings.FLUXRL_MAX_BODY_BYTES + 1
+    assert over_default < settings.FLUXRL_MAX_MODEL_BYTES
+    status, _, _, django_saw = async_to_sync(asgi_post)([b"{}"], over_default, "/api/models/")
+    assert status == 401 and django_saw  # within FLUXRL_MAX_MODEL_MB: Django answers (no credentials)
+    status, _, body, django_saw = async_to_sync(asgi_post)([b"{}"], settings.FLUXRL_MAX_MODEL_BYTES + 2**20 + 1,
+                                                           "/api/models/")
+    assert status == 413 and not django_saw and b"FLUXRL_MAX_MODEL_MB" in body
+    status, _, _, django_saw = async_to_sync(asgi_post)([b"{}"], over_default, "/api/datasets/")
+    assert status == 413 and not django_saw
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_body_under_the_cap_reaches_django(settings):
     from asgiref.sync import async_to_sync
 
