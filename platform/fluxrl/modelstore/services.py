@@ -62,9 +62,11 @@ def _refuse(message: str):
 def _members(path: Path, display: str):
     """The archive, open: (name, size, open()) per regular file; anything else is refused by name."""
     if zipfile.is_zipfile(path):
+        _zip_entries(path)  # before ZipFile reads the whole central directory
         with zipfile.ZipFile(path) as archive:
             members = []
-            for info in archive.infolist():
+            for seen, info in enumerate(archive.infolist()):
+                _count(seen)
                 if info.is_dir():
                     continue
                 if ((info.external_attr >> 16) & 0o170000) not in (0, 0o100000):  # a symlink or device in a zip
@@ -78,13 +80,35 @@ def _members(path: Path, display: str):
         raise _refuse(f"{display} is not a .tar, .tar.gz or .zip archive") from None
     with archive:
         members = []
-        for info in archive:
+        for seen, info in enumerate(archive):  # header by header: a bomb of empty members stops at MAX_FILES
+            _count(seen)
             if info.isdir():
                 continue
             if not info.isfile():
                 raise _refuse(f"{info.name}: not a regular file (links and devices are refused)")
             members.append((info.name, info.size, lambda i=info: archive.extractfile(i)))
         yield members
+
+
+def _zip_entries(path: Path) -> None:
+    """The entry count a zip's end record declares (the last 64 KiB hold it), refused past
+    MAX_FILES before the central directory is read."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        fh.seek(max(0, size - 65557))
+        tail = fh.read()
+    end = tail.rfind(b"PK\x05\x06")
+    if end < 0 or end + 22 > len(tail):
+        raise _refuse("the zip archive has no end record")
+    entries = int.from_bytes(tail[end + 10:end + 12], "little")
+    if entries >= MAX_FILES:  # 0xFFFF (zip64) included: a model folder needs neither
+        raise _refuse(f"the archive holds more than {MAX_FILES} files")
+
+
+def _count(seen: int) -> None:
+    """Entries (folders too) before this one: at most MAX_FILES."""
+    if seen >= MAX_FILES:
+        raise _refuse(f"the archive holds more than {MAX_FILES} files")
 
 
 def _clean_names(names: list[str]) -> dict[str, str]:
@@ -156,8 +180,6 @@ def _unpack(upload_path: Path, display: str, into: Path) -> list[list]:
 
 def _write(members, into: Path) -> list[list]:
     limit, total, found = max_model_bytes(), 0, []
-    if len(members) > MAX_FILES:
-        raise _refuse(f"the archive holds {len(members)} files; the limit is {MAX_FILES}")
     names = _clean_names([m[0] for m in members])
     if len(set(names.values())) != len(names):
         raise _refuse("the archive holds the same file name twice")

@@ -69,6 +69,13 @@ def test_an_archive_that_is_not_a_plain_safetensors_folder_is_refused_by_name_an
     assert not list((data_dir / "team-models").rglob("*"))  # the staging folder went too
 
 
+def test_too_many_files_are_refused_before_the_archive_is_read_to_its_end(api_a):
+    files = {f"x{i}.txt": b"" for i in range(300)}
+    message = upload(api_a, tar_gz(files)).json()["error"]["message"]
+    assert message == "file: the archive holds more than 256 files"
+    assert upload(api_a, zipped(files), "m.zip").json()["error"]["message"] == message
+
+
 def test_not_an_archive_and_too_large_are_refused(api_a, settings):
     assert "upload the model folder as a .tar" in upload(api_a, b"{}", "config.json").json()["error"]["message"]
     assert "is not a .tar, .tar.gz or .zip archive" in upload(api_a, b"plain bytes").json()["error"]["message"]
