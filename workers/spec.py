@@ -286,9 +286,12 @@ class RolloutSpec(_Strict):
     # torch.distributed broadcast from the trainer to every engine (gloo on CPU, NCCL
     # between GPUs; workers/weights/broadcast.py)
     weight_transport: Literal["collective", "rpc"] = "rpc"
-    cpu_single_process: bool = Field(False, description="vLLM on a CPU: run the model in the engine core process "
-                                     "itself, with no worker process (the two spin-wait on each other). Measured "
-                                     "1.3x faster sync runs on 2 cores, 0.67x async ones")
+    cpu_single_process: Optional[bool] = Field(None, description="vLLM on a CPU: run the model in the engine's own "
+                                               "process, with no engine core or worker process (they spin-wait on "
+                                               "each other). Default: on for engine servers (resources."
+                                               "engine_processes, the default: 1.12x faster async runs on 2 cores), "
+                                               "off for an engine inside the coordinator (it would share the "
+                                               "trainer's interpreter lock) and for tensor_parallel > 1")
     enforce_eager: Optional[bool] = Field(None, description="vLLM without CUDA graphs or torch.compile. Default: "
                                           "eager on the CPU (compiling there costs minutes at start-up), CUDA graphs "
                                           "on GPUs (faster decoding; memory for the graphs and seconds to capture "
@@ -354,9 +357,10 @@ class ResourcesSpec(_Strict):
     gpu_memory_utilization: Optional[float] = Field(None, gt=0, le=1, description="share of an engine GPU's "
                                                     "memory vLLM takes; default 0.9, 0.5 with colocate")
     engine_processes: Optional[bool] = Field(None, description="each rollout engine in a server process of its "
-                                             "own, with its own devices. Default: always on GPUs and when nodes > 1 "
-                                             "(false there is refused); on the CPU the engines are clients in the "
-                                             "controller's process unless this is true")
+                                             "own, started from the plan with its devices, cores and memory share "
+                                             "(workers/rollout/server.py). Default: yes (false is refused on GPUs, "
+                                             "ignored with nodes > 1); false keeps a CPU run's engines inside the "
+                                             "coordinator's process")
     trainer_process: bool = Field(False, description="the trainer in a process of its own even with one rank "
                                   "(always so with trainer_ranks > 1): it then shares no interpreter lock with "
                                   "the coordinator's event loop")

@@ -23,7 +23,10 @@ Layouts:
   training overlap (``schedule.mode: async`` or ``stream_train``) the engines get the first
   half of a node's cores and the trainer ranks the rest; otherwise (sync) each phase has
   the whole node. Within a role the cores are split into contiguous blocks, one per
-  process, or shared by all when there are fewer cores than processes.
+  process, or shared by all when there are fewer cores than processes. Each engine is a
+  server process of its own started with its cores, as on GPUs, with vLLM inside it
+  (``engine_single_process``); ``resources.engine_processes: false`` keeps them in the
+  coordinator's process instead.
 - **GPU, disaggregated** (default): on each node the trainer ranks take GPUs ``0..r-1`` and
   the engines the next ``tensor_parallel``-sized blocks, exclusively; vLLM takes 0.9 of an
   engine GPU's memory (``resources.gpu_memory_utilization``).
@@ -170,10 +173,10 @@ class Plan:
     overlapped: bool  # generation and training run at once (async mode, or sync with stream_train)
     processes: tuple[Process, ...] = field(default_factory=tuple)
     memory: Optional[MemoryPlan] = None  # GPU plans whose model size was known: what each GPU holds
-    # Each rollout engine in a server process of its own. Always on GPUs: only a process of its
-    # own starts with the plan's CUDA_VISIBLE_DEVICES; engines inside the coordinator would all
-    # land on its first visible GPU, each asking for its memory share of it.
-    engine_processes: bool = False
+    # Each rollout engine in a server process of its own: the default, and always on GPUs (only a
+    # process of its own starts with the plan's CUDA_VISIBLE_DEVICES; engines inside the
+    # coordinator would all land on its first visible GPU, each asking for its memory share of it).
+    engine_processes: bool = True
 
     @property
     def trainers(self) -> tuple[Process, ...]:
@@ -182,6 +185,15 @@ class Plan:
     @property
     def engines(self) -> tuple[Process, ...]:
         return tuple(p for p in self.processes if p.role == "engine")
+
+    def engine_single_process(self, setting: Optional[bool]) -> bool:
+        """rollout.cpu_single_process for its engines: by default vLLM runs inside a CPU
+        engine server's own process (no engine core or worker process to spin-wait; the
+        server shares no interpreter lock with the trainer); not inside the coordinator,
+        not with tensor_parallel > 1 (vLLM's mp executor), not on GPUs."""
+        if setting is not None:
+            return setting
+        return self.device == "cpu" and self.engine_processes and self.tensor_parallel == 1
 
     @property
     def sleeps(self) -> bool:
@@ -321,7 +333,7 @@ def plan_cpu(spec: "RunSpec", machine: Machine) -> Plan:
         for j, block in enumerate(_blocks(generation, n_engines)):
             engines.append(Process("engine", first_engine + j, node, block, len(block)))
     return Plan("cpu", res.nodes, 0, tp, res.colocate, overlapped, tuple(trainers + engines),
-                engine_processes=bool(res.engine_processes) or res.nodes > 1 or tp > 1)
+                engine_processes=res.engine_processes is not False or res.nodes > 1)
 
 
 def plan_gpu(spec: "RunSpec", machine: Machine) -> Plan:

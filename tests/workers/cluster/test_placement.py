@@ -42,16 +42,22 @@ def test_one_node_of_8_gpus_4_trainer_ranks_and_2_engines_of_tp2():
     assert "engine 1: node 0, cores 27-31 (5 threads), CUDA_VISIBLE_DEVICES=6,7" in plan.describe()
 
 
-def test_engines_on_gpus_are_always_processes_of_their_own_and_on_the_cpu_when_asked():
+def test_engines_are_processes_of_their_own_by_default_and_on_gpus_always():
     gpus = Machine(cpu_cores=8, gpus_per_node=2, gpu_memory_gib=80)
     assert plan_placement(spec({"queue": "gpu"}), gpus).engine_processes
     assert plan_placement(spec({"queue": "gpu", "engine_processes": True}), gpus).engine_processes
     with pytest.raises(PlacementError, match="engine_processes false on GPUs.*first visible GPU"):
         plan_placement(spec({"queue": "gpu", "engine_processes": False}), gpus)
+    assert not plan_placement(spec({"queue": "gpu"}), gpus).engine_single_process(None)  # vLLM's own processes
     cpu = Machine(cpu_cores=8)
-    assert not plan_placement(spec(), cpu).engine_processes  # the measured-faster CPU default
-    assert plan_placement(spec({"engine_processes": True}), cpu).engine_processes
-    assert plan_placement(spec({"nodes": 2, "trainer_ranks": 2}), cpu).engine_processes
+    default = plan_placement(spec(), cpu)
+    # the one launch path: a server per engine, vLLM inside it (measured 1.12x the in-process engine, async)
+    assert default.engine_processes and default.engine_single_process(None)
+    assert not default.engine_single_process(False)  # the spec's setting wins
+    inside = plan_placement(spec({"engine_processes": False}), cpu)  # the coordinator's process: not one lock
+    assert not inside.engine_processes and not inside.engine_single_process(None)
+    assert plan_placement(spec({"nodes": 2, "trainer_ranks": 2, "engine_processes": False}), cpu).engine_processes
+    assert not plan_placement(spec({"tensor_parallel": 2}), cpu).engine_single_process(None)  # the mp executor
 
 
 def test_two_nodes_of_8_gpus():
