@@ -318,6 +318,29 @@ def test_compare_two_runs_from_the_runs_list(page, api, screenshot):
     screenshot(page, "11-compare")
 
 
+def test_upload_a_model_folder_with_a_refusal_shown_inline_then_see_how_to_use_it(page, tmp_path):
+    from tests.platform.model_archives import RM, folder_files, tar_gz
+
+    page.goto("/models/")
+    expect(page.get_by_text("No model folders yet")).to_be_visible()
+    form = page.locator("#model-upload-form")
+    bad = tmp_path / "pickled.tar.gz"
+    bad.write_bytes(tar_gz({"config.json": b"{}", "pytorch_model.bin": b"\x80\x04"}))
+    form.get_by_label("Archive").set_input_files(str(bad))
+    form.get_by_label("Model name").fill("judge")
+    form.get_by_role("button", name="Upload").click()
+    expect(form.locator('[data-error-for="file"]')).to_contain_text("pytorch_model.bin: pickled weights run code")
+
+    good = tmp_path / "tiny-rm.tar.gz"
+    good.write_bytes(tar_gz(folder_files(RM), top="tiny-rm/"))
+    form.get_by_label("Archive").set_input_files(str(good))
+    form.get_by_role("button", name="Upload").click()
+    row = page.locator("#models-table tbody tr")
+    expect(row).to_have_count(1)
+    expect(row).to_contain_text("model:judge@1 in reward.model.path")
+    expect(row).to_contain_text("Qwen2ForSequenceClassification")
+
+
 def test_the_compare_page_overlays_a_gae_run_with_a_grpo_run(page, api):
     gae = api.submit("cmp-gae", tags=["rlhf"], algorithm={"advantage": "gae"})
     grpo = api.submit("cmp-grpo", tags=["rlhf"])

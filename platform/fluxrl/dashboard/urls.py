@@ -15,6 +15,7 @@ urlpatterns = [
     path("compare/", views.compare, name="compare"),
     path("datasets/", views.datasets, name="datasets"),
     path("datasets/<int:pk>/", views.dataset_detail, name="dataset"),
+    path("models/", views.stored_models, name="models"),
     path("rewards/", views.rewards, name="rewards"),
     path("rewards/<int:pk>/", views.rewards, name="reward"),
     path("vendor/plotly.min.js", views.plotly_js, name="plotly"),

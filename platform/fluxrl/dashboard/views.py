@@ -24,6 +24,7 @@ from fluxrl.datasets.models import Dataset
 from fluxrl.datasets.services import generator_catalog, read_rows
 from fluxrl.errors import NotFound
 from fluxrl.metrics.services import last_steps
+from fluxrl.modelstore.models import StoredModelVersion
 from fluxrl.rewards.models import RewardFunction
 from fluxrl.rewards.services import builtin_catalog, sandbox_state
 from fluxrl.runs.api.serializers import SampleSerializer
@@ -187,7 +188,7 @@ def compare(request, team):
     }, "compare")
 
 
-# --- datasets, reward functions -------------------------------------------------------------
+# --- datasets, model folders, reward functions ----------------------------------------------
 
 
 @require_GET
@@ -198,6 +199,21 @@ def datasets(request, team):
         "datasets": found.order_by("name"),
         "generators": [{**g, "params_json": json.dumps(g["params"])} for g in generator_catalog()],
     }, "datasets")
+
+
+@require_GET
+@team_page
+def stored_models(request, team):
+    """The team's uploaded model folders: the newest version of each, and the upload form."""
+    versions = StoredModelVersion.objects.filter(model__team=team).select_related("model").order_by(
+        "model__name", "-version")
+    models = {}
+    for v in versions:  # newest first within each model
+        models.setdefault(v.model_id, {"version": v, "count": 0})["count"] += 1
+    return render_page(request, team, "dashboard/models.html", {
+        "models": list(models.values()),
+        "max_mb": settings.FLUXRL_MAX_MODEL_BYTES // 2**20,
+    }, "models")
 
 
 @require_GET

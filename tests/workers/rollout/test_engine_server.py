@@ -30,7 +30,9 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def server(loop, tiny_model_path):
-    client = EngineClient(EngineServerConfig(model_path=tiny_model_path, index=3, max_model_len=256))
+    # vLLM inside the server, as the planner starts CPU engines (the drain test below has its engine core apart)
+    client = EngineClient(EngineServerConfig(model_path=tiny_model_path, index=3, max_model_len=256,
+                                             cpu_single_process=True))
     loop.run_until_complete(client.start())
     yield client
     client.shutdown()
