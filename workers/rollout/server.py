@@ -304,6 +304,9 @@ class _RemoteWeights:
         await self._arrive()
 
 
+CLIENT_GONE_GRACE_S = 5.0  # how long a server whose client is gone may take to stop by itself
+
+
 class _Server:
     def __init__(self, config: EngineServerConfig, channel: wire.Channel):
         self.config, self.channel = config, channel
@@ -353,6 +356,15 @@ class _Server:
             except Exception as exc:  # noqa: BLE001 - a broken connection (closed by now) ends the server too
                 log.error("engine %d: the connection failed: %s: %s", self.config.index, type(exc).__name__, exc)
             loop.call_soon_threadsafe(self.stop.set)
+            # The loop may be busy for a while (vLLM's start-up runs on it when vLLM is inside
+            # this process): with no client left, the server must not outlive it by more than a
+            # moment, nor leave its session (vLLM's processes) behind. A normal exit comes first.
+            time.sleep(CLIENT_GONE_GRACE_S)
+            log.warning("engine %d: its client is gone and it did not stop within %g s: exiting",
+                        self.config.index, CLIENT_GONE_GRACE_S)
+            if os.getpgrp() == os.getpid():  # a session of its own (launch_server): take it all
+                os.killpg(os.getpid(), signal.SIGKILL)
+            os._exit(1)
 
         threading.Thread(target=read, name="engine-server-reader", daemon=True).start()
         await self.stop.wait()

@@ -57,11 +57,21 @@ def test_a_dead_rollout_engine_loses_no_accepted_sample(tmp_path, tiny_model_pat
         while controller.reporter.latest.get("version/current", 0) < 1:
             await asyncio.sleep(0.02)
         engine = next(e for e in controller.engines if e.index == 0)
-        while not engine.active:  # requests in flight on it
-            await asyncio.sleep(0.002)
-        seen["in_flight"] = len(engine.active)
         # its vLLM process: the engine server itself when vLLM runs inside it (the CPU default)
-        os.kill((engine.core_pids() or [engine.server_pid])[0], signal.SIGKILL)
+        victim = (engine.core_pids() or [engine.server_pid])[0]
+        while True:
+            while not engine.active:  # requests in flight on it
+                await asyncio.sleep(0.002)
+            # Frozen, it finishes nothing more: what has not come back once the replies already
+            # on their way have arrived is unfinished for certain (a short sample can finish
+            # between a look at `active` and a kill).
+            os.kill(victim, signal.SIGSTOP)
+            await asyncio.sleep(0.3)
+            if engine.active:
+                break
+            os.kill(victim, signal.SIGCONT)
+        seen["in_flight"] = len(engine.active)
+        os.kill(victim, signal.SIGKILL)
 
     async def scenario():
         killer = asyncio.create_task(kill_engine_zero_mid_run())
