@@ -326,6 +326,10 @@ class CriticSpec(_Strict):
     value_clip: float = Field(0.2, gt=0, description="how far one batch may move a value from the one its "
                               "advantages were computed with (PPO's clipped value loss)")
     zero_stage: Literal[0, 1, 2, 3] = 0
+    forward: Literal["trainer", "stage"] = Field(
+        "trainer", description="where the critic's no-grad forward (the values GAE is computed from) runs: inside "
+        "the trainer's step, or in the inference stage, a worker process holding a copy of the critic that "
+        "values each sample as it finishes generating (inference.*); the copy is reloaded after every step")
 
 
 class StopSpec(_Strict):
@@ -392,7 +396,7 @@ class ResourcesSpec(_Strict):
 
 
 class InferenceSpec(_Strict):
-    """The inference stage's workers (algorithm.kl_reference: stage): processes of their own
+    """The inference stage's workers (algorithm.kl_reference: stage, critic.forward: stage): processes of their own
     beside the coordinator, fed the samples that finish generating close together."""
     micro_batch: int = Field(32, ge=1, le=4096, description="samples per forward at most")
     max_wait_ms: float = Field(20.0, ge=0, le=10_000, description="how long a partial micro-batch waits for more")
@@ -446,6 +450,13 @@ class RunSpec(_Strict):
         if self.algorithm.advantage == "gae" and self.schedule.stream_train and self.critic.zero_stage > 0:
             # as for the policy: the streamed step's gradients are rescaled at its end, unpartitioned
             raise ValueError("schedule.stream_train with algorithm.advantage 'gae' needs critic.zero_stage 0")
+        return self
+
+    @model_validator(mode="after")
+    def _a_critic_stage_needs_a_critic(self):
+        if self.critic.forward == "stage" and self.algorithm.advantage != "gae":
+            raise ValueError("critic.forward 'stage' runs the critic's forward, which only algorithm.advantage "
+                             "'gae' has: set advantage gae, or leave critic.forward out")
         return self
 
     @model_validator(mode="after")

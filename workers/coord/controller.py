@@ -126,8 +126,10 @@ class Controller:
         self.rewards = self.processes.rewards
         await self.processes.start_trainer(checked)
         self.fleet.reference = self.processes.reference  # None unless algorithm.kl_reference is 'stage'
+        self.fleet.critic = self.processes.critic_stage  # None unless critic.forward is 'stage'
         if self.resume is not None:
             await asyncio.to_thread(self._restore, self.resume)
+        await self._load_critic_stage()  # before the first sample is valued, resumed or not
         collective = spec.rollout.weight_transport == "collective"
         # the collective path needs the blob only for the resume check
         blob = serialize_state_dict(self.trainer.state_dict()) if not collective or self.resume is not None else None
@@ -141,6 +143,16 @@ class Controller:
             await self._send_weights(self.trainer.version)
         if self.resume is not None:
             await self.checkpoints.note_resume(blob)
+
+    async def _load_critic_stage(self) -> Optional[float]:
+        """critic.forward stage: the trainer critic's weights into the stage's copy; the seconds it took."""
+        stage = self.processes.critic_stage
+        if stage is None:
+            return None
+        t0 = time.perf_counter()
+        state = await self._in_trainer(self.trainer.critic_state_dict)
+        await asyncio.to_thread(stage.load, state, self.trainer.version)
+        return time.perf_counter() - t0
 
     def _lost_node(self, error: BaseException) -> None:
         """A node of a run over several nodes is gone (called in the loop): the run fails."""
@@ -203,7 +215,7 @@ class Controller:
             adv = algorithms.group_advantages(rewards, self.spec.algorithm.group_size,
                                               self.spec.algorithm.adv_std_norm)
         return [TrainSample(s.completion.prompt_ids, s.completion.token_ids, s.completion.logprobs, a, reward=r,
-                            ref_logprobs=s.ref_logprobs)
+                            ref_logprobs=s.ref_logprobs, values=s.values)
                 for s, a, r in zip(group.samples, adv, rewards)]
 
     # -- checkpoints (checkpointing.py) ----------------------------------------------------
@@ -268,6 +280,10 @@ class Controller:
             batch = [t for g in groups for t in self._train_samples(g)]
             sleep_s = await self.fleet.sleep() if sleeps else 0.0
             stats = await self._in_trainer(self.trainer.train_step, batch)
+        if self.processes.critic_stage is not None:  # samples valued from here on see the stepped critic
+            lags = [version - s.values_version for g in groups for s in g.samples]
+            stats = {**stats, "critic_stage/lag": sum(lags) / max(1, len(lags)),
+                     "critic_stage/reload_s": await self._load_critic_stage()}
         if sleeps:  # the weights first, so the update lands while the KV cache still sleeps
             stats = {**stats, "engine/sleep_s": sleep_s, "engine/wake_s": await self.fleet.wake_up(["weights"])}
         timings = await self._send_weights(self.trainer.version)

@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 EVALUATING: contextvars.ContextVar[bool] = contextvars.ContextVar("fluxrl_evaluating", default=False)
 
 
+async def _none() -> None:
+    return None
+
+
 @dataclass
 class Sample:
     row: dict
@@ -40,6 +44,8 @@ class Sample:
     error: Optional[str] = None
     parts: dict[str, float] = field(default_factory=dict)  # a summed reward's components, unweighted
     ref_logprobs: Optional[list[float]] = None  # algorithm.kl_reference stage: from the inference stage
+    values: Optional[list[float]] = None  # critic.forward stage: the critic's values, from the inference stage
+    values_version: int = -1  # the critic version that computed ``values``
 
 
 @dataclass
@@ -67,6 +73,7 @@ class Fleet:
         self.prompts = None
         self.rewards = None
         self.reference = None  # algorithm.kl_reference stage: workers/train/reference.py ReferenceStage
+        self.critic = None  # critic.forward stage: workers/train/value_stage.py ValueStage
         self.engines: list[RolloutEngine] = []
         self.load: dict[int, float] = {}  # engine index -> predicted tokens it is generating
         self.broadcaster: Optional[WeightBroadcaster] = None  # rollout.weight_transport: collective
@@ -110,13 +117,16 @@ class Fleet:
     async def score(self, row: dict, comp: Completion) -> Sample:
         text = self.prompts.decode(comp.token_ids)
         fields = {k: v for k, v in row.items() if k != "prompt"}
-        if self.reference is None or EVALUATING.get():  # held-out samples are not trained on
+        if (self.reference is None and self.critic is None) or EVALUATING.get():  # held-out: not trained on
             score = await self.rewards.score(row["prompt"], text, fields)
             return Sample(row, comp, text, score.reward, score.error, score.parts)
-        # the inference stage: the reference's forward beside the scoring, as the sample finishes
-        score, ref = await asyncio.gather(self.rewards.score(row["prompt"], text, fields),
-                                          self.reference.logprobs(comp.prompt_ids, comp.token_ids))
-        return Sample(row, comp, text, score.reward, score.error, score.parts, ref)
+        # the inference stage: the reference's and the critic's forwards beside the scoring, as the sample finishes
+        score, ref, valued = await asyncio.gather(
+            self.rewards.score(row["prompt"], text, fields),
+            self.reference.logprobs(comp.prompt_ids, comp.token_ids) if self.reference is not None else _none(),
+            self.critic.values(comp.prompt_ids, comp.token_ids) if self.critic is not None else _none())
+        values, version = valued if valued is not None else (None, -1)
+        return Sample(row, comp, text, score.reward, score.error, score.parts, ref, values, version)
 
     async def sample(self, engine: RolloutEngine, row: dict, temperature: float) -> Sample:
         return await self._score_fn(row, await self._generate_fn(engine, row, temperature))

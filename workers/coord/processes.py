@@ -17,6 +17,7 @@ from workers.rollout.engine import RolloutEngine, SamplingOptions, configure_cpu
 from workers.rollout.server import EngineClient, EngineServerConfig
 from workers.spec import RunSpec
 from workers.train.reference import ReferenceStage
+from workers.train.value_stage import ValueStage
 from workers.train.trainer import Trainer
 from workers.weights.broadcast import RankZeroSender, WeightBroadcaster
 
@@ -50,6 +51,7 @@ class Processes:
         self.trainer = None
         self.rewards: Optional[RewardService] = None
         self.reference: Optional[ReferenceStage] = None  # algorithm.kl_reference: stage
+        self.critic_stage: Optional[ValueStage] = None  # critic.forward: stage
         self.remote_engines: dict[int, tuple] = {}  # engine index -> (address, pid) on another node
         self.node_trainer_pids: dict[int, list[int]] = {}
 
@@ -61,6 +63,9 @@ class Processes:
         if plan.device == "gpu" and self.spec.algorithm.kl_reference == "stage":
             raise PlacementError("algorithm.kl_reference 'stage': the inference stage's worker runs on the CPU and "
                                  "is not placed on a GPU yet; on GPUs leave the reference in the trainer ('trainer')")
+        if plan.device == "gpu" and self.spec.critic.forward == "stage":
+            raise PlacementError("critic.forward 'stage': the inference stage's worker runs on the CPU and is not "
+                                 "placed on a GPU yet; on GPUs leave the critic's forward in the trainer ('trainer')")
         on_cpu = plan.device == "cpu"
         # In one process (no engine processes) every engine and the trainer share node 0's cores.
         configure_cpu_environment(plan.cpu_bind("engine") if on_cpu else None, self.spec.rollout.kv_cache_gb)
@@ -82,6 +87,9 @@ class Processes:
         if spec.algorithm.kl_reference == "stage":  # the run's starting model, frozen, in a worker of its own
             self.reference = ReferenceStage(spec, spec.model.path, checked.pad_id)
             await asyncio.to_thread(self.reference.start)
+        if spec.critic.forward == "stage":  # a copy of the critic, loaded from the trainer's (Controller.setup)
+            self.critic_stage = ValueStage(spec, spec.model.path, checked.pad_id)
+            await asyncio.to_thread(self.critic_stage.start)
         return self.trainer
 
     def _threads_per_rank(self, node: int) -> int | list[int]:
@@ -199,5 +207,7 @@ class Processes:
             self.rewards.close()
         if self.reference is not None:
             self.reference.close()
+        if self.critic_stage is not None:
+            self.critic_stage.close()
         if hasattr(self.trainer, "close"):  # trainer rank processes
             self.trainer.close()

@@ -109,6 +109,7 @@ class StepMetrics:
                for name in samples[0].parts},
             **{f"reward_model/{k}": v for k, v in run.rewards.model_stats().items()},
             **({f"reference_stage/{k}": v for k, v in fleet.reference.stats().items()} if fleet.reference else {}),
+            **({f"critic_stage/{k}": v for k, v in fleet.critic.stats().items()} if fleet.critic else {}),
             "throughput/samples_per_s": r.trained_samples / elapsed,
             "throughput/tokens_per_s": r.trained_tokens / elapsed,
             "rollout/gen_tokens_per_s": (fleet.retired_tokens + sum(e.generated_tokens for e in fleet.engines)) / elapsed,

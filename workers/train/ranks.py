@@ -64,6 +64,8 @@ class Sample(_Message):
     advantage: float
     prox_logprobs: Optional[list[float]] = None
     reward: float = 0.0  # algorithm.advantage gae: each rank's critic turns it into per-token advantages
+    values: Optional[list[float]] = None  # critic.forward stage: the critic's values, from the inference stage
+    ref_logprobs: Optional[list[float]] = None  # algorithm.kl_reference stage: log π_ref, from the inference stage
 
 
 class StepShare(_Message):
@@ -105,6 +107,7 @@ class FinishStepRequest(_Message):
 
 class StateDictRequest(_Message):
     kind: Literal["state_dict"] = "state_dict"
+    model: Literal["policy", "critic"] = "policy"  # critic: for the critic stage (workers/train/value_stage.py)
 
 
 class SaveRequest(_Message):
@@ -249,7 +252,9 @@ def _micro_batches(share: list[int], lengths: list[int], budget: int) -> int:
 def _sample(s) -> Sample:
     prox = None if s.prox_logprobs is None else list(s.prox_logprobs)
     return Sample(prompt_ids=list(s.prompt_ids), token_ids=list(s.token_ids), behav_logprobs=list(s.behav_logprobs),
-                  advantage=float(s.advantage), prox_logprobs=prox, reward=float(s.reward))
+                  advantage=float(s.advantage), prox_logprobs=prox, reward=float(s.reward),
+                  values=None if s.values is None else list(s.values),
+                  ref_logprobs=None if s.ref_logprobs is None else list(s.ref_logprobs))
 
 
 def plan_train(batch: list, spec: RunSpec, version: int, world: int) -> list[TrainRequest]:
@@ -272,7 +277,8 @@ def plan_train(batch: list, spec: RunSpec, version: int, world: int) -> list[Tra
     proximal = [[k for k, i in enumerate(m) if need[i]] for m in mine]
     prox_micro = 0 if single else max(1, *(_micro_batches([mine[r][k] for k in proximal[r]], lengths, budget)
                                            for r in range(world)))
-    critic_micro = most if algo.advantage == "gae" else 0
+    # gae: the critic's forwards, unless the critic stage valued every sample already
+    critic_micro = most if algo.advantage == "gae" and any(s.values is None for s in batch) else 0
     requests = []
     for r in range(world):
         pos = {i: k for k, i in enumerate(mine[r])}
@@ -405,14 +411,18 @@ class TrainerGroup:
         self.version = replies[0].version
         return dict(replies[0].stats)
 
-    def state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+    def critic_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        """The critic's full tensors, as ``state_dict`` gets the policy's."""
+        return self.state_dict("critic")
+
+    def state_dict(self, model: str = "policy") -> Optional[dict[str, torch.Tensor]]:
         """The full tensors (every rank takes part: a gather under ZeRO-3), from global rank 0:
         on node 0 only, None on the others."""
         from safetensors.torch import load as st_load
 
         from workers.weights.sync import tensors_checksum
 
-        replies = self._call([StateDictRequest()] * self.ranks)
+        replies = self._call([StateDictRequest(model=model)] * self.ranks)
         if self.first_rank != 0:
             return None
         reply = replies[0]
@@ -696,7 +706,7 @@ class _Rank:
             t.finish_step(request.sequences, request.rescale, denominator=request.denominator)
             return self._stats([t._acc], t._acc["seconds"], single=True, critic_sums=t.critic_sums)
         elif isinstance(request, StateDictRequest):
-            return self._state()
+            return self._state(request.model)
         elif isinstance(request, SaveRequest):
             if self.rank == 0:
                 t.save(request.path)
@@ -715,7 +725,7 @@ class _Rank:
         from workers.train.trainer import TrainSample
 
         return [TrainSample(s.prompt_ids, s.token_ids, s.behav_logprobs, s.advantage, s.prox_logprobs,
-                            reward=s.reward) for s in samples]
+                            reward=s.reward, values=s.values, ref_logprobs=s.ref_logprobs) for s in samples]
 
     def _train(self, request: TrainRequest) -> StatsReply:
         """``Trainer.train_step`` on this rank's shares of the planned steps."""
@@ -782,15 +792,17 @@ class _Rank:
         stats["trainer/step_s"] = seconds
         return StatsReply(rank=self.rank, version=self.trainer.version, stats=stats)
 
-    def _state(self) -> StateReply:
+    def _state(self, model: str = "policy") -> StateReply:
         t = self.trainer
+        read = t.critic_state_dict if model == "critic" else t.state_dict
+        stage = self.spec.critic.zero_stage if model == "critic" else self.spec.trainer.zero_stage
         if self.rank != 0:
-            if self.spec.trainer.zero_stage == 3:
-                t.state_dict()  # the gather is a collective: every rank takes part
+            if stage == 3:
+                read()  # the gather is a collective: every rank takes part
             return StateReply(rank=self.rank)
         from workers.weights.sync import serialize_state_dict, tensors_checksum
 
-        state = t.state_dict()
+        state = read()
         return StateReply(rank=self.rank, blob=serialize_state_dict(state), checksum=tensors_checksum(state))
 
 

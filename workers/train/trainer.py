@@ -32,7 +32,9 @@ class TrainSample:
     # algorithm.advantage gae: the sequence's reward, and what the critic made of it per token
     # (set by Trainer.critic_targets; ``advantage`` is then unused)
     reward: float = 0.0
-    values: Optional[list[float]] = None  # the critic's values the targets came from ("old values")
+    # the critic's values the targets came from ("old values"); set before the step when the
+    # critic's forward runs in the inference stage (critic.forward: stage, workers/train/value_stage.py)
+    values: Optional[list[float]] = None
     returns: Optional[list[float]] = None  # the critic's targets (λ-returns)
     token_advantages: Optional[list[float]] = None  # GAE per token
     # algorithm.kl_reference stage: log π_ref per token, from the inference stage (workers/train/reference.py)
@@ -268,6 +270,17 @@ class Trainer:
                     for k, v in module.state_dict().items()}
         return {k: v.detach().cpu() for k, v in module.state_dict().items()}
 
+    def critic_state_dict(self) -> dict[str, torch.Tensor]:
+        """The critic's full tensors on the CPU, in the dtype it trains in (the critic stage's
+        copy computes what this one would). Every rank must call this under ZeRO-3."""
+        module = self.critic.engine.module
+        if self.spec.critic.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+
     def save(self, path: str) -> None:
         """A complete HF folder (weights + the tokenizer files) that vLLM can load."""
         import shutil
@@ -349,19 +362,29 @@ class Trainer:
         ``min_micro_batches``: forwards to run at least, the same number on every rank (ZeRO-3
         gathers the critic's parameters in each)."""
         algo = self.spec.algorithm
-        lengths = [len(s.prompt_ids) + len(s.token_ids) for s in batch]
         out = list(batch)
-        micro = algorithms.pack_first_fit_decreasing(lengths, self.spec.trainer.micro_batch_tokens)
+
+        def targets(i: int, v: list[float]) -> None:
+            s = batch[i]
+            adv, ret = algorithms.gae(algorithms.terminal_rewards(s.reward, len(s.token_ids)), v,
+                                      algo.gamma, algo.lam)
+            out[i] = dataclasses.replace(s, values=v, returns=ret, token_advantages=adv)
+
+        # samples the critic stage valued already (critic.forward: stage) need no forward here
+        need = [i for i, s in enumerate(batch) if s.values is None]
+        for i, s in enumerate(batch):
+            if s.values is not None:
+                targets(i, list(s.values))
+        lengths = [len(batch[i].prompt_ids) + len(batch[i].token_ids) for i in need]
+        micro = [[need[k] for k in mb]
+                 for mb in algorithms.pack_first_fit_decreasing(lengths, self.spec.trainer.micro_batch_tokens)]
         for mb in micro:
             part = [batch[i] for i in mb]
             ids, att, _, _, _, _ = self._tensors(part, self.engine.device)
             values = self.critic.values(ids, att).cpu()
             for row, (i, s) in enumerate(zip(mb, part)):
                 p = len(s.prompt_ids)
-                v = values[row, p - 1 : p - 1 + len(s.token_ids)].tolist()
-                adv, ret = algorithms.gae(algorithms.terminal_rewards(s.reward, len(s.token_ids)), v,
-                                          algo.gamma, algo.lam)
-                out[i] = dataclasses.replace(s, values=v, returns=ret, token_advantages=adv)
+                targets(i, values[row, p - 1 : p - 1 + len(s.token_ids)].tolist())
         for _ in range(len(micro), min_micro_batches):
             self.critic.values(*self._idle_ids())
         return out, algorithms.critic_sums([s.values for s in out], [s.returns for s in out],

@@ -1,10 +1,11 @@
 """An async RLHF run on the real engine with RLHF's four models: the actor, a critic
 (algorithm.advantage gae), a neural reward model in its own worker (reward.model) and the
-KL reference in the inference stage (algorithm.kl_reference: stage). The reward model and
-the reference take every sample in shared micro-batches as it finishes (a rule rides along
-at weight 0), the critic trains beside the policy at every step, their metrics are
-reported, the critic's DeepSpeed state is in the checkpoint (restored exactly:
-tests/workers/train/test_critic.py) and both stage workers are gone at the end."""
+KL reference, with RLHFuse's inference stage whole: the reward model, the reference
+(algorithm.kl_reference: stage) and the critic's forward (critic.forward: stage) take every
+sample in shared micro-batches as it finishes (a rule rides along at weight 0). The critic
+trains beside the policy at every step and its stage copy is reloaded after each, their
+metrics are reported, the critic's DeepSpeed state is in the checkpoint (restored exactly:
+tests/workers/train/test_critic.py) and every stage worker is gone at the end."""
 import asyncio
 import json
 
@@ -25,6 +26,7 @@ def test_an_async_rlhf_run_scores_with_the_reward_model_and_trains_and_checkpoin
                    "model": {"path": "builtin:tiny-rm", "max_wait_ms": 200}},
         "algorithm": {"advantage": "gae", "lr": 3e-4, "group_size": 2, "warmup_steps": 0, "kl_coef": 0.01,
                       "kl_reference": "stage"},
+        "critic": {"forward": "stage"},
         "inference": {"max_wait_ms": 200},
         "rollout": {"max_tokens": 8},
         # longest_first: the async look-ahead window with aging (workers/coord/scheduling.py) runs here too
@@ -61,6 +63,14 @@ def test_an_async_rlhf_run_scores_with_the_reward_model_and_trains_and_checkpoin
     assert controller.trainer.reference is None  # the trainer held no reference
     assert controller.rewards.model.proc.poll() is not None  # the stage workers ended with the run
     assert controller.processes.reference.proc.poll() is not None
+    # the critic's forward: in the stage for every trained sample, none of them held-out ones
+    assert by_key["critic_stage/samples"][-1] >= result.trained_samples
+    assert by_key["critic_stage/samples"][-1] == by_key["reference_stage/samples"][-1]
+    assert by_key["critic_stage/mean_batch"][-1] > 1.5
+    assert by_key["critic_stage/loads"] == [2, 3, 4, 5]  # the start, then after every step
+    # async: a sample was valued by the critic of the step it finished in, at most max_staleness behind
+    assert all(0 <= lag <= 1 for lag in by_key["critic_stage/lag"])
+    assert controller.processes.critic_stage.proc.poll() is not None
     checkpoint = latest_checkpoint(out)
     assert checkpoint.step == 4
     assert any((checkpoint.path / "trainer" / "critic").iterdir())
