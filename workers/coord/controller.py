@@ -124,19 +124,36 @@ class Controller:
         self.result.skipped_prompts = sum(checked.skipped.values())
         self.processes.start(self._placement)
         self.rewards = self.processes.rewards
-        await self.processes.start_trainer(checked)
-        self.fleet.reference = self.processes.reference  # None unless algorithm.kl_reference is 'stage'
-        self.fleet.critic = self.processes.critic_stage  # None unless critic.forward is 'stage'
-        if self.resume is not None:
-            await asyncio.to_thread(self._restore, self.resume)
-        await self._load_critic_stage()  # before the first sample is valued, resumed or not
         collective = spec.rollout.weight_transport == "collective"
+        beside = self.processes.starts_beside_trainer()
+        starting = None
+        if beside:  # the engines start while the trainer loads; the trainer's weights follow as an update
+            self.fleet.add(self.processes.engines(checked))  # in the fleet before they start: close() stops them
+            starting = asyncio.ensure_future(self.processes.start_engines(self.engines, None, 0, together=True))
+        try:
+            await self.processes.start_trainer(checked)
+            self.fleet.reference = self.processes.reference  # None unless algorithm.kl_reference is 'stage'
+            self.fleet.critic = self.processes.critic_stage  # None unless critic.forward is 'stage'
+            if self.resume is not None:
+                await asyncio.to_thread(self._restore, self.resume)
+            await self._load_critic_stage()  # before the first sample is valued, resumed or not
+        except BaseException:
+            if starting is not None:  # close() then stops what did start
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+            raise
         # the collective path needs the blob only for the resume check
-        blob = serialize_state_dict(self.trainer.state_dict()) if not collective or self.resume is not None else None
-        self.fleet.add(self.processes.engines(checked))  # in the fleet before they start: close() stops them
-        # warm_blob is the first update: on resume, the checkpoint's weights and version
-        await self.processes.start_engines(self.engines, None if collective else blob,
-                                           0 if collective else self.trainer.version)
+        rpc_warm = not collective and not beside  # the RPC path's first weights ride on the engines' start
+        blob = serialize_state_dict(self.trainer.state_dict()) if rpc_warm or self.resume is not None else None
+        if beside:
+            await starting
+            if not collective:  # the first weights (and version label), as the collective path sends them
+                await self._send_weights(self.trainer.version)
+        else:
+            self.fleet.add(self.processes.engines(checked))  # in the fleet before they start: close() stops them
+            # warm_blob is the first update: on resume, the checkpoint's weights and version
+            await self.processes.start_engines(self.engines, None if collective else blob,
+                                               0 if collective else self.trainer.version)
         if collective:  # the first weights (and version label) come through the group
             self.broadcaster = await self.processes.open_weight_group(self.engines)
             self.broadcaster.digest_next = self.resume is not None  # checked by note_resume

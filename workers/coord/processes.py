@@ -177,9 +177,22 @@ class Processes:
             for i, p in enumerate(self.plan.engines)
         ]
 
-    async def start_engines(self, engines: list[RolloutEngine], blob: Optional[bytes], version: int) -> None:
+    def starts_beside_trainer(self) -> bool:
+        """Whether the engines start while the trainer loads, all at once (``start_engines``
+        with ``together``): on a CPU plan on one node. Start-up is mostly single-threaded
+        (imports, vLLM's engine core process spawned and importing again), so on two cores
+        the starts overlap well. GPU plans start them one after the other, after the
+        trainer: vLLM sizes its KV cache from the memory it finds free, so nothing else may
+        be allocating beside it."""
+        return self.plan is not None and self.plan.device == "cpu" and self.spec.resources.nodes == 1
+
+    async def start_engines(self, engines: list[RolloutEngine], blob: Optional[bytes], version: int,
+                            together: bool = False) -> None:
+        """``blob``: the first weights and their ``version`` (on resume, the checkpoint's)."""
+        if together:
+            await asyncio.gather(*(engine.start(warm_blob=blob, version=version) for engine in engines))
+            return
         for engine in engines:  # one at a time: start-up is CPU-heavy
-            # warm_blob is the first update: on resume, the checkpoint's weights and version
             await engine.start(warm_blob=blob, version=version)
 
     async def open_weight_group(self, engines: list[RolloutEngine]) -> WeightBroadcaster:
@@ -198,6 +211,12 @@ class Processes:
         service, the inference stage, trainer rank processes."""
         if broadcaster is not None:
             broadcaster.close()
+        for engine in engines:  # engine servers stop together (each takes seconds), then are waited on
+            if hasattr(engine, "request_shutdown"):
+                try:
+                    engine.request_shutdown()
+                except Exception:  # noqa: BLE001 - a dead engine may fail to
+                    pass
         for engine in engines:
             try:
                 engine.shutdown()

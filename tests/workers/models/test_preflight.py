@@ -1,6 +1,7 @@
 """A run's model and data are checked before any process starts, with errors that say what to do."""
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -105,3 +106,20 @@ def test_a_hub_id_in_the_local_cache_resolves_to_its_snapshot(tiny_model_path, t
 def test_a_folder_without_config_is_not_a_model(tmp_path):
     with pytest.raises(ModelCheckError, match="no config.json"):
         resolve_model_path(str(tmp_path))
+
+
+def test_the_architectures_read_from_vllms_registry_source_are_those_vllm_imports():
+    """The coordinator reads vLLM's generation architectures from its registry's source
+    instead of importing vLLM (7 s or more): the same set, and a subprocess that checks a
+    run never imports vLLM."""
+    import subprocess
+    import sys
+
+    from workers.models import preflight
+
+    read = preflight._generation_architectures()
+    assert {"Qwen2ForCausalLM", "LlamaForCausalLM", "GPT2LMHeadModel"} <= read
+    assert read == preflight._imported_generation_architectures()
+    code = ("import sys; from workers.models.preflight import _generation_architectures as g; "
+            "assert 'Qwen2ForCausalLM' in g(); sys.exit(1 if 'vllm' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=str(Path(__file__).resolve().parents[3])).returncode == 0
