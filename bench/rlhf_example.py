@@ -25,6 +25,8 @@ logger = logging.getLogger("rlhf_example")
 VARIANTS = {
     "working": {},
     "lr0": {"algorithm": {"lr": 1e-12}, "critic": {"lr": 1e-12}},
+    # RLHFuse's inference stage whole: the critic's forward beside the reward model and the reference
+    "critic_stage": {"critic": {"forward": "stage"}},
 }
 
 
@@ -40,6 +42,8 @@ def one_run(name: str, tag: str, workdir: Path, overrides: dict) -> dict:
            "accuracy_first": accuracy[0], "accuracy_last": accuracy[-1], "accuracy_best": max(accuracy),
            "explained_var_last": (series("critic/explained_var") or [None])[-1],
            "mean_batch": (series("reward_model/mean_batch") or [None])[-1],
+           "critic_stage_samples": (series("critic_stage/samples") or [None])[-1],
+           "critic_stage_lag": (series("critic_stage/lag") or [None])[-1],
            "samples_per_s": series("throughput/samples_per_s")[-1]}
     logger.info("%s", row)
     return row
