@@ -85,13 +85,18 @@ class KeyRefused(HandshakeFailed):
     """The TLS handshake failed: the peer does not hold this run's cluster key (or we not its)."""
 
 
+_KEY_LOCK = threading.Lock()
+
+
 def cluster_key() -> bytes:
     """The run's key from the environment, or a new one (set in the environment so the
-    processes this one starts inherit it)."""
-    value = os.environ.get(KEY_ENV)
-    if not value:
-        value = secrets.token_hex(32)
-        os.environ[KEY_ENV] = value
+    processes this one starts inherit it). Under a lock: engine servers launch from
+    several threads at once, and two new keys would split the run in two."""
+    with _KEY_LOCK:
+        value = os.environ.get(KEY_ENV)
+        if not value:
+            value = secrets.token_hex(32)
+            os.environ[KEY_ENV] = value
     return bytes.fromhex(value)
 
 

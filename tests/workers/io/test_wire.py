@@ -67,6 +67,33 @@ def _send_raw(channel: wire.Channel, data: bytes) -> None:
 
 
 # -- the handshake ----------------------------------------------------------------------------
+def test_engine_launches_from_two_threads_at_once_share_one_new_cluster_key(monkeypatch):
+    # The coordinator launches its engine servers from threads together. Making a key
+    # releases the interpreter lock (os.urandom), so unguarded each thread could make its
+    # own (seen: a run whose engine refused the coordinator's certificate). The window is
+    # widened here to 20 ms so that an unguarded key fails every time.
+    token_hex = wire.secrets.token_hex
+
+    def slow_token_hex(n):
+        time.sleep(0.02)
+        return token_hex(n)
+
+    monkeypatch.setattr(wire.secrets, "token_hex", slow_token_hex)
+    monkeypatch.delenv(wire.KEY_ENV, raising=False)
+    start, keys = threading.Barrier(2), []
+
+    def launch():
+        start.wait()
+        keys.append(wire.cluster_key())
+
+    threads = [threading.Thread(target=launch) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert keys[0] == keys[1] == bytes.fromhex(os.environ[wire.KEY_ENV])
+
+
 def test_messages_and_blobs_cross_between_two_processes_holding_the_key(listener):
     """Every process derives the same certificate authority from the key: a child process
     (its own interpreter) connects, and a message and a blob go both ways."""
