@@ -1,15 +1,23 @@
 """Ablation of the long-tail techniques on the long-tailed chain task: the same spec with
-each technique off/on, one after another in one invocation. Stream training is StreamRL's
-stream generation; fused scoring (per-sample rule scoring during generation) and
-longest-first (a task order) are simplified relatives of RLHFuse's inter-stage fusion and
-StreamRL's skewness-aware dispatch, not those mechanisms (README, issue 29).
+each technique off/on, one after another in one invocation.
 
-    .venv/bin/python bench/ablation.py [--steps 20] [--rounds 3]
+    .venv/bin/python bench/ablation.py [--set techniques|dispatch] [--steps 20] [--rounds 3]
+
+- ``techniques`` (one engine): stream training (StreamRL's stream generation); fused
+  scoring (per-sample rule scoring during generation, a simplified relative of RLHFuse's
+  inter-stage fusion); longest-first (a task order).
+- ``dispatch`` (two engines): fifo, longest-first, and skew-aware dispatch (StreamRL's:
+  one engine for the predicted-long groups, vLLM priorities with aging), sync and async.
+- ``fusion`` (two engines, RLHF with the inference stage: reward model, reference,
+  critic): inference after a barrier, per sample as each finishes, with the step's tail
+  gathered onto one engine (RLHFuse's inter-stage fusion) or spread (migrate_tail), and
+  async. Prints the share of inference done before the last sample finished generating.
 
 Every configuration runs with ``max_num_seqs: 16`` (fewer sequences than a step's 64
 samples), so requests queue in the engine as on a loaded GPU and dispatch order matters.
-Prints trained samples/s, the ratio to plain sync, and the idle share of generation and
-training over the run.
+Prints trained samples/s, the ratio to the first row, the idle share of generation and
+training over the run, the ranker's quality (Spearman ρ, top-decile recall) and the long
+tail's share of generation time (after 90 % of a step's samples had finished).
 """
 from __future__ import annotations
 
@@ -22,7 +30,16 @@ from sync_vs_async import BASE, ROOT, interleaved, median_run, merged, run
 
 # Throughput only: no held-out evaluation before and after (it is not timed, but costs minutes).
 QUEUED = merged(BASE, {"rollout": {"max_num_seqs": 16}, "eval": {"prompts": 0}})
-CONFIGS = {
+TWO = {"rollout": {"engines": 2}}
+# RLHFuse's inference stage whole: a reward model, the KL reference's and the critic's forwards,
+# each in a worker of its own beside the two engines
+RLHF = {**TWO, "schedule": {"mode": "sync"},
+        "reward": {"function": "sum",
+                   "components": [{"function": "model", "weight": 1.0}, {"function": "numeric_match", "weight": 0.0}],
+                   "model": {"path": "builtin:tiny-rm", "micro_batch": 32, "max_wait_ms": 20}},
+        "algorithm": {"advantage": "gae", "kl_coef": 0.01, "kl_reference": "stage"},
+        "critic": {"forward": "stage"}}
+SETS = {"techniques": {
     "sync (plain: barrier scoring, fifo)": {"schedule": {"mode": "sync"}, "rollout": {"fused_scoring": False}},
     "sync + fused scoring": {"schedule": {"mode": "sync"}},
     "sync + longest-first dispatch": {"schedule": {"mode": "sync", "dispatch": "longest_first"}},
@@ -30,29 +47,51 @@ CONFIGS = {
     "sync + stream + longest-first": {"schedule": {"mode": "sync", "stream_train": True, "dispatch": "longest_first"}},
     "async keep": {"schedule": {"mode": "async"}},
     "async keep + longest-first": {"schedule": {"mode": "async", "dispatch": "longest_first"}},
-}
+}, "dispatch": {
+    "sync, 2 engines, fifo": {**TWO, "schedule": {"mode": "sync"}},
+    "sync, 2 engines, longest-first": {**TWO, "schedule": {"mode": "sync", "dispatch": "longest_first"}},
+    "sync, 2 engines, skew-aware": {**TWO, "schedule": {"mode": "sync", "dispatch": "skew_aware"}},
+    "async, 2 engines, fifo": {**TWO, "schedule": {"mode": "async"}},
+    "async, 2 engines, skew-aware": {**TWO, "schedule": {"mode": "async", "dispatch": "skew_aware"}},
+}, "fusion": {
+    "sync RLHF, inference after the barrier": {**RLHF, "rollout": {**TWO["rollout"], "fused_scoring": False}},
+    "sync RLHF, inference per sample as it finishes": RLHF,
+    "+ tail gathered onto one engine": {**RLHF, "rollout": {**TWO["rollout"], "gather_tail": 16}},
+    "+ tail spread to the idlest (migrate_tail)": {**RLHF, "rollout": {**TWO["rollout"], "migrate_tail": 16}},
+    "async RLHF": {**RLHF, "schedule": {"mode": "async"}},
+}}
+
+
+def overlap(r: dict) -> str:
+    return f"{r['overlap']:.2f}" if r.get("overlap") is not None else "-"
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--set", default="techniques", choices=sorted(SETS))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=1, help="interleaved repetitions; the median run is reported")
-    p.add_argument("--json", default=str(ROOT / "bench" / "results" / "ablation.json"))
+    p.add_argument("--json", default=None, help="default: bench/results/ablation.json (dispatch: ablation_dispatch.json)")
     args = p.parse_args()
+    configs = SETS[args.set]
+    args.json = args.json or str(ROOT / "bench" / "results" /
+                                 ("ablation.json" if args.set == "techniques" else f"ablation_{args.set}.json"))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        names = list(CONFIGS)
+        names = list(configs)
         runs = interleaved(names, args.rounds, lambda name, tag: run(
-            f"ablation{names.index(name)}", args.steps, Path(tmp) / tag, CONFIGS[name], base=QUEUED))
+            f"ablation{names.index(name)}", args.steps, Path(tmp) / tag, configs[name], base=QUEUED))
         results = [{"config": name, **median_run(rs)} for name, rs in runs.items()]
     base = results[0]["samples_per_s"]
     print(f"\n{'configuration':<34} {'samples/s':>9} {'(min–max)':>15} {'× sync':>7} {'idle gen':>9} "
-          f"{'idle train':>10} {'ranker ρ':>8}")
+          f"{'idle train':>10} {'ranker ρ':>8} {'top-10%':>7} {'tail':>5} {'overlap':>7}")
     for r in results:
         rho = f"{r['spearman']:.2f}" if r.get("spearman") is not None else "-"
+        recall = f"{r['top10_recall']:.2f}" if r.get("top10_recall") is not None else "-"
         spread = f"{r['samples_per_s_min']:.1f}–{r['samples_per_s_max']:.1f}"
         print(f"{r['config']:<34} {r['samples_per_s']:>9.2f} {spread:>15} {r['samples_per_s'] / base:>7.2f} "
-              f"{r['idle_generation']:>9.2f} {r['idle_training']:>10.2f} {rho:>8}")
+              f"{r['idle_generation']:>9.2f} {r['idle_training']:>10.2f} {rho:>8} {recall:>7} "
+              f"{r['long_tail_share']:>5.2f} {overlap(r):>7}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -105,6 +105,9 @@ def run(mode: str, steps: int, workdir: Path, overrides: dict | None = None, bas
         staleness_mean=statistics.mean(series("staleness/mean")),
         len_mean=statistics.mean(series("lengths/mean")), len_p99=max(series("lengths/p99")),
         spearman=series("ranker/spearman")[-1] if series("ranker/spearman") else None,
+        top10_recall=series("ranker/top10_recall")[-1] if series("ranker/top10_recall") else None,
+        long_tail_share=statistics.median(series("generation/long_tail_share")),
+        overlap=statistics.median(series("inference/overlap")) if series("inference/overlap") else None,
     )
     return result
 

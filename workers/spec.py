@@ -279,6 +279,10 @@ class RolloutSpec(_Strict):
     fused_scoring: bool = True
     migrate_tail: int = Field(0, ge=0, description="sync mode with 2+ engines: once this few requests remain, "
                               "move some from the busiest engine to the idlest (RLHFuse); 0 = off")
+    gather_tail: int = Field(0, ge=0, description="sync mode with 2+ engines: once this few requests remain in "
+                             "all, move them onto the engine running the most, so the other engines' cores are free "
+                             "for the inference stage (scoring, reward model, reference, critic) while the tail "
+                             "finishes (RLHFuse's inter-stage fusion); 0 = off. Not with migrate_tail")
     kv_cache_gb: float = Field(1.0, gt=0)
     rpc_timeout_s: float = Field(60.0, gt=0, description="a weight update an engine has not acknowledged after this "
                                  "long fails the run (a wedged engine) instead of hanging it")
@@ -298,16 +302,29 @@ class RolloutSpec(_Strict):
                                           "them at start-up); true: eager everywhere, false: compiled on the CPU too")
     group_requests: bool = Field(True, description="send a prompt group to its engine as one request of group_size "
                                  "samples (vLLM parallel sampling); off = one request per sample. Interrupt updates "
-                                 "and migrate_tail always use one request per sample")
+                                 "and migrate_tail or gather_tail always use one request per sample")
+
+
+class LongTailSpec(_Strict):
+    """schedule.dispatch skew_aware: the long-tail engines and the requests' priorities."""
+    share: float = Field(0.1, gt=0, lt=1, description="the share of prompt groups, by predicted length against "
+                         "the recent predictions, that go to the long-tail engines")
+    engines: Optional[int] = Field(None, ge=1, description="long-tail engines; default: chosen after every step "
+                                   "from the two roles' measured tokens per second, so that both pools finish "
+                                   "their predicted tokens together (at least 1, and 1 less than the engines)")
+    aging: Optional[int] = Field(None, ge=0, description="vLLM priority: a predicted-short group waits behind at "
+                                 "most this many groups dispatched after it; default: schedule.batch_prompts")
 
 
 class ScheduleSpec(_Strict):
     mode: Literal["sync", "async"] = "async"
     max_staleness: int = Field(2, ge=0)
     batch_prompts: int = Field(8, ge=1, description="prompts per training step (x group_size samples)")
-    # fifo | random | longest_first (StreamRL's skewness-aware dispatch, predicted by an
-    # output-length ranker learned online from the run's own samples)
-    dispatch: Literal["fifo", "random", "longest_first"] = "fifo"
+    # fifo | random | longest_first (a task order by an output-length ranker learned online
+    # from the run's own samples) | skew_aware (StreamRL's skewness-aware dispatch: long-tail
+    # engines, vLLM priorities with aging)
+    dispatch: Literal["fifo", "random", "longest_first", "skew_aware"] = "fifo"
+    long_tail: LongTailSpec = LongTailSpec()
     # sync mode only: train on each prompt group as soon as it is scored, overlapping the
     # first micro-batches with the tail of generation (StreamRL's stream generation)
     stream_train: bool = False
@@ -425,12 +442,11 @@ class RunSpec(_Strict):
         if self.algorithm.minibatches is None:  # the default depends on the loss and the schedule
             one = self.algorithm.loss != "ppo" or self.schedule.stream_train
             self.algorithm.minibatches = 1 if one else DEFAULT_PPO_MINIBATCHES
+        if self.rollout.gather_tail and self.rollout.migrate_tail:
+            raise ValueError("rollout.gather_tail and rollout.migrate_tail pull a step's tail opposite ways (onto "
+                             "the fewest engines, or spread to the idlest): choose one")
         if self.schedule.stream_train and self.schedule.mode != "sync":
             raise ValueError("schedule.stream_train applies to schedule.mode 'sync' (async mode streams already)")
-        if self.schedule.stream_train and self.trainer.zero_stage > 0:
-            # the step's token count is known only at the end; gradients are rescaled then,
-            # which needs them unpartitioned
-            raise ValueError("schedule.stream_train needs trainer.zero_stage 0")
         if self.algorithm.drop_uniform_groups and self.schedule.mode != "async":
             raise ValueError("algorithm.drop_uniform_groups needs schedule.mode 'async' (a synchronous step "
                              "trains on the batch it generated; there is nothing to fill the gap with)")
@@ -447,9 +463,6 @@ class RunSpec(_Strict):
         if self.algorithm.advantage == "gae" and self.resources.nodes > 1:
             raise ValueError("algorithm.advantage 'gae' runs on one node for now (resources.nodes 1): its critic "
                              "trains beside each trainer rank there, but has not been tried across nodes")
-        if self.algorithm.advantage == "gae" and self.schedule.stream_train and self.critic.zero_stage > 0:
-            # as for the policy: the streamed step's gradients are rescaled at its end, unpartitioned
-            raise ValueError("schedule.stream_train with algorithm.advantage 'gae' needs critic.zero_stage 0")
         return self
 
     @model_validator(mode="after")

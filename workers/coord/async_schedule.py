@@ -95,11 +95,12 @@ class AsyncSchedule:
             run._fail(exc)
             return False
         # aging: longest_first alone would let a predicted-short row wait forever behind longer newcomers
-        plan = run.fleet.plan_indexed(list(self.waiting.rows), self.waiting.overdue())[:free]
-        rows = self.waiting.take([i for i, _, _ in plan])
-        for row, (_, engine, predicted) in zip(rows, plan):
+        plan = run.fleet.plan_indexed(list(self.waiting.rows), self.waiting.overdue(), limit=free)
+        rows = self.waiting.take([d.index for d in plan])
+        for row, d in zip(rows, plan):
             version = run.gate.start()
-            task = asyncio.create_task(run.fleet.group(row, self.counter, version, engine, predicted))
+            task = asyncio.create_task(run.fleet.group(row, self.counter, version, d.engine, d.predicted,
+                                                        priority=d.priority))
             self.counter += 1
             self.pending.add(task)
             self.task_rows[task] = row

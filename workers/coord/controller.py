@@ -307,6 +307,7 @@ class Controller:
         if sleeps:
             stats["engine/wake_s"] += await self.fleet.wake_up()
         self.gate.advance(self.trainer.version)
+        self.fleet.after_step()
         postfix = self.metrics.report_step(step, groups, staleness, stats, timings, t_start,
                                            self.schedule.queue_depth() if self.schedule is not None else 0)
         self.metrics.collect_stalls()

@@ -12,11 +12,15 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 from workers.coord.length_ranker import LengthRanker
-from workers.coord.scheduling import plan_dispatch, plan_tail_migration
+from workers.coord.scheduling import (LENGTH_AWARE, LongTailThreshold, plan_dispatch, plan_skew_aware,
+                                      plan_tail_gathering, plan_tail_migration, split_engines)
+from workers.coord.scheduling import priority as request_priority
 from workers.rollout.engine import Completion, RolloutEngine, continue_on
 from workers.spec import RunSpec
 from workers.weights.broadcast import RankZeroSender, WeightBroadcaster, WeightBroadcastError
@@ -29,6 +33,10 @@ logger = logging.getLogger(__name__)
 # inference stage's training-only forwards. A context variable, so only the evaluation's
 # own tasks see it, not the rollouts generating beside it.
 EVALUATING: contextvars.ContextVar[bool] = contextvars.ContextVar("fluxrl_evaluating", default=False)
+# The vLLM priority of the prompt group a task generates (schedule.dispatch skew_aware; 0
+# otherwise, and for continuations and evaluation, which then go first). Set by ``group``
+# for its own task, so the ``generate`` seam keeps its signature.
+PRIORITY: contextvars.ContextVar[int] = contextvars.ContextVar("fluxrl_priority", default=0)
 
 
 async def _none() -> None:
@@ -46,6 +54,19 @@ class Sample:
     ref_logprobs: Optional[list[float]] = None  # algorithm.kl_reference stage: from the inference stage
     values: Optional[list[float]] = None  # critic.forward stage: the critic's values, from the inference stage
     values_version: int = -1  # the critic version that computed ``values``
+    # wall times its scoring and inference-stage forwards began and were done (inference/overlap)
+    inference_started_at: float = 0.0
+    scored_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """Where and how a prompt group starts: its index in the rows planned, its engine, its
+    predicted tokens and its vLLM priority (0 unless ``skew_aware``)."""
+    index: int
+    engine: RolloutEngine
+    predicted: float
+    priority: int = 0
 
 
 @dataclass
@@ -77,13 +98,21 @@ class Fleet:
         self.engines: list[RolloutEngine] = []
         self.load: dict[int, float] = {}  # engine index -> predicted tokens it is generating
         self.broadcaster: Optional[WeightBroadcaster] = None  # rollout.weight_transport: collective
-        self.migrations = 0  # sequences moved to another engine (rollout.migrate_tail)
+        self.migrations = 0  # sequences moved to another engine (rollout.migrate_tail, gather_tail)
+        self.gather_onto: Optional[int] = None  # rollout.gather_tail: the engine a step's tail is gathered onto
+        self.request_ended = asyncio.Event()  # a sequence's request ended (set by ``generate``)
         # Rollout engines whose core process dies are taken out of service; their requests
         # continue on a live engine. (Restarting one in the same process is not done: a
         # restart attempt hung, see issue #7.)
         self.engine_deaths = 0
         self.dead: list[RolloutEngine] = []
         self.retired_tokens, self.retired_busy = 0, 0.0  # counters of dead engines
+        # skew_aware: which engines serve the long tail, the cut, the measured rates per role
+        self.long_tail: set[int] = set()
+        self.long_tail_cut = LongTailThreshold(spec.schedule.long_tail.share)
+        self.dispatched = 0  # groups dispatched: the base of their priorities
+        self.role_rates = {"long": None, "bulk": None}  # tokens per busy second of one engine (EMA)
+        self._rate_marks: dict[int, tuple[int, float]] = {}  # engine -> (tokens, busy s) at the last split
 
     def add(self, engines: list[RolloutEngine]) -> None:
         """Engines that started: into service, with no load yet."""
@@ -92,49 +121,125 @@ class Fleet:
             self.load[engine.index] = 0.0
 
     # -- dispatch ------------------------------------------------------------------
-    def plan(self, rows: list[dict]) -> list[tuple[dict, RolloutEngine, float]]:
-        """Dispatch order and engine for prompt groups (``schedule.dispatch``): predicted-long
-        groups first and spread by predicted token load (longest_first), or as they come."""
-        return [(rows[i], engine, predicted) for i, engine, predicted in self.plan_indexed(rows)]
+    def plan(self, rows: list[dict]) -> list[tuple[dict, Dispatched]]:
+        """Dispatch order and placement for prompt groups (``schedule.dispatch``)."""
+        return [(rows[d.index], d) for d in self.plan_indexed(rows)]
 
-    def plan_indexed(self, rows: list[dict], overdue: Optional[list[bool]] = None
-                     ) -> list[tuple[int, RolloutEngine, float]]:
-        """``plan`` as (index into ``rows``, engine, predicted tokens); ``overdue`` rows first."""
+    def plan_indexed(self, rows: list[dict], overdue: Optional[list[bool]] = None,
+                     limit: Optional[int] = None) -> list[Dispatched]:
+        """``plan`` by index into ``rows``, the first ``limit`` (those that start now);
+        ``overdue`` rows first."""
         policy, size = self.spec.schedule.dispatch, self.spec.algorithm.group_size
-        if policy == "longest_first":
+        if policy in LENGTH_AWARE:
             predicted = [p * size for p in self.ranker.predict([r["prompt"] for r in rows])]
         else:
             predicted = [1.0] * len(rows)
         loads = [self.load[e.index] for e in self.engines]
-        plan = plan_dispatch(policy, predicted, loads, seed=self._rng.randrange(2**31), overdue=overdue)
-        return [(i, self.engines[e], predicted[i]) for i, e in plan]
+        if policy != "skew_aware":
+            plan = plan_dispatch(policy, predicted, loads, seed=self._rng.randrange(2**31), overdue=overdue)
+            return [Dispatched(i, self.engines[e], predicted[i]) for i, e in plan[:limit]]
+        cut = self.long_tail_cut
+        roles = self._long_tail_roles()
+        plan = plan_skew_aware(predicted, loads, [e.index in roles for e in self.engines],
+                               cut.threshold(predicted), overdue)[:limit]
+        cut.observe([predicted[i] for i, _ in plan])  # what starts now joins the recent predictions
+        aging = self.spec.schedule.long_tail.aging or self.spec.schedule.batch_prompts
+        out = []
+        for i, e in plan:
+            out.append(Dispatched(i, self.engines[e], predicted[i],
+                                  request_priority(self.dispatched, cut.percentile(predicted[i]), aging)))
+            self.dispatched += 1
+        return out
+
+    # -- skew_aware: the long-tail engines ----------------------------------------------------
+    def _long_tail_roles(self) -> set[int]:
+        """The live engines serving the long tail (none with one engine); chosen again when
+        every one of them (or every bulk engine) died, or before the first dispatch."""
+        live = {e.index for e in self.engines}
+        self.long_tail &= live
+        if len(live) > 1 and (not self.long_tail or self.long_tail == live):
+            self.split()
+        return self.long_tail
+
+    def split(self) -> int:
+        """Choose the long-tail engines again (after each trained step, and when an engine
+        died): measure each role's tokens per busy second since the last split (an EMA),
+        then ``split_engines`` over the recent predictions' long and bulk tokens. The
+        long-tail engines are the lowest indices, so an engine keeps its role while the
+        split stays. ``long_tail.engines`` fixes the count instead. Returns it."""
+        now = {e.index: (e.generated_tokens, e.busy_seconds()) for e in self.engines}
+        for role, members in (("long", self.long_tail), ("bulk", set(now) - self.long_tail)):
+            tokens = busy = 0.0
+            for i in members & set(self._rate_marks):
+                tokens += now[i][0] - self._rate_marks[i][0]
+                busy += now[i][1] - self._rate_marks[i][1]
+            if busy > 0.5 and tokens > 0:  # enough to measure: per engine of the role
+                rate = tokens / busy
+                old = self.role_rates[role]
+                self.role_rates[role] = rate if old is None else 0.7 * old + 0.3 * rate
+        self._rate_marks = now
+        fixed = self.spec.schedule.long_tail.engines
+        if fixed is not None:
+            k = min(fixed, max(0, len(now) - 1))
+        else:
+            cut = self.long_tail_cut.threshold()
+            recent = list(self.long_tail_cut.recent)
+            long_tokens = sum(p for p in recent if p >= cut) or 1.0
+            bulk_tokens = sum(p for p in recent if p < cut) or 1.0
+            # no measurement yet: one engine's rate for both roles (then k follows the tokens)
+            bulk_rate = self.role_rates["bulk"] or self.role_rates["long"] or 1.0
+            long_rate = self.role_rates["long"] or bulk_rate
+            k = split_engines(len(now), long_tokens, bulk_tokens, long_rate, bulk_rate)
+        self.long_tail = set(sorted(now)[:k])
+        return k
+
+    def after_step(self) -> None:
+        """A step was trained: ``skew_aware`` measures the roles' rates and splits again."""
+        if self.spec.schedule.dispatch == "skew_aware" and self.engines:
+            self.split()
+
+    def dispatch_metrics(self) -> dict[str, float]:
+        """``dispatch/*`` for the step's report (skew_aware only)."""
+        if self.spec.schedule.dispatch != "skew_aware":
+            return {}
+        cut = self.long_tail_cut.threshold()
+        return {"dispatch/long_tail_engines": float(len(self.long_tail)),
+                "dispatch/long_tail_cut": cut if math.isfinite(cut) else 0.0,
+                **{f"dispatch/{role}_tokens_per_s": rate for role, rate in self.role_rates.items() if rate}}
 
     # -- samples and groups ----------------------------------------------------------
     async def generate(self, engine: RolloutEngine, row: dict, temperature: float) -> Completion:
-        comp = await engine.generate(self.prompts.ids(row), self.spec.rollout.max_tokens, temperature)
+        comp = await engine.generate(self.prompts.ids(row), self.spec.rollout.max_tokens, temperature,
+                                     priority=PRIORITY.get())
+        self.request_ended.set()  # the tail gatherer looks again
         return await self.finish_elsewhere(engine, comp, temperature)
 
     async def score(self, row: dict, comp: Completion) -> Sample:
+        began = time.time()
         text = self.prompts.decode(comp.token_ids)
         fields = {k: v for k, v in row.items() if k != "prompt"}
         if (self.reference is None and self.critic is None) or EVALUATING.get():  # held-out: not trained on
             score = await self.rewards.score(row["prompt"], text, fields)
-            return Sample(row, comp, text, score.reward, score.error, score.parts)
+            return Sample(row, comp, text, score.reward, score.error, score.parts, inference_started_at=began,
+                          scored_at=time.time())
         # the inference stage: the reference's and the critic's forwards beside the scoring, as the sample finishes
         score, ref, valued = await asyncio.gather(
             self.rewards.score(row["prompt"], text, fields),
             self.reference.logprobs(comp.prompt_ids, comp.token_ids) if self.reference is not None else _none(),
             self.critic.values(comp.prompt_ids, comp.token_ids) if self.critic is not None else _none())
         values, version = valued if valued is not None else (None, -1)
-        return Sample(row, comp, text, score.reward, score.error, score.parts, ref, values, version)
+        return Sample(row, comp, text, score.reward, score.error, score.parts, ref, values, version, began,
+                      time.time())
 
     async def sample(self, engine: RolloutEngine, row: dict, temperature: float) -> Sample:
         return await self._score_fn(row, await self._generate_fn(engine, row, temperature))
 
     async def group(self, row: dict, index: int, start_version: int, engine: RolloutEngine,
-                    predicted: float = 0.0, score: bool = True) -> Group:
+                    predicted: float = 0.0, score: bool = True, priority: int = 0) -> Group:
         """One prompt's group. Scored sample by sample as each finishes (fused), or left
-        for the caller to score after a barrier (``score=False``)."""
+        for the caller to score after a barrier (``score=False``). ``priority``: its
+        requests' vLLM priority (``skew_aware``)."""
+        token = PRIORITY.set(priority)  # seen by this call's requests, and only by them
         self.load[engine.index] += predicted
         try:
             if self.one_request_per_group(engine):
@@ -145,6 +250,7 @@ class Fleet:
                                                  for _ in range(self.spec.algorithm.group_size)))
         finally:
             self.load[engine.index] -= predicted
+            PRIORITY.reset(token)
         lengths = [(s.completion if score else s).length for s in samples]
         self.ranker.observe_group(row["prompt"], lengths)
         return Group(list(samples), start_version, index)
@@ -154,11 +260,11 @@ class Fleet:
         samples (vLLM parallel sampling: one request's overhead instead of one per sample).
         Not where each sample must be a request of its own: interrupt updates resubmit each
         sequence from its prefix, and the tail migrator (rollout.migrate_tail) hands off
-        single requests. ``rollout.group_requests: false`` sends per-sample requests
+        single requests (and the tail gatherer). ``rollout.group_requests: false`` sends per-sample requests
         everywhere (to measure the difference)."""
         rollout = self.spec.rollout
         return (self.spec.algorithm.group_size > 1 and rollout.group_requests and engine.update_mode != "interrupt"
-                and not rollout.migrate_tail)
+                and not rollout.migrate_tail and not rollout.gather_tail)
 
     async def _group_request(self, engine: RolloutEngine, row: dict, temperature: float, score: bool) -> list:
         """A prompt group's samples from one engine request, in sample order: each sample is
@@ -171,7 +277,8 @@ class Fleet:
         finishing: dict[int, asyncio.Task] = {}
         try:
             async with contextlib.aclosing(engine.stream_group(self.prompts.ids(row), self.spec.algorithm.group_size,
-                                                               self.spec.rollout.max_tokens, temperature)) as done:
+                                                               self.spec.rollout.max_tokens, temperature,
+                                                               priority=PRIORITY.get())) as done:
                 async for index, comp in done:
                     finishing[index] = asyncio.ensure_future(finish(comp))
             return list(await asyncio.gather(*(finishing[i] for i in sorted(finishing))))
@@ -191,6 +298,9 @@ class Fleet:
                 if dead is not None:
                     self.retire(dead, "its requests continue on the other engine(s)")
             target = self.live_engine(exclude=comp.engine, fallback=source)
+            onto = next((e for e in self.engines if e.index == self.gather_onto and not e.dead), None)
+            if comp.finish_reason == "handed_off" and onto is not None and onto.index != comp.engine:
+                target = onto  # gathered: the whole tail onto one engine
             comp = await continue_on(target, comp, self.spec.rollout.max_tokens, temperature)
         return comp
 
@@ -278,14 +388,37 @@ class Fleet:
                 await asyncio.sleep(0.1)  # let the moved requests land before looking again
             await asyncio.sleep(0.02)
 
+    async def _gather_tail(self) -> None:
+        """During a synchronous step's generation: when few requests remain, move them all
+        onto one engine (``rollout.gather_tail``), once; the freed engines' cores then serve
+        the inference stage while the tail finishes."""
+        tail, capacity = self.spec.rollout.gather_tail, self.spec.rollout.max_num_seqs
+        while True:
+            self.request_ended.clear()
+            running = [len(e.active) for e in self.engines]
+            plan = plan_tail_gathering(running, tail, capacity)
+            if plan is not None:
+                onto, sources = plan
+                self.gather_onto = self.engines[onto].index
+                moved = await asyncio.gather(*(self.engines[i].hand_off(running[i]) for i in sources))
+                self.migrations += sum(moved)
+                return
+            # the tail shrinks when a request ends: look then (a step's tail may last milliseconds)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.request_ended.wait(), 0.05)
+
     @contextlib.asynccontextmanager
     async def tail_migration(self):
-        """Around a synchronous step's generation: migrate its tail while it runs."""
-        migrator = None
-        if self.spec.rollout.migrate_tail and len(self.engines) > 1:
-            migrator = asyncio.create_task(self._migrate_tail())
+        """Around a synchronous step's generation: migrate (``migrate_tail``) or gather
+        (``gather_tail``) its tail while it runs."""
+        mover = None
+        if len(self.engines) > 1 and (self.spec.rollout.migrate_tail or self.spec.rollout.gather_tail):
+            mover = asyncio.create_task(self._migrate_tail() if self.spec.rollout.migrate_tail
+                                        else self._gather_tail())
         try:
             yield
         finally:
-            if migrator is not None:
-                migrator.cancel()
+            if mover is not None:
+                mover.cancel()
+                await asyncio.gather(mover, return_exceptions=True)
+            self.gather_onto = None

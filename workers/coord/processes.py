@@ -158,7 +158,8 @@ class Processes:
             stop=list(ro.stop), stop_token_ids=list(checked.stop_ids), kv_cache_gb=ro.kv_cache_gb,
             gpu_memory_utilization=process.gpu_memory_utilization, host=host, env=self.plan.env(process),
             cpu_single_process=self.plan.engine_single_process(ro.cpu_single_process), enforce_eager=ro.enforce_eager,
-            sleep_mode=self.plan.sleeps, tensor_parallel=self.plan.tensor_parallel)
+            sleep_mode=self.plan.sleeps, tensor_parallel=self.plan.tensor_parallel,
+            priority_scheduling=spec.schedule.dispatch == "skew_aware")
 
     def engines(self, checked) -> list[RolloutEngine]:
         """The rollout engines, not started yet: each a server process of its own
@@ -173,7 +174,8 @@ class Processes:
                           max_model_len=checked.max_model_len, max_num_seqs=spec.rollout.max_num_seqs,
                           dtype=spec.model.dtype, seed=spec.seed + i, rpc_timeout_s=spec.rollout.rpc_timeout_s,
                           gpu_memory_utilization=p.gpu_memory_utilization,
-                          cpu_single_process=bool(ro.cpu_single_process), enforce_eager=ro.enforce_eager)
+                          cpu_single_process=bool(ro.cpu_single_process), enforce_eager=ro.enforce_eager,
+                          priority_scheduling=spec.schedule.dispatch == "skew_aware")
             for i, p in enumerate(self.plan.engines)
         ]
 

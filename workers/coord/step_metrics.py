@@ -45,6 +45,33 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(math.ceil(q * len(s))) - 1)]
 
 
+def long_tail_share(started: list[float], finished: list[float], q: float = 0.9) -> float:
+    """The share of a batch's generation (its first start to its last finish) spent after
+    the first ⌈q·n⌉ of its samples had finished: the time the long tail alone took."""
+    if not finished:
+        return 0.0
+    span = max(finished) - min(started)
+    if span <= 0:
+        return 0.0
+    k = max(1, math.ceil(q * len(finished)))
+    return (max(finished) - sorted(finished)[k - 1]) / span
+
+
+def inference_overlap(generated: list[float], began: list[float], scored: list[float]) -> Optional[float]:
+    """The share of a batch's inference time (each sample's scoring and inference-stage
+    forwards, from when they began to when they were done) that passed before the batch's
+    last sample finished generating (``generated``: when each did): 0 when it all waits
+    for a barrier, near 1 when it runs beside the generation's tail. None when inference
+    took no measurable time."""
+    if not generated:
+        return None
+    last = max(generated)
+    total = sum(max(0.0, s - b) for b, s in zip(began, scored))
+    if total <= 1e-6:
+        return None
+    return sum(max(0.0, min(s, last) - b) for b, s in zip(began, scored)) / total
+
+
 class StepMetrics:
     """The per-step report and the busy/idle accounting of one run.
 
@@ -121,6 +148,12 @@ class StepMetrics:
             **({"weights/sync_ms": max(t.sync_ms for t in timings),
                 "weights/load_ms": max(t.load_ms for t in timings)} if timings else {}),
             **run.ranker.metrics(),
+            **fleet.dispatch_metrics(),
+            "generation/long_tail_share": long_tail_share([s.completion.started_at for s in samples],
+                                                          [s.completion.finished_at for s in samples]),
+            **({"inference/overlap": overlap} if (overlap := inference_overlap(
+                [s.completion.finished_at for s in samples], [s.inference_started_at for s in samples],
+                [s.scored_at for s in samples])) is not None else {}),
             "idle/generation": self.idle_generation(elapsed),
             "idle/training": self.idle_training(elapsed),
             "lengths/mean": sum(lengths) / len(lengths),

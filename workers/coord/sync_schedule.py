@@ -49,8 +49,9 @@ class SyncSchedule:
         version = run.trainer.version
         fused = run.spec.rollout.fused_scoring
         async with run.fleet.tail_migration():
-            groups = await asyncio.gather(*(run.fleet.group(row, i, version, engine, pred, score=fused)
-                                            for i, (row, engine, pred) in enumerate(plan)))
+            groups = await asyncio.gather(*(run.fleet.group(row, i, version, d.engine, d.predicted, score=fused,
+                                                            priority=d.priority)
+                                            for i, (row, d) in enumerate(plan)))
         if not fused:  # the barrier: score everything once generation is over
             for g in groups:
                 row = plan[g.index][0]
@@ -63,8 +64,8 @@ class SyncSchedule:
         run = self.run
         version = run.trainer.version
         await run._in_trainer(run.trainer.begin_step)
-        tasks = [asyncio.create_task(run.fleet.group(row, i, version, engine, pred))
-                 for i, (row, engine, pred) in enumerate(plan)]
+        tasks = [asyncio.create_task(run.fleet.group(row, i, version, d.engine, d.predicted, priority=d.priority))
+                 for i, (row, d) in enumerate(plan)]
         groups = []
         async with run.fleet.tail_migration():
             for next_done in asyncio.as_completed(tasks):

@@ -121,6 +121,12 @@ def _vllm_on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def _priority(priority: int) -> dict:
+    """vLLM's ``priority`` argument, left out at 0 (the default, the only value an engine
+    without priority scheduling accepts)."""
+    return {"priority": priority} if priority else {}
+
+
 class EngineDied(RuntimeError):
     """The engine's core process died while a call to it was pending."""
 
@@ -134,7 +140,10 @@ class RolloutEngine:
                  max_num_seqs: int = 256, dtype: str = "float32", seed: int = 0, rpc_timeout_s: float = 60.0,
                  sampling: SamplingOptions = SamplingOptions(), gpu_memory_utilization: Optional[float] = None,
                  cpu_single_process: bool = False, enforce_eager: Optional[bool] = None, sleep_mode: bool = False,
-                 tensor_parallel: int = 1):
+                 tensor_parallel: int = 1, priority_scheduling: bool = False):
+        # vLLM's priority scheduler (schedule.dispatch skew_aware): each request's priority
+        # orders the engine's queue instead of arrival alone
+        self.priority_scheduling = priority_scheduling
         self.tensor_parallel = tensor_parallel  # resources.tensor_parallel: vLLM workers the model is sharded over
         self.enforce_eager = enforce_eager  # rollout.enforce_eager (None: by device)
         self.sleep_mode = sleep_mode  # colocated GPU plans: vLLM sleep mode (sleep/wake_up around trainer steps)
@@ -209,6 +218,7 @@ class RolloutEngine:
             distributed_executor_backend="uni" if self.tensor_parallel == 1 else "mp",
             # vLLM checks the platform (CUDA, ROCm, XPU) and turns its cumem allocator on
             **({"enable_sleep_mode": True} if self.sleep_mode else {}),
+            **({"scheduling_policy": "priority"} if self.priority_scheduling else {}),
             **({"gpu_memory_utilization": self.gpu_memory_utilization} if self.gpu_memory_utilization else {}),
         )
 
@@ -310,7 +320,9 @@ class RolloutEngine:
             self._busy_since = None
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float,
-                       seed: Optional[int] = None, ignore_eos: bool = False) -> Completion:
+                       seed: Optional[int] = None, ignore_eos: bool = False, priority: int = 0) -> Completion:
+        """One sample. ``priority``: its place in vLLM's queue with priority scheduling
+        (smaller first; ties by arrival)."""
         from vllm.inputs import TokensPrompt
 
         tokens: list[int] = []
@@ -326,7 +338,8 @@ class RolloutEngine:
             spans = None
             died = False
             try:
-                async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids + tokens), params, request_id=rid):
+                async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids + tokens), params,
+                                                      request_id=rid, **_priority(priority)):
                     c = out.outputs[0]
                     tokens += c.token_ids
                     logprobs += [next(iter(d.values())).logprob for d in (c.logprobs or [])]
@@ -359,17 +372,18 @@ class RolloutEngine:
                               resubmits, self.index)
 
     async def generate_group(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
-                             seed: Optional[int] = None, ignore_eos: bool = False) -> list[Completion]:
+                             seed: Optional[int] = None, ignore_eos: bool = False,
+                             priority: int = 0) -> list[Completion]:
         """``n`` samples of one prompt from one request (see ``stream_group``), in sample order."""
         done: dict[int, Completion] = {}
         async with contextlib.aclosing(self.stream_group(prompt_ids, n, max_tokens, temperature, seed,
-                                                         ignore_eos)) as samples:
+                                                         ignore_eos, priority)) as samples:
             async for index, comp in samples:
                 done[index] = comp
         return [done[i] for i in range(n)]
 
     async def stream_group(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
-                           seed: Optional[int] = None, ignore_eos: bool = False):
+                           seed: Optional[int] = None, ignore_eos: bool = False, priority: int = 0):
         """``n`` samples of one prompt as one vLLM request (parallel sampling, ``n``): one
         request's overhead instead of ``n``. Yields ``(index, Completion)`` as each sample
         finishes, each what ``generate`` would have returned for it: behaviour log-probs, the
@@ -404,7 +418,7 @@ class RolloutEngine:
         try:
             # closed here, not at garbage collection, when our consumer stops early: that aborts it
             async with contextlib.aclosing(self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
-                                                                request_id=rid)) as stream:
+                                                                request_id=rid, **_priority(priority))) as stream:
                 async for out in stream:
                     for c in out.outputs:  # several samples' deltas when we fell behind
                         i = c.index

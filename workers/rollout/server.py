@@ -82,6 +82,7 @@ class EngineServerConfig(wire.Message):
     enforce_eager: Optional[bool] = None  # rollout.enforce_eager (None: eager on the CPU, CUDA graphs on GPUs)
     sleep_mode: bool = False  # colocated GPU plans: asleep while the trainer steps
     tensor_parallel: int = Field(1, ge=1, le=64)  # shards (vLLM workers) of this engine
+    priority_scheduling: bool = False  # vLLM's priority scheduler (schedule.dispatch skew_aware)
     heartbeat_timeout_s: float = 30.0  # a remote server this long silent is dead (a busy machine is not)
 
     @field_validator("env")
@@ -107,6 +108,7 @@ class GenerateRequest(wire.Message):
     temperature: float
     seed: Optional[int] = None
     ignore_eos: bool = False
+    priority: int = 0  # its place in vLLM's queue (smaller first), with priority scheduling
 
 
 class GroupRequest(wire.Message):
@@ -120,6 +122,7 @@ class GroupRequest(wire.Message):
     temperature: float
     seed: Optional[int] = None
     ignore_eos: bool = False
+    priority: int = 0  # its place in vLLM's queue (smaller first), with priority scheduling
 
 
 class HandOffRequest(wire.Message):
@@ -315,7 +318,8 @@ class _Server:
             max_num_seqs=config.max_num_seqs, dtype=config.dtype, seed=config.seed, rpc_timeout_s=config.rpc_timeout_s,
             sampling=SamplingOptions(config.top_p, config.top_k, tuple(config.stop), tuple(config.stop_token_ids)),
             gpu_memory_utilization=config.gpu_memory_utilization, cpu_single_process=config.cpu_single_process,
-            enforce_eager=config.enforce_eager, sleep_mode=config.sleep_mode, tensor_parallel=config.tensor_parallel)
+            enforce_eager=config.enforce_eager, sleep_mode=config.sleep_mode, tensor_parallel=config.tensor_parallel,
+            priority_scheduling=config.priority_scheduling)
         self.started = False
         self.stop = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
@@ -407,13 +411,14 @@ class _Server:
                               stats=self.stats())
         if isinstance(request, GenerateRequest):
             c = await e.generate(request.prompt_ids, request.max_tokens, request.temperature, seed=request.seed,
-                                 ignore_eos=request.ignore_eos)
+                                 ignore_eos=request.ignore_eos, priority=request.priority)
             return CompletionReply(id=request.id, completion=_to_wire(c), stats=self.stats())
         if isinstance(request, GroupRequest):
             sent = 0
             async with contextlib.aclosing(e.stream_group(request.prompt_ids, request.n, request.max_tokens,
                                                           request.temperature, seed=request.seed,
-                                                          ignore_eos=request.ignore_eos)) as samples:
+                                                          ignore_eos=request.ignore_eos,
+                                                          priority=request.priority)) as samples:
                 async for index, c in samples:
                     self.channel.send(SampleReply(id=request.id, index=index, completion=_to_wire(c),
                                                   stats=self.stats()))
@@ -565,9 +570,9 @@ class EngineClient:
 
     # -- calls ---------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float,
-                       seed: Optional[int] = None, ignore_eos: bool = False) -> Completion:
+                       seed: Optional[int] = None, ignore_eos: bool = False, priority: int = 0) -> Completion:
         request = GenerateRequest(id=next(_request_ids), prompt_ids=list(prompt_ids), max_tokens=max_tokens,
-                                  temperature=temperature, seed=seed, ignore_eos=ignore_eos)
+                                  temperature=temperature, seed=seed, ignore_eos=ignore_eos, priority=priority)
         self.active[request.id] = time.perf_counter()
         try:
             reply = await self._request(request, timed=False)
@@ -579,12 +584,12 @@ class EngineClient:
     generate_group = RolloutEngine.generate_group
 
     async def stream_group(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
-                           seed: Optional[int] = None, ignore_eos: bool = False):
+                           seed: Optional[int] = None, ignore_eos: bool = False, priority: int = 0):
         """``RolloutEngine.stream_group`` on the server: ``(index, Completion)`` as each sample
         finishes there. If the server dies, the samples not yet back end as ``engine_died``
         with no tokens (the controller continues them elsewhere)."""
         request = GroupRequest(id=next(_request_ids), prompt_ids=list(prompt_ids), n=n, max_tokens=max_tokens,
-                               temperature=temperature, seed=seed, ignore_eos=ignore_eos)
+                               temperature=temperature, seed=seed, ignore_eos=ignore_eos, priority=priority)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request.id] = queue
         keys = [(request.id, i) for i in range(n)]

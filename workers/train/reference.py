@@ -48,21 +48,17 @@ class ReferenceScorer:
 
         from workers.train.algorithms import token_logprobs
 
+        from workers.train.batching import generated_columns, pad_sequences
+
         torch = self.torch
-        width = max(len(p) + len(t) for p, t in items)
-        ids = torch.full((len(items), width), self.pad_id, dtype=torch.long)
-        att = torch.zeros((len(items), width), dtype=torch.long)
-        for i, (p, t) in enumerate(items):
-            ids[i, : len(p) + len(t)] = torch.tensor(list(p) + list(t))
-            att[i, : len(p) + len(t)] = 1
+        ids, att = pad_sequences(items, self.pad_id)
         cast = (torch.autocast(device_type="cpu", dtype=self.autocast) if self.autocast is not None
                 else contextlib.nullcontext())
         with torch.no_grad():
             with cast:
                 logits = self.model(input_ids=ids, attention_mask=att).logits[:, :-1].float() / self.temperature
             logp, _ = token_logprobs(logits, ids[:, 1:], top_k=self.top_k, top_p=self.top_p)
-        # position t predicts token t+1: the generated tokens sit at p-1 .. p-1+len-1
-        return [logp[i, len(p) - 1: len(p) - 1 + len(t)].tolist() for i, (p, t) in enumerate(items)]
+        return [logp[i, generated_columns(len(p), len(t))].tolist() for i, (p, t) in enumerate(items)]
 
 
 def scorer_config(spec, model_path: str, pad_id: int) -> dict:

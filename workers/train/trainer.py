@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from workers.train import algorithms
+from workers.train.batching import completion_mask, generated_columns, pad_sequences, per_token
 from workers.spec import RunSpec
 
 
@@ -322,18 +323,10 @@ class Trainer:
 
     # -- training ----------------------------------------------------------------
     def _tensors(self, batch: list[TrainSample], device):
-        width = max(len(s.prompt_ids) + len(s.token_ids) for s in batch)
-        n = len(batch)
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        att = torch.zeros((n, width), dtype=torch.long)
-        mask = torch.zeros((n, width - 1))
-        for i, s in enumerate(batch):
-            seq = s.prompt_ids + s.token_ids
-            ids[i, : len(seq)] = torch.tensor(seq)
-            att[i, : len(seq)] = 1
-            p = len(s.prompt_ids)
-            # position t predicts token t+1: generated tokens sit at p..p+len-1
-            mask[i, p - 1 : p - 1 + len(s.token_ids)] = 1
+        pairs = [(s.prompt_ids, s.token_ids) for s in batch]
+        ids, att = pad_sequences(pairs, self.pad_id)
+        width = ids.shape[1]
+        mask = completion_mask(pairs, width - 1)
         behav = self._per_token(batch, width - 1, "behav_logprobs")
         prox = self._per_token(batch, width - 1, "prox_logprobs") if batch[0].prox_logprobs is not None else None
         if batch[0].token_advantages is not None:  # GAE: one advantage per token, in the mask's layout
@@ -346,11 +339,7 @@ class Trainer:
     @staticmethod
     def _per_token(batch: list[TrainSample], columns: int, field: str) -> torch.Tensor:
         """A per-generated-token field of each sample as [batch, columns], in the mask's layout."""
-        out = torch.zeros((len(batch), columns))
-        for i, s in enumerate(batch):
-            p = len(s.prompt_ids)
-            out[i, p - 1 : p - 1 + len(s.token_ids)] = torch.tensor(getattr(s, field), dtype=torch.float32)
-        return out
+        return per_token([(s.prompt_ids, s.token_ids) for s in batch], columns, [getattr(s, field) for s in batch])
 
     def critic_targets(self, batch: list[TrainSample], min_micro_batches: int = 0
                        ) -> tuple[list[TrainSample], dict[str, float]]:
@@ -383,8 +372,7 @@ class Trainer:
             ids, att, _, _, _, _ = self._tensors(part, self.engine.device)
             values = self.critic.values(ids, att).cpu()
             for row, (i, s) in enumerate(zip(mb, part)):
-                p = len(s.prompt_ids)
-                targets(i, values[row, p - 1 : p - 1 + len(s.token_ids)].tolist())
+                targets(i, values[row, generated_columns(len(s.prompt_ids), len(s.token_ids))].tolist())
         for _ in range(len(micro), min_micro_batches):
             self.critic.values(*self._idle_ids())
         return out, algorithms.critic_sums([s.values for s in out], [s.returns for s in out],
@@ -480,8 +468,7 @@ class Trainer:
                 ids, att, mask, _, _, _ = self._tensors(part, self.engine.device)
                 logp, _ = self._logprobs(self.engine.module, ids, att)
                 for row, (i, s) in enumerate(zip(mb, part)):
-                    p = len(s.prompt_ids)
-                    out[i] = logp[row, p - 1 : p - 1 + len(s.token_ids)].float().cpu().tolist()
+                    out[i] = logp[row, generated_columns(len(s.prompt_ids), len(s.token_ids))].float().cpu().tolist()
             for _ in range(len(micro), min_micro_batches):
                 self._idle_pass(self.engine.module)
         return out
@@ -569,6 +556,38 @@ class Trainer:
         acc["seqs"] += len(batch)
         acc["seconds"] += time.perf_counter() - t0
 
+    def _divide_streamed_gradients(self, denominator: float) -> list:
+        """A streamed step's gradients (sums until now) divided by its denominator, at
+        every ZeRO stage; returns the engines whose optimizer will divide them in its step.
+
+        - ZeRO-0: the gradients are whole in ``p.grad``: divided there, then reduced over
+          the data-parallel ranks.
+        - ZeRO-1/2/3: DeepSpeed's hooks move gradients into partitions as they are made,
+          and its end-of-accumulation reduction runs in the backward that is marked the
+          boundary, which none of the streamed ones was (the last was not known to be
+          last). So one backward of zero loss (``_idle_pass``) is marked the boundary,
+          then the optimizer's loss scale is set to the denominator: its ``step`` divides
+          the gradients by the loss scale before clipping (``unscale_and_clip_grads``),
+          exactly as it unscales fp16 losses. ``finish_step`` sets it back to 1."""
+        parts = [(self.engine, lambda: self.engine.backward(self._idle_pass(self.engine)))]
+        if self.critic is not None:
+            parts.append((self.critic.engine, lambda: self.critic.idle_pass(*self._idle_ids(), boundary=True)))
+        scaled = []
+        for engine, idle_pass in parts:
+            engine.set_gradient_accumulation_boundary(True)
+            if hasattr(engine.optimizer, "override_loss_scale"):  # a ZeRO optimizer
+                idle_pass()
+                engine.optimizer.override_loss_scale(float(denominator))
+                scaled.append(engine)
+                continue
+            with torch.no_grad():
+                for p in engine.module.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(denominator)
+            if torch.distributed.get_world_size() > 1:
+                engine.allreduce_gradients()
+        return scaled
+
     def _optimizer_step(self) -> dict:
         self.engine.step()
         if self.critic is not None:
@@ -584,19 +603,15 @@ class Trainer:
         if rescale:  # streamed step: losses were sums, divide by the now-known denominator
             if denominator is None:
                 denominator = max(1.0, float(acc["tokens"]) if how == "tokens" else float(sequences))
-            engines = [self.engine] + ([self.critic.engine] if self.critic is not None else [])
-            for engine in engines:
-                with torch.no_grad():
-                    for p in engine.module.parameters():
-                        if p.grad is not None:
-                            p.grad.div_(denominator)
-                engine.set_gradient_accumulation_boundary(True)
-                if torch.distributed.get_world_size() > 1:
-                    engine.allreduce_gradients()
+            scaled = self._divide_streamed_gradients(denominator)
             acc["loss"] /= denominator
             acc["kl"] /= denominator
             acc["value_loss"] /= denominator
-        self._optimizer_step()
+        try:
+            self._optimizer_step()
+        finally:
+            for engine in scaled if rescale else []:
+                engine.optimizer.override_loss_scale(1.0)
         self.version += 1
         acc["seconds"] += time.perf_counter() - t0
         tokens = max(acc["tokens"], 1)

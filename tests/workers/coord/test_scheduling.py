@@ -1,7 +1,12 @@
 """Dispatch policies: exact orders and engine assignments."""
+
+import math
+
 import pytest
 
-from workers.coord.scheduling import DispatchWindow, EngineLoads, dispatch_order, least_loaded, plan_dispatch, plan_tail_migration
+from workers.coord.scheduling import (DispatchWindow, EngineLoads, LongTailThreshold, dispatch_order, least_loaded,
+                                      plan_dispatch, plan_skew_aware, plan_tail_gathering, plan_tail_migration, priority,
+                                      split_engines)
 
 PREDICTED = [5, 40, 10, 40, 2, 20]
 
@@ -103,3 +108,58 @@ def test_aging_bounds_how_long_a_predicted_short_group_waits():
     started = _first_start(aging=True)
     assert all(k in started for k in range(150))  # every early row starts
     assert max(started[k] - k for k in range(150)) <= 2 * 4 + 1  # within ~2 windows of arriving
+
+
+# -- skew_aware: StreamRL's skewness-aware dispatch ---------------------------------------
+
+def test_skew_aware_sends_predicted_long_groups_to_the_long_tail_engines_and_packs_the_rest():
+    # engine 0 serves the long tail; groups at or above 50 predicted tokens are long
+    plan = plan_skew_aware([10, 50, 20, 80, 5, 30], [0, 0, 0], long_tail=[True, False, False], threshold=50)
+    assert plan == [(3, 0), (1, 0), (5, 1), (2, 2), (0, 2), (4, 1)]  # longest first, each pool by its load
+
+
+def test_skew_aware_with_one_pool_empty_uses_the_other():
+    assert plan_skew_aware([10, 90], [0], long_tail=[False], threshold=50) == [(1, 0), (0, 0)]
+    assert plan_skew_aware([10, 90], [0, 0], long_tail=[True, True], threshold=50) == [(1, 0), (0, 1)]
+
+
+def test_skew_aware_starts_overdue_groups_first():
+    plan = plan_skew_aware([5, 1, 9], [0, 0], long_tail=[True, False], threshold=9, overdue=[False, True, False])
+    assert [i for i, _ in plan] == [1, 2, 0] and dict(plan)[2] == 0
+
+
+def test_the_split_balances_both_pools_finishing_times_by_measured_rates():
+    # 100 long tokens at 5/s per engine vs 900 bulk at 10/s: k=1 → max(20, 30) = 30; k=2 → max(10, 45)
+    assert split_engines(4, 100, 900, long_rate=5, bulk_rate=10) == 1
+    # a slower long-tail engine earns more engines: k=2 → max(40, 30) beats k=1 (80) and k=3 (60)
+    assert split_engines(4, 400, 600, long_rate=5, bulk_rate=10) == 2
+    assert split_engines(2, 1, 1000, 1, 1) == 1  # both roles keep at least one engine
+    assert split_engines(1, 100, 100, 1, 1) == 0  # one engine: no long-tail pool
+
+
+def test_the_long_tail_cut_is_the_recent_predictions_top_share():
+    cut = LongTailThreshold(0.25)
+    assert cut.threshold() == math.inf and cut.percentile(3) == 1.0
+    cut.observe([1, 2, 3, 4, 5, 6, 7, 8])
+    assert cut.threshold() == 7  # the longest ⌈0.25·8⌉ = 2 are 8 and 7
+    assert cut.threshold(pending=[20, 30]) == 8  # ⌈0.25·10⌉ = 3: 30, 20, 8
+    assert cut.percentile(4) == 0.5 and cut.percentile(0) == 0.0
+    with pytest.raises(ValueError):
+        LongTailThreshold(1.0)
+
+
+def test_vllm_priorities_put_longer_first_but_nothing_behind_more_than_aging_later_arrivals():
+    assert priority(10, 1.0, aging=8) == 10 and priority(10, 0.0, aging=8) == 18 and priority(10, 0.5, 8) == 14
+    # the shortest group dispatched at 10 can be overtaken only by groups dispatched before 18
+    short = priority(10, 0.0, aging=8)
+    assert all(priority(later, 1.0, aging=8) < short for later in range(11, 18))
+    assert all(priority(later, p, aging=8) >= short for later in range(18, 40) for p in (0.0, 0.5, 1.0))
+
+
+def test_tail_gathering_moves_a_small_tail_onto_the_engine_running_the_most():
+    assert plan_tail_gathering([3, 1, 0, 2], tail=6, capacity=16) == (0, [1, 3])
+    assert plan_tail_gathering([2, 2], tail=6, capacity=16) == (0, [1])  # the lower index among equals
+    assert plan_tail_gathering([4, 3], tail=6, capacity=16) is None  # not yet the tail
+    assert plan_tail_gathering([0, 5], tail=6, capacity=16) is None  # already on one engine
+    assert plan_tail_gathering([3, 2], tail=6, capacity=4) is None  # would not fit one engine's batch
+    assert plan_tail_gathering([0, 0], tail=6, capacity=16) is None

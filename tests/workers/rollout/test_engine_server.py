@@ -175,6 +175,31 @@ def test_a_drain_server_then_killed_ends_pending_calls_at_once_and_leaves_no_pro
     assert not any(_alive(p) for p in pids)  # its vLLM core went with it
 
 
+def test_with_priority_scheduling_a_later_request_of_higher_priority_is_served_first(loop, tiny_model_path):
+    # one sequence at a time, so the two requests wait in vLLM's queue behind a running one
+    client = EngineClient(EngineServerConfig(model_path=tiny_model_path, index=6, max_num_seqs=1,
+                                             cpu_single_process=True, priority_scheduling=True))
+    loop.run_until_complete(client.start())
+    prompt = encode("3+4=")
+
+    async def go():
+        running = asyncio.ensure_future(client.generate(prompt, 240, 1.0, ignore_eos=True))
+        while client.generated_tokens == 0:
+            await asyncio.sleep(0.01)
+        low = asyncio.ensure_future(client.generate(prompt, 8, 1.0, ignore_eos=True, priority=10))
+        await asyncio.sleep(0.05)  # it arrives first: first-come-first-served would run it first
+        high = asyncio.ensure_future(client.generate(prompt, 8, 1.0, ignore_eos=True, priority=1))
+        return await running, await low, await high
+
+    try:
+        running, low, high = loop.run_until_complete(go())
+    finally:
+        client.shutdown()
+    assert running.length == 240 and low.length == high.length == 8
+    assert high.started_at < running.finished_at  # both waited in the queue
+    assert high.finished_at < low.finished_at  # it overtook the earlier request in the queue
+
+
 # -- an engine sharded over two vLLM workers (resources.tensor_parallel: 2) -------------------
 
 def _sharded_config(tiny_model_path) -> EngineServerConfig:

@@ -78,13 +78,15 @@ def test_a_restored_critic_takes_the_same_next_step(tiny_model_path, tmp_path):
     assert (tmp_path / "critic").is_dir() and (tmp_path / "ds").is_dir()
 
 
-def test_a_streamed_gae_step_equals_the_step_on_the_whole_batch(tiny_model_path):
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_streamed_gae_step_equals_the_step_on_the_whole_batch(tiny_model_path, stage):
     """schedule.stream_train: the critic values each group as it arrives (weights from the
-    step's start), losses are sums until finish_step divides both engines' gradients."""
+    step's start), losses are sums until finish_step divides both engines' gradients (at
+    ZeRO-2 through the optimizers' loss scale)."""
     # rewards of 1e-9 and a critic lr of 1e-8 keep Adam's steps linear in the gradients (a wrong
     # denominator then shows in the weights: tests/workers/train/test_trainer_ranks.py's docstring)
     spec = validate_spec({**_spec(minibatches=1).to_dict(), "schedule": {"mode": "sync", "stream_train": True},
-                          "critic": {"lr": 1e-8}})
+                          "critic": {"lr": 1e-8, "zero_stage": stage}, "trainer": {"zero_stage": stage}})
     whole = Trainer(spec, tiny_model_path, threads=1)
     batch = _on_policy(whole, [1e-9, 0.0, 2e-9, 1e-9, 0.0])
     want = whole.train_step(batch)

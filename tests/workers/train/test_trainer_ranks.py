@@ -212,6 +212,27 @@ def test_a_streamed_step_over_two_ranks_equals_one_process_on_the_whole_batch(ti
     assert _max_diff(weights, one.state_dict()) < 1e-6
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_streamed_step_equals_the_step_on_the_whole_batch_at_zero_stage(tiny_model_path, batch, stage):
+    """Stream training beyond ZeRO-1: DeepSpeed partitions gradients as they are made, so the
+    streamed step ends with a boundary pass and the denominator as the optimizer's loss scale."""
+    spec = _spec(minibatches=1, trainer={"zero_stage": stage})
+    linear = _scaled(batch, LINEAR)
+    streamed = Trainer(spec, tiny_model_path, threads=1)
+    streamed.begin_step()
+    streamed.accumulate(linear[:3])
+    streamed.accumulate(linear[3:])
+    stats = streamed.finish_step(len(linear), True)
+    assert streamed.engine.optimizer.loss_scale == 1.0  # set back: the next backward is not scaled
+    weights = streamed.state_dict()
+    whole = Trainer(spec, tiny_model_path, threads=1)
+    _assert_same_stats(stats, whole.train_step(linear))
+    assert _max_diff(weights, whole.state_dict()) < 1e-6
+    # and the next step, a whole batch again, still agrees
+    assert _max_diff(streamed.train_step(linear) and streamed.state_dict(),
+                     whole.train_step(linear) and whole.state_dict()) < 1e-6
+
+
 _NODE = r"""
 import json, logging, sys
 import torch

@@ -83,7 +83,10 @@ def test_a_step_on_the_stages_values_is_the_step_with_the_critic_inside_and_runs
         for key in ("critic/value_loss", "critic/value_mean", "critic/adv_mean", "loss/policy"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
     one, two = inside.critic_state_dict(), outside.critic_state_dict()
-    assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-5
+    # Adam moves each weight by about lr·sign(g) = 3e-2 a step; where |g| is near its eps the
+    # step depends on the CPU's summation order: measured 1.05e-4 apart on an AMD EPYC, under
+    # 1e-5 on an Intel Xeon. A wrong value flips signs of gradients: 6e-2 apart
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-3
     assert b["critic/value_mean"] != 0.0
 
 
