@@ -187,7 +187,9 @@ def form_field(name: str, info, initial: dict) -> dict:
     optional = get_origin(annotation) is Union and type(None) in get_args(annotation)
     if get_origin(annotation) is Union:  # Optional[x]
         annotation = next(a for a in get_args(annotation) if a is not type(None))
-    field = {"name": name, "label": name.rsplit(".", 1)[-1].replace("_", " "), "help": info.description or "",
+    # a section's field by its own name ("share"), a nested group's with the group ("long tail share")
+    label = " ".join(name.split(".")[1:] if name.count(".") > 1 else name.split(".")[-1:]).replace("_", " ")
+    field = {"name": name, "label": label, "help": info.description or "",
              "essential": name in FORM_ESSENTIAL}
     if get_origin(annotation) is Literal:
         choices = list(get_args(annotation))
@@ -226,14 +228,30 @@ def spec_form(initial: dict | None = None) -> list[dict]:
     top = {"section": "run", "fields": []}
     sections = [top]
     for name, info in RunSpec.model_fields.items():
-        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
-            fields = [form_field(f"{name}.{sub}", sub_info, initial)
-                      for sub, sub_info in info.annotation.model_fields.items()
-                      if f"{name}.{sub}" not in FORM_HIDDEN]
-            sections.append({"section": name, "fields": fields})
+        if _is_model(info.annotation):
+            sections.append({"section": name, "fields": _model_fields(name, info.annotation, initial)})
         else:
             top["fields"].append(form_field(name, info, initial))
     return sections
+
+
+def _is_model(annotation) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _model_fields(prefix: str, model, initial: dict) -> list[dict]:
+    """The fields of a spec section, a nested group (e.g. schedule.long_tail) as its own
+    dotted fields, the way ``flatten`` names a stored spec's values."""
+    out = []
+    for sub, sub_info in model.model_fields.items():
+        name = f"{prefix}.{sub}"
+        if name in FORM_HIDDEN:
+            continue
+        if _is_model(sub_info.annotation):
+            out += _model_fields(name, sub_info.annotation, initial)
+        else:
+            out.append(form_field(name, sub_info, initial))
+    return out
 
 
 def spec_choices(team) -> dict:

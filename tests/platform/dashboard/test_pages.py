@@ -291,3 +291,17 @@ def test_every_page_warns_when_reward_code_may_run_without_the_os_sandbox(page_a
     monkeypatch.setenv("FLUXRL_UNSAFE_REWARD_CODE", "1")
     page = page_a.get(path).content.decode()
     assert 'id="unsafe-sandbox-banner"' in page and "FLUXRL_UNSAFE_REWARD_CODE=1" in page
+
+
+def test_the_run_form_lists_a_nested_spec_group_as_its_own_fields_and_a_clone_refills_them():
+    from fluxrl.dashboard.services import flatten, spec_form
+
+    schedule = next(s for s in spec_form() if s["section"] == "schedule")
+    fields = {f["name"]: f for f in schedule["fields"]}
+    assert "schedule.long_tail" not in fields  # a group is never one text field (its default's repr)
+    share = fields["schedule.long_tail.share"]
+    assert share["label"] == "long tail share" and share["type"] == "float" and share["value"] == 0.1
+    assert fields["schedule.long_tail.engines"]["value"] == ""  # null: left empty, the spec's default
+    cloned = spec_form(flatten({"schedule": {"long_tail": {"share": 0.25, "aging": 4}}}))
+    values = {f["name"]: f["value"] for s in cloned for f in s["fields"]}
+    assert values["schedule.long_tail.share"] == 0.25 and values["schedule.long_tail.aging"] == 4
