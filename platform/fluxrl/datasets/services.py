@@ -10,7 +10,6 @@ import itertools
 import json
 import math
 import os
-import re
 import tempfile
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from django.conf import settings
 from django.db import transaction
 
 from fluxrl.errors import NotFound, TooLarge, field_error
-from fluxrl.validation import contains_nul
+from fluxrl.validation import contains_nul, safe_upload_name
 from fluxrl.versioned import check_name, find_version, next_version_number
 from workers.tasks.datasets import GENERATORS, DatasetError, check_messages, generate
 
@@ -34,12 +33,6 @@ class RowProblem(ValueError):
 
 
 # --- reading uploads -----------------------------------------------------------------
-
-
-def safe_file_name(name: str) -> str:
-    """The uploaded name reduced to a harmless label; it is never used as a path."""
-    base = re.sub(r"[\x00-\x1f\x7f]", "", str(name or "")).replace("\\", "/").rsplit("/", 1)[-1]  # control characters go
-    return re.sub(r"[^A-Za-z0-9._ -]", "_", base).strip(" .")[:200] or "upload"
 
 
 def detect_format(file_name: str, explicit: str | None) -> str:
@@ -203,7 +196,7 @@ def upload_version(team, user, name: str, upload, *, prompt_field="prompt", answ
     check_content_type(getattr(upload, "content_type", ""))
     fmt = detect_format(upload.name, fmt)
     rows = parse_upload(upload.read(), fmt, prompt_field, answer_field)
-    return add_version(team, user, name, rows, description, source=fmt, source_name=safe_file_name(upload.name),
+    return add_version(team, user, name, rows, description, source=fmt, source_name=safe_upload_name(upload.name),
                        source_fields={"prompt": prompt_field, "answer": answer_field})
 
 

@@ -27,6 +27,7 @@ from django.conf import settings
 from django.db import transaction
 
 from fluxrl.errors import TooLarge, field_error
+from fluxrl.validation import safe_upload_name
 from fluxrl.versioned import check_name, find_version, next_version_number
 
 from .models import StoredModel, StoredModelVersion
@@ -214,11 +215,6 @@ def _manifest_sha256(files: list[list]) -> str:
 
 # --- storing and finding versions --------------------------------------------------------
 
-def safe_archive_name(name: str) -> str:
-    base = re.sub(r"[\x00-\x1f\x7f]", "", str(name or "")).replace("\\", "/").rsplit("/", 1)[-1]
-    return re.sub(r"[^A-Za-z0-9._ -]", "_", base).strip(" .")[:200] or "upload"
-
-
 def upload_version(team, user, name: str, upload, description: str = "") -> StoredModelVersion:
     """Check an uploaded archive (a Django UploadedFile) and store its folder as the next
     version of the team's model ``name`` (created if new)."""
@@ -227,7 +223,7 @@ def upload_version(team, user, name: str, upload, description: str = "") -> Stor
     if upload.size > limit:
         raise TooLarge(f"The archive is {upload.size} bytes; the limit is {limit} bytes (FLUXRL_MAX_MODEL_MB).",
                        fields={"file": "too large"})
-    display = safe_archive_name(upload.name)
+    display = safe_upload_name(upload.name)
     if not display.lower().endswith(ARCHIVE_SUFFIXES):
         raise _refuse(f"{display}: upload the model folder as a .tar, .tar.gz or .zip archive")
     root = store_root()

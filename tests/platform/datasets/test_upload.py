@@ -5,7 +5,7 @@ import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
 from fluxrl.datasets.models import DatasetVersion
-from fluxrl.datasets.services import safe_file_name
+from fluxrl.validation import safe_upload_name
 
 GOOD_JSONL = b'{"prompt": "1+1=", "answer": "2", "level": 1}\n\n{"prompt": "2+3=", "answer": 5}\n'
 
@@ -181,7 +181,7 @@ def test_stored_file_name_is_derived_safely_from_any_uploaded_name(api_a, data_d
 
 
 def test_names_with_nothing_usable_left_become_upload():
-    assert [safe_file_name(n) for n in ("..", "/", "", "\x00", " . ")] == ["upload"] * 5
+    assert [safe_upload_name(n) for n in ("..", "/", "", "\x00", " . ")] == ["upload"] * 5
 
 
 def test_a_malformed_new_version_names_the_line_and_loses_nothing_stored(api_a, data_dir, assert_error):
