@@ -1,0 +1,464 @@
+"""RLHFuse's intra-stage fusion: the actor's and the critic's training as two pipelines
+over the same ranks in opposite directions, one schedule filling each pipeline's bubbles
+with the other's micro-batches.
+
+- **Stages.** A Hugging Face decoder (a base model with ``embed_tokens``, ``layers`` and
+  ``norm``: the Llama, Qwen2 and Mistral families) is split by layers into ``stages``
+  contiguous parts. Each part runs the base model's own forward over its layers
+  (``inputs_embeds`` past the first part), so the masks and rotary positions are the
+  model's. The actor (the policy with its LM head) has stage s on rank s; the critic (the
+  value model, ``workers/train/critic.py``) has stage s on rank ``stages-1-s``, so its
+  first stage shares a rank with the actor's last.
+- **Work.** Each model's loss over the micro-batches: decoupled PPO for the actor, the
+  clipped value loss for the critic (the trainer's own functions, one optimiser step per
+  batch). A micro-batch's activations go forward, their gradients backward, between ranks
+  over gloo point-to-point messages.
+- **Schedules.** ``sequential``: the actor's 1F1B pipeline, then the critic's, as two
+  pipelines run one after the other. ``fused``: both interleaved on every rank, in an
+  order simulated ahead (``fused_schedule``): with a forward taking 1 unit and a backward
+  2, a free rank takes the ready operation of either model that can start first (a
+  backward before a forward). A greedy list schedule: RLHFuse searches its fused schedule
+  with simulated annealing.
+- **Tied embeddings.** An actor whose LM head is its embedding holds that matrix on its
+  first and last stage; their gradients are summed before the step.
+
+``run_step`` runs one step on ``stages`` processes and reports each rank's compute time and
+the step's wall time, hence the bubble share (a rank idle, waiting for another), and can
+write the gradients (tests compare them with the unsplit models'). bench/fused_pipeline.py
+measures both schedules. Runs do not train this way yet: the trainer's parallelism is
+DeepSpeed's data parallelism (README, issue 29).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import multiprocessing
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MODELS = ("actor", "critic")
+
+
+# -- schedules (pure) ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Op:
+    kind: str  # "F" (forward) or "B" (backward)
+    model: str  # "actor" or "critic"
+    micro: int
+
+
+def stage_of(model: str, rank: int, stages: int) -> int:
+    """The stage of ``model`` on ``rank`` (and, the map being its own inverse, the rank of a stage)."""
+    return rank if model == "actor" else stages - 1 - rank
+
+
+def split_layers(layers: int, stages: int) -> list[range]:
+    """Contiguous layer ranges, as even as can be, the earlier stages taking the extra ones."""
+    if not 1 <= stages <= layers:
+        raise ValueError(f"{layers} layers cannot make {stages} pipeline stages")
+    base, extra = divmod(layers, stages)
+    out, start = [], 0
+    for s in range(stages):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def one_f_one_b(stage: int, stages: int, micro: int) -> list[tuple[str, int]]:
+    """One stage's order in the 1F1B pipeline: ``stages-1-stage`` forwards to fill the pipe,
+    then a forward and a backward in turn, then the remaining backwards."""
+    warm = min(stages - 1 - stage, micro)
+    ops = [("F", m) for m in range(warm)]
+    for i in range(micro - warm):
+        ops += [("F", warm + i), ("B", i)]
+    return ops + [("B", m) for m in range(micro - warm, micro)]
+
+
+def sequential_schedule(stages: int, micro: int) -> list[list[Op]]:
+    """Every rank: its actor stage's 1F1B order, then its critic stage's."""
+    return [[Op(k, "actor", m) for k, m in one_f_one_b(stage_of("actor", r, stages), stages, micro)]
+            + [Op(k, "critic", m) for k, m in one_f_one_b(stage_of("critic", r, stages), stages, micro)]
+            for r in range(stages)]
+
+
+def _depends_on(op: Op, rank: int, stages: int) -> Optional[tuple]:
+    """The operation of another rank that ``op`` waits for: the previous stage's forward, or
+    the next stage's backward (key: kind, model, stage, micro)."""
+    stage = stage_of(op.model, rank, stages)
+    if op.kind == "F" and stage > 0:
+        return ("F", op.model, stage - 1, op.micro)
+    if op.kind == "B" and stage < stages - 1:
+        return ("B", op.model, stage + 1, op.micro)
+    return None
+
+
+def simulate(schedule: list[list[Op]], forward: float = 1.0, backward: float = 2.0,
+             choose: bool = False) -> tuple[list[list[Op]], float, list[float]]:
+    """Run ``schedule`` (one op list per rank) on an ideal machine: an op starts when its rank
+    is free and what it waits for is done. ``choose``: each rank's list is split by model
+    into two queues and a free rank takes the head that can start first (a backward before a
+    forward, the actor before the critic). Returns the order each rank ran, the makespan and
+    each rank's busy share."""
+    stages = len(schedule)
+    queues = [{m: deque(op for op in ops if op.model == m) for m in MODELS} if choose else {"all": deque(ops)}
+              for ops in schedule]
+    done: dict[tuple, float] = {}
+    free = [0.0] * stages
+    busy = [0.0] * stages
+    order: list[list[Op]] = [[] for _ in range(stages)]
+    while any(q for qs in queues for q in qs.values()):
+        best = None
+        for r in range(stages):
+            for q in queues[r].values():
+                if not q:
+                    continue
+                op = q[0]
+                dep = _depends_on(op, r, stages)
+                if dep is not None and dep not in done:
+                    continue
+                start = max(free[r], done.get(dep, 0.0))
+                key = (start, op.kind != "B", op.model != "actor", r)
+                if best is None or key < best[0]:
+                    best = (key, r, q)
+        if best is None:
+            raise RuntimeError("the schedule deadlocks: every rank waits for an operation not yet run")
+        (start, *_), r, q = best
+        op = q.popleft()
+        cost = forward if op.kind == "F" else backward
+        free[r] = start + cost
+        busy[r] += cost
+        done[(op.kind, op.model, stage_of(op.model, r, stages), op.micro)] = start + cost
+        order[r].append(op)
+    makespan = max(free)
+    return order, makespan, [b / makespan for b in busy]
+
+
+def fused_schedule(stages: int, micro: int, forward: float = 1.0, backward: float = 2.0) -> list[list[Op]]:
+    """Each rank's order of both models' operations, interleaved (``simulate`` with ``choose``)."""
+    order, _, _ = simulate(sequential_schedule(stages, micro), forward, backward, choose=True)
+    return order
+
+
+def schedule_for(kind: str, stages: int, micro: int) -> list[list[Op]]:
+    if kind == "sequential":
+        return sequential_schedule(stages, micro)
+    if kind == "fused":
+        return fused_schedule(stages, micro)
+    raise ValueError(f"unknown pipeline schedule {kind!r} (sequential or fused)")
+
+
+# -- stages of a model ------------------------------------------------------------------------
+
+class Stage(torch.nn.Module):
+    """Some consecutive layers of a decoder, with its embedding (first stage) and its final
+    norm and head (last stage: the LM head, or the critic's value head)."""
+
+    def __init__(self, kind: str, base: torch.nn.Module, head: Optional[torch.nn.Module], layers: range,
+                 first: bool, last: bool):
+        super().__init__()
+        self.kind, self.layer_ids, self.first, self.last = kind, list(layers), first, last
+        self.base, self.head = base, head
+
+    def forward(self, x: Optional[torch.Tensor], ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            out = self.base(input_ids=ids, attention_mask=att, use_cache=False).last_hidden_state
+        else:
+            out = self.base(inputs_embeds=x, attention_mask=att, use_cache=False).last_hidden_state
+        if not self.last:
+            return out
+        if self.kind == "actor":
+            return self.head(out)
+        return self.head(out).squeeze(-1)
+
+    def full_names(self) -> dict[str, str]:
+        """Each parameter's name in the unsplit model (``AutoModelForCausalLM`` for the actor,
+        ``ValueModel`` for the critic)."""
+        prefix = "model." if self.kind == "actor" else "trunk."
+        out = {}
+        for name, _ in self.named_parameters():
+            if name.startswith("base.layers."):
+                index, rest = name[len("base.layers."):].split(".", 1)
+                out[name] = f"{prefix}layers.{self.layer_ids[int(index)]}.{rest}"
+            elif name.startswith("base."):
+                out[name] = prefix + name[len("base."):]
+            else:  # the head
+                out[name] = ("lm_head." if self.kind == "actor" else "value_head.") + name[len("head."):]
+        return out
+
+
+def load_model(model_path: str, kind: str, head_seed: Optional[int] = None) -> torch.nn.Module:
+    """The unsplit model: the actor (causal LM) or the critic (``ValueModel``; ``head_seed``:
+    a small random value head instead of zeros, so its trunk has gradients at once)."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    if kind == "actor":
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    from workers.train.critic import ValueModel
+
+    model = ValueModel(AutoModel.from_pretrained(model_path, dtype=torch.float32)).eval()
+    if head_seed is not None:
+        gen = torch.Generator().manual_seed(head_seed)
+        with torch.no_grad():
+            model.value_head.weight.copy_(torch.randn(model.value_head.weight.shape, generator=gen) * 0.1)
+    return model
+
+
+def build_stage(model_path: str, kind: str, stage: int, stages: int, head_seed: Optional[int] = None) -> Stage:
+    full = load_model(model_path, kind, head_seed)
+    base = full.model if kind == "actor" else full.trunk
+    for needed in ("embed_tokens", "layers", "norm"):
+        if not hasattr(base, needed):
+            raise ValueError(f"{type(base).__name__} has no {needed}: pipeline stages split Llama/Qwen2/Mistral-"
+                             f"style decoders only")
+    layers = split_layers(len(base.layers), stages)[stage]
+    base.layers = torch.nn.ModuleList([base.layers[i] for i in layers])
+    config = copy.deepcopy(base.config)
+    config.num_hidden_layers = len(layers)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in layers]
+        if hasattr(base, "has_sliding_layers"):
+            base.has_sliding_layers = "sliding_attention" in config.layer_types
+    base.config = config
+    first, last = stage == 0, stage == stages - 1
+    if not last:
+        base.norm = torch.nn.Identity()
+    head = (full.lm_head if kind == "actor" else full.value_head) if last else None
+    return Stage(kind, base, head, layers, first, last)
+
+
+# -- one step on the ranks ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Hyper:
+    """What the losses take: the trainer's settings for one optimiser step."""
+    denominator: float  # the step's token count (token-mean loss)
+    clip: float = 0.2
+    behav_weight_cap: float = 5.0
+    value_clip: float = 0.2
+    temperature: float = 1.0
+    head_seed: Optional[int] = None
+
+
+def micro_batches(samples: list, rows: int, pad_id: int = 0) -> list[dict]:
+    """GAE-trained samples (``TrainSample`` with ``token_advantages``, ``values`` and
+    ``returns``: after ``Trainer.critic_targets``) as micro-batches of ``rows`` sequences, each
+    the tensors both models' losses take, in the trainer's layout."""
+    from workers.train.batching import completion_mask, pad_sequences, per_token
+
+    out = []
+    for start in range(0, len(samples), rows):
+        part = samples[start:start + rows]
+        pairs = [(s.prompt_ids, s.token_ids) for s in part]
+        ids, att = pad_sequences(pairs, pad_id)
+        columns = ids.shape[1] - 1
+        out.append({"ids": ids, "att": att, "mask": completion_mask(pairs, columns),
+                    "behav": per_token(pairs, columns, [s.behav_logprobs for s in part]),
+                    "adv": per_token(pairs, columns, [s.token_advantages for s in part]),
+                    "old_values": per_token(pairs, columns, [s.values for s in part]),
+                    "returns": per_token(pairs, columns, [s.returns for s in part])})
+    return out
+
+
+def _loss(kind: str, out: torch.Tensor, mb: dict, hyper: Hyper) -> torch.Tensor:
+    from workers.train import algorithms
+
+    ids, mask = mb["ids"], mb["mask"]
+    if kind == "actor":
+        logits = out[:, :-1].float() / max(hyper.temperature, 1e-5)
+        logp, _ = algorithms.token_logprobs(logits, ids[:, 1:])
+        # one optimiser step per batch: π_prox is the policy being differentiated (as the trainer)
+        return algorithms.ppo_decoupled_loss(logp, logp.detach(), mb["behav"], mb["adv"], mask, hyper.clip,
+                                             hyper.behav_weight_cap, hyper.denominator).loss
+    loss, _ = algorithms.value_loss(out[:, :-1].float(), mb["old_values"], mb["returns"], mask, hyper.value_clip,
+                                    hyper.denominator)
+    return loss
+
+
+def reference_gradients(model_path: str, micro_batches: list[dict], hyper: Hyper) -> dict[str, dict]:
+    """The unsplit models' gradients for the same losses, in one process: what every
+    schedule must reproduce."""
+    out = {}
+    for kind in MODELS:
+        model = load_model(model_path, kind, hyper.head_seed)
+        for mb in micro_batches:
+            if kind == "actor":
+                result = model(input_ids=mb["ids"], attention_mask=mb["att"]).logits
+            else:
+                result = model(mb["ids"], mb["att"])
+            _loss(kind, result, mb, hyper).backward()
+        out[kind] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out
+
+
+def _tag(op: Op, micro: int, grad: bool) -> int:
+    return ((MODELS.index(op.model) * 2 + int(grad)) * micro + op.micro)
+
+
+def _rank_main(rank: int, stages: int, model_path: str, data: str, kind: str, hyper: dict, out_dir: str,
+               threads: int, steps: int, save_grads: bool, conn) -> None:
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+
+    from workers.io.stores import interface_of, master_store
+
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=logging.WARNING)
+    timeout = __import__("datetime").timedelta(seconds=120)
+    if rank == 0:
+        store = master_store("127.0.0.1", 0, stages, timeout)
+        conn.send_bytes(json.dumps(store.port).encode())
+    else:
+        store = dist.TCPStore("127.0.0.1", json.loads(conn.recv_bytes()), stages, is_master=False, timeout=timeout)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface_of("127.0.0.1") or "lo")
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=stages, timeout=timeout)
+    hyper = Hyper(**hyper)
+    flat = load_file(data)
+    micro = len({k.split(".")[0] for k in flat})
+    mbs = [{k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith(f"mb{i}.")} for i in range(micro)]
+    models = {m: build_stage(model_path, m, stage_of(m, rank, stages), stages, hyper.head_seed) for m in MODELS}
+    hidden = models["actor"].base.config.hidden_size
+    ties = dist.new_group([0, stages - 1])  # every rank creates it; the actor's first and last stage use it
+    ops = schedule_for(kind, stages, micro)[rank]
+    walls, computes = [], []
+    for _ in range(steps):
+        for module in models.values():
+            module.zero_grad(set_to_none=True)
+        dist.barrier()  # every rank starts the step together: its wall time is the step's
+        t_start = time.perf_counter()
+        compute = _run_ops(ops, models, mbs, rank, stages, micro, hidden, hyper)
+        if _holds_tied_embedding(models["actor"], rank, stages):  # the LM head's share and the embedding's, summed
+            dist.all_reduce(models["actor"].base.embed_tokens.weight.grad, group=ties)
+        walls.append(time.perf_counter() - t_start)
+        computes.append(compute)
+    if save_grads:
+        grads = {}
+        for m, module in models.items():
+            names = module.full_names()
+            for name, p in module.named_parameters():
+                if p.grad is not None:
+                    grads[f"{m}/{names[name]}"] = p.grad.detach().contiguous()
+        save_file(grads, os.path.join(out_dir, f"grads{rank}.safetensors"))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "compute_s": computes,
+                                                                     "wall_s": walls}))
+    dist.destroy_process_group()
+
+
+def _run_ops(ops: list[Op], models: dict, mbs: list[dict], rank: int, stages: int, micro: int, hidden: int,
+             hyper: Hyper) -> float:
+    """One rank's operations of a step, in order: forwards and backwards, receiving what each
+    waits for (blocking) and sending what the next stage needs (not blocking). Returns the
+    seconds spent computing."""
+    import torch.distributed as dist
+
+    kept: dict[tuple, tuple] = {}
+    sends = []
+    compute = 0.0
+    for op in ops:
+        module, stage = models[op.model], stage_of(op.model, rank, stages)
+        mb = mbs[op.micro]
+        shape = (mb["ids"].shape[0], mb["ids"].shape[1], hidden)
+        if op.kind == "F":
+            x = None
+            if stage > 0:
+                x = torch.empty(shape)
+                dist.recv(x, src=stage_of(op.model, stage - 1, stages), tag=_tag(op, micro, False))
+                x.requires_grad_(True)
+            t0 = time.perf_counter()
+            out = module(x, mb["ids"], mb["att"])
+            result = _loss(op.model, out, mb, hyper) if module.last else out
+            compute += time.perf_counter() - t0
+            if not module.last:
+                sends.append((dist.isend(out.detach().contiguous(), dst=stage_of(op.model, stage + 1, stages),
+                                         tag=_tag(op, micro, False)), out))
+            kept[(op.model, op.micro)] = (x, result)
+        else:
+            x, result = kept.pop((op.model, op.micro))
+            grad = None
+            if not module.last:
+                grad = torch.empty(shape)
+                dist.recv(grad, src=stage_of(op.model, stage + 1, stages), tag=_tag(op, micro, True))
+            t0 = time.perf_counter()
+            if grad is None:
+                result.backward()
+            else:
+                result.backward(grad)
+            compute += time.perf_counter() - t0
+            if x is not None:
+                sends.append((dist.isend(x.grad.contiguous(), dst=stage_of(op.model, stage - 1, stages),
+                                         tag=_tag(op, micro, True)), x.grad))
+    for work, _ in sends:
+        work.wait()
+    return compute
+
+
+def _holds_tied_embedding(actor: Stage, rank: int, stages: int) -> bool:
+    """Whether this rank holds one of the two copies of an actor embedding that is also its LM
+    head: the first stage's (as the embedding) and the last's (as the head)."""
+    tied = bool(getattr(actor.base.config, "tie_word_embeddings", False))
+    return tied and stages > 1 and rank in (0, stages - 1)
+
+
+@dataclass
+class StepReport:
+    schedule: str
+    wall_s: float  # the slowest rank's
+    compute_s: list[float]  # per rank
+    bubble: float  # the ranks' mean idle share of the step (waiting for another rank)
+
+
+def run_step(model_path: str, micro_batches: list[dict], kind: str, stages: int = 2, hyper: Optional[Hyper] = None,
+             out_dir: Optional[str] = None, threads: int = 1, steps: int = 1, timeout_s: float = 300.0) -> StepReport:
+    """A training step of both models (forwards and backwards; ``steps`` of them, the same
+    batch each time, for steadier timings) on ``stages`` rank processes (gloo on loopback)
+    with the ``kind`` schedule; ``out_dir`` receives each rank's gradients of the last step
+    (grads<rank>.safetensors). Reports the median step."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    hyper = hyper or Hyper(denominator=float(sum(mb["mask"].sum() for mb in micro_batches)))
+    save_grads = out_dir is not None
+    with tempfile.TemporaryDirectory() as tmp:
+        out_dir = out_dir or tmp
+        data = os.path.join(tmp, "micro_batches.safetensors")
+        save_file({f"mb{i}.{k}": v.contiguous() for i, mb in enumerate(micro_batches) for k, v in mb.items()}, data)
+        ctx = multiprocessing.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in range(stages)]
+        procs = [ctx.Process(target=_rank_main, args=(r, stages, model_path, data, kind, hyper.__dict__, out_dir,
+                                                      threads, steps, save_grads, pipes[r][1]), daemon=True)
+                 for r in range(stages)]
+        for p in procs:
+            p.start()
+        try:
+            if not pipes[0][0].poll(timeout_s):
+                raise RuntimeError("pipeline rank 0 did not open its store")
+            port = pipes[0][0].recv_bytes()
+            for r in range(1, stages):
+                pipes[r][0].send_bytes(port)
+            deadline = time.monotonic() + timeout_s
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+            if failed:
+                raise RuntimeError(f"pipeline ranks failed (rank, exit code): {failed}")
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(stages)]
+    walls = [max(r["wall_s"][i] for r in ranks) for i in range(steps)]
+    middle = sorted(range(steps), key=lambda i: walls[i])[(steps - 1) // 2]  # the median step
+    wall, compute = walls[middle], [r["compute_s"][middle] for r in ranks]
+    return StepReport(kind, wall, compute, sum(1 - c / wall for c in compute) / stages)
