@@ -314,6 +314,17 @@ class LongTailSpec(_Strict):
                                    "their predicted tokens together (at least 1, and 1 less than the engines)")
     aging: Optional[int] = Field(None, ge=0, description="vLLM priority: a predicted-short group waits behind at "
                                  "most this many groups dispatched after it; default: schedule.batch_prompts")
+    max_num_seqs: Optional[int] = Field(None, ge=1, description="with engines set (a fixed split): the long-tail "
+                                        "engines' own vLLM max_num_seqs, a small batch configured for latency as "
+                                        "StreamRL's; default: rollout.max_num_seqs (their batch is then small because "
+                                        "only the predicted-longest share reaches them)")
+
+    @model_validator(mode="after")
+    def _own_batch_needs_a_fixed_split(self):
+        if self.max_num_seqs is not None and self.engines is None:
+            raise ValueError("schedule.long_tail.max_num_seqs configures the long-tail engines when they start: set "
+                             "long_tail.engines too (without it the split moves between steps)")
+        return self
 
 
 class ScheduleSpec(_Strict):

@@ -148,12 +148,21 @@ class Processes:
         self.node_trainer_pids = {r.node_rank: list(r.trainer_pids) for r in ready}
         logger.info("%d node(s) joined: engines %s", nodes, sorted(self.remote_engines))
 
+    def max_num_seqs(self, index: int) -> int:
+        """An engine's vLLM batch cap: a long-tail engine's own with skew_aware dispatch and a
+        fixed split (its engines are the lowest indices, as Fleet.split chooses them)."""
+        spec = self.spec
+        tail = spec.schedule.long_tail
+        if spec.schedule.dispatch == "skew_aware" and tail.max_num_seqs is not None and index < tail.engines:
+            return tail.max_num_seqs
+        return spec.rollout.max_num_seqs
+
     def engine_config(self, process, checked, host: str = "127.0.0.1") -> EngineServerConfig:
         """An engine server's configuration, with its placement (devices, cores, memory share)."""
         spec, ro = self.spec, self.spec.rollout
         return EngineServerConfig(
             model_path=spec.model.path, index=process.index, update_mode=ro.update_mode,
-            max_model_len=checked.max_model_len, max_num_seqs=ro.max_num_seqs, dtype=spec.model.dtype,
+            max_model_len=checked.max_model_len, max_num_seqs=self.max_num_seqs(process.index), dtype=spec.model.dtype,
             seed=spec.seed + process.index, rpc_timeout_s=ro.rpc_timeout_s, top_p=ro.top_p, top_k=ro.top_k,
             stop=list(ro.stop), stop_token_ids=list(checked.stop_ids), kv_cache_gb=ro.kv_cache_gb,
             gpu_memory_utilization=process.gpu_memory_utilization, host=host, env=self.plan.env(process),
@@ -171,7 +180,7 @@ class Processes:
         sampling = SamplingOptions(ro.top_p, ro.top_k, tuple(ro.stop), tuple(checked.stop_ids))
         return [
             RolloutEngine(spec.model.path, index=i, update_mode=spec.rollout.update_mode, sampling=sampling,
-                          max_model_len=checked.max_model_len, max_num_seqs=spec.rollout.max_num_seqs,
+                          max_model_len=checked.max_model_len, max_num_seqs=self.max_num_seqs(i),
                           dtype=spec.model.dtype, seed=spec.seed + i, rpc_timeout_s=spec.rollout.rpc_timeout_s,
                           gpu_memory_utilization=p.gpu_memory_utilization,
                           cpu_single_process=bool(ro.cpu_single_process), enforce_eager=ro.enforce_eager,

@@ -163,3 +163,19 @@ def test_tail_gathering_moves_a_small_tail_onto_the_engine_running_the_most():
     assert plan_tail_gathering([0, 5], tail=6, capacity=16) is None  # already on one engine
     assert plan_tail_gathering([3, 2], tail=6, capacity=4) is None  # would not fit one engine's batch
     assert plan_tail_gathering([0, 0], tail=6, capacity=16) is None
+
+
+def test_a_fixed_long_tail_split_starts_its_engines_with_their_own_small_batch(tmp_path):
+    from workers.coord.processes import Processes
+    from workers.spec import SpecError, validate_spec
+
+    raw = {"name": "skew", "model": {"path": "builtin:tiny"}, "task": {"dataset": "gen:add"},
+           "rollout": {"engines": 4, "max_num_seqs": 64},
+           "schedule": {"dispatch": "skew_aware", "long_tail": {"engines": 1, "max_num_seqs": 4}}}
+    processes = Processes(validate_spec(raw), tmp_path, None, lambda error: None)
+    assert [processes.max_num_seqs(i) for i in range(4)] == [4, 64, 64, 64]  # engine 0 serves the long tail
+    raw["schedule"]["dispatch"] = "longest_first"
+    assert Processes(validate_spec(raw), tmp_path, None, lambda error: None).max_num_seqs(0) == 64
+    raw["schedule"] = {"dispatch": "skew_aware", "long_tail": {"max_num_seqs": 4}}
+    with pytest.raises(SpecError, match="set long_tail.engines too"):
+        validate_spec(raw)
