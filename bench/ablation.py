@@ -12,6 +12,10 @@ each technique off/on, one after another in one invocation.
   critic): inference after a barrier, per sample as each finishes, with the step's tail
   gathered onto one engine (RLHFuse's inter-stage fusion) or spread (migrate_tail), and
   async. Prints the share of inference done before the last sample finished generating.
+- ``mechanisms`` (the same RLHF runs): the mechanisms added one on top of the other, plain
+  sync, + stream training, + skew-aware dispatch, + tail gathering, then async. Intra-stage
+  fusion is not a row: runs do not train with the fused pipeline yet (bench/fused_pipeline.py
+  measures it alone).
 
 Every configuration runs with ``max_num_seqs: 16`` (fewer sequences than a step's 64
 samples), so requests queue in the engine as on a loaded GPU and dispatch order matters.
@@ -59,6 +63,14 @@ SETS = {"techniques": {
     "+ tail gathered onto one engine": {**RLHF, "rollout": {**TWO["rollout"], "gather_tail": 16}},
     "+ tail spread to the idlest (migrate_tail)": {**RLHF, "rollout": {**TWO["rollout"], "migrate_tail": 16}},
     "async RLHF": {**RLHF, "schedule": {"mode": "async"}},
+}, "mechanisms": {
+    "plain sync (inference after the barrier, fifo)": {**RLHF, "rollout": {**TWO["rollout"], "fused_scoring": False}},
+    "+ stream training (inference per sample)": {**RLHF, "schedule": {"mode": "sync", "stream_train": True}},
+    "+ skew-aware dispatch": {**RLHF, "schedule": {"mode": "sync", "stream_train": True, "dispatch": "skew_aware"}},
+    "+ tail gathering (inter-stage fusion)": {**RLHF, "rollout": {**TWO["rollout"], "gather_tail": 16},
+                                              "schedule": {"mode": "sync", "stream_train": True,
+                                                           "dispatch": "skew_aware"}},
+    "async (skew-aware)": {**RLHF, "schedule": {"mode": "async", "dispatch": "skew_aware"}},
 }}
 
 
