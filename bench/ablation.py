@@ -1,7 +1,7 @@
 """Ablation of the long-tail techniques on the long-tailed chain task: the same spec with
 each technique off/on, one after another in one invocation.
 
-    .venv/bin/python bench/ablation.py [--set techniques|dispatch] [--steps 20] [--rounds 3]
+    .venv/bin/python bench/ablation.py [--set techniques|dispatch|fusion|mechanisms|pipeline] [--steps 20] [--rounds 3]
 
 - ``techniques`` (one engine): stream training (StreamRL's stream generation); fused
   scoring (per-sample rule scoring during generation, a simplified relative of RLHFuse's
@@ -13,9 +13,12 @@ each technique off/on, one after another in one invocation.
   gathered onto one engine (RLHFuse's inter-stage fusion) or spread (migrate_tail), and
   async. Prints the share of inference done before the last sample finished generating.
 - ``mechanisms`` (the same RLHF runs): the mechanisms added one on top of the other, plain
-  sync, + stream training, + skew-aware dispatch, + tail gathering, then async. Intra-stage
-  fusion is not a row: runs do not train with the fused pipeline yet (bench/fused_pipeline.py
-  measures it alone).
+  sync, + stream training, + skew-aware dispatch, + tail gathering, + intra-stage fusion
+  (the trainer as a fused 2-stage actor-critic pipeline; it steps on whole batches, so stream
+  training is off in that row), then async.
+- ``pipeline`` (the same RLHF runs, sync): the trainer as DeepSpeed's (actor and critic one
+  after the other in one process), as two 2-stage pipelines one after the other, and as
+  RLHFuse's fused pipeline. Prints the pipeline's bubble share.
 
 Every configuration runs with ``max_num_seqs: 16`` (fewer sequences than a step's 64
 samples), so requests queue in the engine as on a loaded GPU and dispatch order matters.
@@ -70,12 +73,21 @@ SETS = {"techniques": {
     "+ tail gathering (inter-stage fusion)": {**RLHF, "rollout": {**TWO["rollout"], "gather_tail": 16},
                                               "schedule": {"mode": "sync", "stream_train": True,
                                                            "dispatch": "skew_aware"}},
+    # the pipeline steps on whole batches: stream training off here (it is refused with a pipeline)
+    "+ intra-stage fusion (fused pipeline, no streaming)": {
+        **RLHF, "rollout": {**TWO["rollout"], "gather_tail": 16}, "trainer": {"pipeline": {"stages": 2}},
+        "schedule": {"mode": "sync", "dispatch": "skew_aware"}},
     "async (skew-aware)": {**RLHF, "schedule": {"mode": "async", "dispatch": "skew_aware"}},
+}, "pipeline": {
+    "sync RLHF, DeepSpeed trainer (actor, then critic)": RLHF,
+    "sync RLHF, 2-stage pipelines one after the other": {**RLHF, "trainer": {"pipeline": {
+        "stages": 2, "schedule": "sequential"}}},
+    "sync RLHF, 2-stage fused pipeline (intra-stage fusion)": {**RLHF, "trainer": {"pipeline": {"stages": 2}}},
 }}
 
 
-def overlap(r: dict) -> str:
-    return f"{r['overlap']:.2f}" if r.get("overlap") is not None else "-"
+def shown(r: dict, key: str, form: str = ".2f") -> str:
+    return format(r[key], form) if r.get(key) is not None else "-"
 
 
 def main() -> None:
@@ -95,15 +107,16 @@ def main() -> None:
             f"ablation{names.index(name)}", args.steps, Path(tmp) / tag, configs[name], base=QUEUED))
         results = [{"config": name, **median_run(rs)} for name, rs in runs.items()]
     base = results[0]["samples_per_s"]
-    print(f"\n{'configuration':<34} {'samples/s':>9} {'(min–max)':>15} {'× sync':>7} {'idle gen':>9} "
-          f"{'idle train':>10} {'ranker ρ':>8} {'top-10%':>7} {'tail':>5} {'overlap':>7}")
+    print(f"\n{'configuration':<52} {'samples/s':>9} {'(min–max)':>15} {'× sync':>7} {'idle gen':>9} "
+          f"{'idle train':>10} {'ranker ρ':>8} {'top-10%':>7} {'tail':>5} {'overlap':>7} {'train tok/s':>11} {'bubble':>6}")
     for r in results:
         rho = f"{r['spearman']:.2f}" if r.get("spearman") is not None else "-"
         recall = f"{r['top10_recall']:.2f}" if r.get("top10_recall") is not None else "-"
         spread = f"{r['samples_per_s_min']:.1f}–{r['samples_per_s_max']:.1f}"
-        print(f"{r['config']:<34} {r['samples_per_s']:>9.2f} {spread:>15} {r['samples_per_s'] / base:>7.2f} "
+        print(f"{r['config']:<52} {r['samples_per_s']:>9.2f} {spread:>15} {r['samples_per_s'] / base:>7.2f} "
               f"{r['idle_generation']:>9.2f} {r['idle_training']:>10.2f} {rho:>8} {recall:>7} "
-              f"{r['long_tail_share']:>5.2f} {overlap(r):>7}")
+              f"{r['long_tail_share']:>5.2f} {shown(r, 'overlap'):>7} {shown(r, 'trainer_tokens_per_s', '.0f'):>11} "
+              f"{shown(r, 'bubble'):>6}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -24,8 +24,9 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 
 from workers.models.tinymodel import ensure_tiny_model  # noqa: E402
-from workers.train.pipeline import (Hyper, fused_schedule, micro_batches, run_step,  # noqa: E402
+from workers.train.pipeline import (Hyper, fused_schedule, micro_batches,  # noqa: E402
                                     sequential_schedule, simulate)
+from workers.train.pipeline_group import run_step  # noqa: E402
 from workers.train.trainer import TrainSample  # noqa: E402
 
 

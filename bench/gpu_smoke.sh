@@ -41,9 +41,13 @@ echo "gpu_smoke: logs and run folders under $OUT"
 ROWS=()  # "check|what|status|seconds|peak MiB"
 FAILED=0
 
-peak_sampler() {  # writes the most memory used on any one GPU, each second, to $1
+sample_memory() {  # appends the most memory used on any one GPU now to $1
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | sort -n | tail -1 >>"$1"
+}
+
+peak_sampler() {  # samples each second into $1
     while :; do
-        nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | sort -n | tail -1 >>"$1"
+        sample_memory "$1"
         sleep 1
     done
 }
@@ -60,6 +64,7 @@ check() {
     local log="$OUT/$name.log" mem="$OUT/$name.mem" start end rc peak
     : >"$mem"
     echo "gpu_smoke: [$name] $what ..."
+    sample_memory "$mem"  # one sample at least, however short the check (the sampler may not get to one)
     peak_sampler "$mem" &
     local sampler=$!
     start=$(date +%s.%N)
@@ -79,6 +84,18 @@ check() {
         echo "gpu_smoke: [$name] FAILED (exit $rc); the end of $log:" >&2
         tail -20 "$log" >&2
     fi
+}
+
+# check_engine: a check whose runs start vLLM engines; without vLLM (a GPU box with PyTorch and
+# DeepSpeed only) its row says so, and the trainer checks still run.
+HAVE_VLLM=1
+"$PY" -c 'import vllm' >/dev/null 2>&1 || HAVE_VLLM=0
+check_engine() {
+    if [ "$HAVE_VLLM" = 0 ] && [ "$GPUS" -ge "$2" ]; then
+        ROWS+=("$1|$3|needs vLLM (not importable with $PY)|-|-")
+        return
+    fi
+    check "$@"
 }
 
 # run SPEC: `python -m workers run` on a rendered copy of bench/gpu_specs/SPEC.yaml (${VARS}
@@ -111,25 +128,7 @@ EOF
 build_05b() {  # the 0.5B-class model and a chat dataset for it, built locally (no download)
     "$PY" -m workers build-model qwen2 --out "$OUT/zoo-qwen2" --steps 1 --dataset "$OUT/zoo-qwen2.jsonl" --rows 2000 \
         || return $?
-    "$PY" - "$OUT/zoo-qwen2" "$OUT/qwen2-05b" <<'EOF'
-import shutil, sys
-from pathlib import Path
-import torch, transformers
-src, dst = Path(sys.argv[1]), Path(sys.argv[2])
-small = transformers.AutoConfig.from_pretrained(src)
-cfg = transformers.Qwen2Config(
-    vocab_size=small.vocab_size, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-    num_attention_heads=14, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-    tie_word_embeddings=True, bos_token_id=small.bos_token_id, eos_token_id=small.eos_token_id,
-    pad_token_id=small.pad_token_id)
-torch.manual_seed(0)
-model = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-print(f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
-model.save_pretrained(dst, safe_serialization=True)
-for f in src.iterdir():  # the tokenizer and generation files
-    if f.is_file() and not f.name.startswith(("model", "config", "fluxrl_zoo")):
-        shutil.copy(f, dst / f.name)
-EOF
+    "$PY" bench/gpu_trainer.py --write-05b "$OUT/qwen2-05b" --like "$OUT/zoo-qwen2"
 }
 
 # -- the checks ------------------------------------------------------------------------
@@ -137,22 +136,27 @@ check trainer-bf16 1 "bench/gpu_trainer.py: DeepSpeed ranks (1/GPU), ZeRO 0-3 bf
     "$PY" bench/gpu_trainer.py --stages 0 1 2 3 --dtype bfloat16 --steps 3
 check trainer-fp16 1 "bench/gpu_trainer.py: fp16, ZeRO 0 (autocast + GradScaler) and 2 (dynamic loss scaling)" \
     "$PY" bench/gpu_trainer.py --stages 0 2 --dtype float16 --steps 3
-check disaggregated 2 "workers run gpu_specs/disaggregated.yaml: trainer GPU 0, engine GPU 1, async, CUDA graphs" \
+check kl-start 1 "bench/gpu_kl_start.py: the policy's forward with gradients and the frozen KL reference's without give identical log-probs (the KL starts at 0)" \
+    "$PY" bench/gpu_kl_start.py
+check_engine disaggregated 2 "workers run gpu_specs/disaggregated.yaml: trainer GPU 0, engine GPU 1, async, CUDA graphs" \
     run_spec disaggregated
-check colocated 1 "workers run gpu_specs/colocated.yaml: engine and trainer on one GPU, sync, the engine asleep (vLLM sleep level 1) through every trainer step" \
+check_engine colocated 1 "workers run gpu_specs/colocated.yaml: engine and trainer on one GPU, sync, the engine asleep (vLLM sleep level 1) through every trainer step" \
     run_spec colocated
-check tp2 3 "workers run gpu_specs/tp2.yaml: one engine over 2 GPUs (tensor_parallel 2, vLLM's mp executor)" \
+check_engine tp2 3 "workers run gpu_specs/tp2.yaml: one engine over 2 GPUs (tensor_parallel 2, vLLM's mp executor)" \
     run_spec tp2
-check collective 2 "workers run gpu_specs/collective.yaml: weights over NCCL to an engine server process" \
+check_engine collective 2 "workers run gpu_specs/collective.yaml: weights over NCCL to an engine server process" \
     run_spec collective
-check zero3 3 "workers run gpu_specs/zero3.yaml: 2 trainer ranks ZeRO-3 + KL, engine on a third GPU" \
+check_engine zero3 3 "workers run gpu_specs/zero3.yaml: 2 trainer ranks ZeRO-3 + KL, engine on a third GPU" \
     run_spec zero3
-check build-05b 1 "build a 0.5B-class Qwen2 locally (build-model qwen2 + Qwen2.5-0.5B's body)" build_05b
+check build-05b 1 "build a 0.5B-class Qwen2 locally (build-model qwen2 + Qwen2.5-0.5B's body: 0.36 B parameters with its 2048-token vocabulary)" build_05b
 if [ -d "$OUT/qwen2-05b" ]; then
     export SMOKE_MODEL_05B="$OUT/qwen2-05b" SMOKE_DATASET="$OUT/zoo-qwen2.jsonl"
-    check model-05b 2 "workers run gpu_specs/model_05b.yaml: the 0.5B-class model, ZeRO-2 bf16, engine GPU 1" \
+    check trainer-05b 1 "bench/gpu_trainer.py on the 0.5B-class model: ZeRO 0, 2 and 3 bf16, the planner's memory against the peak" \
+        "$PY" bench/gpu_trainer.py --model "$OUT/qwen2-05b" --stages 0 2 3 --dtype bfloat16 --steps 2
+    check_engine model-05b 2 "workers run gpu_specs/model_05b.yaml: the 0.5B-class model, ZeRO-2 bf16, engine GPU 1" \
         run_spec model_05b
 else
+    ROWS+=("trainer-05b|bench/gpu_trainer.py on the 0.5B-class model|not run: build-05b failed|-|-")
     ROWS+=("model-05b|workers run gpu_specs/model_05b.yaml|not run: build-05b failed|-|-")
 fi
 

@@ -108,6 +108,9 @@ def run(mode: str, steps: int, workdir: Path, overrides: dict | None = None, bas
         top10_recall=series("ranker/top10_recall")[-1] if series("ranker/top10_recall") else None,
         long_tail_share=statistics.median(series("generation/long_tail_share")),
         overlap=statistics.median(series("inference/overlap")) if series("inference/overlap") else None,
+        trainer_tokens_per_s=statistics.median(series("trainer/tokens_per_s")) if series("trainer/tokens_per_s")
+        else None,
+        bubble=statistics.median(series("pipeline/bubble")) if series("pipeline/bubble") else None,
     )
     return result
 

@@ -6,13 +6,20 @@ divided by their std (``scale_rewards: none``, FluxRL's ``adv_std_norm: false``)
 optimiser step per generated batch. Measured like the plain loop: the training clock
 leaves the periodic held-out evaluations out.
 
+With a chat model folder and a chat dataset (``bench/vs_plain.py --model qwen2``), TRL
+gets the rows' ``messages`` as conversational prompts (its own chat-template rendering),
+stops on the folder's end-of-turn ids, and is evaluated by HF greedy decoding of the
+chat-rendered held-out prompts (``modelzoo.greedy_accuracy``, the warm start's measure).
+
 A bench-only dependency, pinned: ``.venv/bin/pip install trl==1.16.0`` (it pulls
 accelerate and datasets, not another torch).
 """
 from __future__ import annotations
 
+import json
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,8 +42,8 @@ def trl_run(spec: dict, threads: int) -> dict:
         raise SystemExit(f"the trl system is pinned to TRL {TRL_VERSION}; this environment has {trl.__version__}")
     t_wall = time.time()
     torch.set_num_threads(threads)
-    assert spec["model"]["path"] == "builtin:tiny", spec["model"]["path"]
-    path = tinymodel.ensure_tiny_model()
+    tiny = spec["model"]["path"] == "builtin:tiny"
+    path = tinymodel.ensure_tiny_model() if tiny else Path(spec["model"]["path"])
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path)
     task, algo, rollout, schedule = spec["task"], spec["algorithm"], spec["rollout"], spec["schedule"]
@@ -44,10 +51,19 @@ def trl_run(spec: dict, threads: int) -> dict:
     held = held[:spec["eval"]["prompts"]]
     reward = rewards.BUILTIN_REWARDS[spec["reward"]["function"]]
     max_new, group, prompts = rollout["max_tokens"], algo["group_size"], schedule["batch_prompts"]
-    evaluate = lambda: greedy_accuracy(model, held, max_new)  # noqa: E731
+    if tiny:
+        evaluate = lambda: greedy_accuracy(model, held, max_new)  # noqa: E731
+    else:  # a zoo folder: its manifest names the architecture (its stop ids)
+        from workers.models import modelzoo
+
+        arch = json.loads((path / modelzoo.MANIFEST).read_text())["arch"]
+        evaluate = lambda: modelzoo.greedy_accuracy(model, tokenizer, held, arch, max_new)  # noqa: E731
+
+    def text(turns) -> str:  # a conversational prompt or completion is a message list: its last turn
+        return turns if isinstance(turns, str) else turns[-1]["content"]
 
     def score(prompts, completions, answer, **_):
-        return [reward(p, c, a) for p, c, a in zip(prompts, completions, answer)]
+        return [reward(text(p), text(c), a) for p, c, a in zip(prompts, completions, answer)]
 
     budget_s, every = 60 * spec["stop"]["max_minutes"], spec["eval"]["every_steps"]
     clock = {"start": None, "eval_s": 0.0, "steps": 0}
@@ -80,8 +96,10 @@ def trl_run(spec: dict, threads: int) -> dict:
             adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, max_grad_norm=1.0,
             per_device_train_batch_size=prompts * group, num_generations=group, steps_per_generation=1,
             max_completion_length=max_new, temperature=rollout["temperature"], top_p=1.0, top_k=0,
-            beta=0.0, num_iterations=1, loss_type="dapo", scale_rewards="none")
-        dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in train])
+            beta=0.0, num_iterations=1, loss_type="dapo",
+            scale_rewards="group" if algo.get("adv_std_norm") else "none")
+        dataset = Dataset.from_list([{"prompt": r["prompt"] if tiny else r["messages"], "answer": r["answer"]}
+                                     for r in train])
         trainer = GRPOTrainer(model=model, reward_funcs=score, args=config, train_dataset=dataset,
                               processing_class=tokenizer, callbacks=[Budget()])
         trainer.train()

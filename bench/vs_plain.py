@@ -3,6 +3,7 @@ budget, interleaved over rounds in one invocation (this machine is shared and no
 compare ratios, not absolutes).
 
     .venv/bin/python bench/vs_plain.py [--rounds 3] [--minutes 4] [--quick]
+    .venv/bin/python bench/vs_plain.py --model qwen2 [--rounds 2]   # a chat model of another architecture
 
 Takes about rounds × (3 × minutes + 2.5) minutes: an engine run spends about a minute
 outside its training loop (vLLM and DeepSpeed start-up, evaluations before and after).
@@ -21,14 +22,24 @@ Other engine systems (``--systems plain,...``): ``async_proc``/``sync_proc`` (th
 a process of its own), ``sync_single`` (vLLM's model in its engine core), ``async_server``
 (the engine in a server process of its own, as on GPUs, vLLM's engine core beside it) and
 ``async_server_single`` (the same server with vLLM inside it: no engine core process, no
-worker process, nothing spin-waiting, and no interpreter lock shared with the trainer).
+worker process, nothing spin-waiting, and no interpreter lock shared with the trainer),
+``async_one_step`` (async with TRL's optimiser work per batch: one step, ``algorithm.minibatches
+1``, where the example's decoupled PPO takes two minibatch steps and a proximal forward) and
+``async_one_step_eta4`` (the same with ``schedule.max_staleness: 4``).
+
+``--model qwen2|llama|gpt2`` runs TRL and the engine on a chat model of that architecture
+(workers/models/modelzoo.py's shipped warm start: its own tokenizer and chat template) on a
+chat JSONL dataset of sums with a 2-digit operand, with the zoo runs' settings (lr 1e-4,
+advantages divided by the group's std, 16 new tokens, 200 held-out prompts). The plain loop
+knows only the tiny model's character tokenizer, so there TRL comes first and sets the
+target: the engine's time to TRL's final accuracy.
 
 Each gets ``--minutes`` of training loop (as ``stop.max_minutes`` counts it: periodic
 evaluations included). Clocks below leave the periodic evaluations out, so that the
 plain loop's HF evaluation and the engine's vLLM one cost nothing either way. Reported
 per system: trained samples/s, held-out greedy accuracy before → after, and the training
-time to reach a target accuracy (default: the plain loop's accuracy after its budget, in
-the same round), with ratios to the plain loop.
+time to reach a target accuracy (default: the first system's accuracy after its budget, in
+the same round: the plain loop's, or TRL's on a zoo model), with ratios to the first system.
 """
 from __future__ import annotations
 
@@ -72,7 +83,14 @@ ENGINE_SYSTEMS = {"sync": {"schedule": {"mode": "sync"}}, "async": {},
                   "async_server": {"resources": {"engine_processes": True}},
                   "async_server_single": {"resources": {"engine_processes": True},
                                           "rollout": {"cpu_single_process": True}}}
+# TRL's optimiser work per batch: one step (the example's decoupled PPO takes two minibatch steps
+# and a proximal forward per batch)
+ENGINE_SYSTEMS["async_one_step"] = {"algorithm": {"minibatches": 1}}
+# the same with twice the staleness bound: at 2 the staleness sat at its cap (generation waiting
+# for the trainer) while the trainer still waited for batches a quarter of the time
+ENGINE_SYSTEMS["async_one_step_eta4"] = {"algorithm": {"minibatches": 1}, "schedule": {"max_staleness": 4}}
 SYSTEMS = ["plain", "trl", "sync", "async"]
+ZOO_SYSTEMS = ["trl", "async"]  # the plain loop tokenizes with the tiny model's characters only
 OTHER_LOOPS = ("trl",)  # systems that are neither the plain loop nor the engine
 NO_STEP_LIMIT = 10 ** 9  # the time budget stops every run
 
@@ -164,20 +182,23 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def print_table(summary: dict[str, dict], targets: list[float], args) -> None:
-    plain = summary["plain"]
+    first_name = next(iter(summary))  # the target setter: plain, or TRL on a zoo model
+    first = summary[first_name]
+    setter = "the plain loop" if first_name == "plain" else first_name
     print()
     print(f"target: held-out greedy accuracy {', '.join(f'{t:.3f}' for t in targets)} (per round; "
-          f"{'--target' if args.target is not None else 'the plain loop after its budget'}); "
+          f"{'--target' if args.target is not None else setter + ' after its budget'}); "
           f"{args.minutes:g} min of training loop per system and round, {args.rounds} round(s)")
-    if any(t <= plain["accuracy_before"] for t in targets):
+    print(f"model: {args.model}")
+    if any(t <= first["accuracy_before"] for t in targets):
         print("a target is not above the starting accuracy: every system reaches it at 0 s")
-    print(f"{'system':<10} {'samples/s':>9} {'(min–max)':>13} {'× plain':>7} {'acc before→after':>17} "
-          f"{'to target s':>11} {'reached':>7} {'× plain':>7} {'train s':>7} {'eval s':>6} {'outside s':>9}")
+    print(f"{'system':<10} {'samples/s':>9} {'(min–max)':>13} {'× ' + first_name:>7} {'acc before→after':>17} "
+          f"{'to target s':>11} {'reached':>7} {'× ' + first_name:>7} {'train s':>7} {'eval s':>6} {'outside s':>9}")
     for name, s in summary.items():
         ttt = f"{s['time_to_target_s']:.1f}" if s["time_to_target_s"] is not None else "never"
         spread = f"({s['samples_per_s_min']:.0f}–{s['samples_per_s_max']:.0f})"
-        speed_ratio = ratio(s["samples_per_s"], plain["samples_per_s"])
-        ttt_ratio = ratio(s["time_to_target_s"], plain["time_to_target_s"])
+        speed_ratio = ratio(s["samples_per_s"], first["samples_per_s"])
+        ttt_ratio = ratio(s["time_to_target_s"], first["time_to_target_s"])
         print(f"{name:<10} {s['samples_per_s']:>9.1f} {spread:>13} {speed_ratio:>7} "
               f"{s['accuracy_before']:>8.3f}→{s['accuracy_after']:.3f} {ttt:>11} "
               f"{s['reached_target']:>3}/{s['rounds']:<3} {ttt_ratio:>7} "
@@ -186,60 +207,84 @@ def print_table(summary: dict[str, dict], targets: list[float], args) -> None:
           "load, vLLM/DeepSpeed start, the evaluations before and after, saving (median-throughput run)")
 
 
+def zoo_spec(spec: dict, arch: str, folder: Path, eval_prompts: int) -> dict:
+    """The example's spec on the zoo model ``arch`` with a chat dataset written to ``folder``,
+    at the settings the zoo's engine runs use (tests/workers/models/test_model_zoo_engine.py)."""
+    from workers.models.modelzoo import ensure_zoo_model, write_chat_dataset
+
+    data = write_chat_dataset(folder / f"chat-{arch}.jsonl", 4200, two_digit=True)
+    return merged(spec, {"model": {"path": str(ensure_zoo_model(arch, progress=True))},
+                         "task": {"dataset": str(data), "size": 4000, "eval_size": 200},
+                         "algorithm": {"lr": 1e-4, "warmup_steps": 2, "adv_std_norm": True},
+                         "rollout": {"max_tokens": 16}, "eval": {"prompts": min(eval_prompts, 200)}})
+
+
 def main() -> None:
+    from workers.models.modelzoo import ARCHS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; medians are reported")
     p.add_argument("--minutes", type=float, default=4.0, help="training loop budget per system and round")
     p.add_argument("--eval-every", type=int, default=20, help="steps between held-out evaluations")
-    p.add_argument("--eval-prompts", type=int, default=400, help="held-out prompts evaluated")
+    p.add_argument("--eval-prompts", type=int, default=400, help="held-out prompts evaluated (200 at most on a zoo model)")
     p.add_argument("--target", type=float, default=None,
-                   help="held-out accuracy to reach (default: the plain loop's after its budget, per round)")
+                   help="held-out accuracy to reach (default: the first system's after its budget, per round)")
     # Two OpenMP threads on this shared 2-core machine ran the plain loop 10x slower whenever
     # another process held a core (they spin waiting for each other); the engine runs one
     # thread per process.
     p.add_argument("--plain-threads", type=int, default=1, help="torch threads of the plain loop and of TRL's")
     p.add_argument("--quick", action="store_true", help="smoke check: 1 round of 15 s, 100 held-out prompts")
-    p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"comma-separated, plain first (it sets the target): plain, trl, {', '.join(ENGINE_SYSTEMS)}")
-    p.add_argument("--json", default=str(BENCH / "results" / "vs_plain.json"))
+    p.add_argument("--model", default="tiny", choices=("tiny", *ARCHS),
+                   help="the tiny model (default) or a zoo chat model of another architecture")
+    p.add_argument("--systems", default=None,
+                   help=f"comma-separated, the target setter first: plain (tiny only), trl, {', '.join(ENGINE_SYSTEMS)} "
+                        f"(default: {','.join(SYSTEMS)}; on a zoo model {','.join(ZOO_SYSTEMS)})")
+    p.add_argument("--json", default=None, help="default: bench/results/vs_plain.json (vs_plain-MODEL.json on a zoo model)")
     args = p.parse_args()
-    systems = args.systems.split(",")
-    if systems[0] != "plain" or not set(systems[1:]) <= set(ENGINE_SYSTEMS) | set(OTHER_LOOPS):
-        p.error(f"--systems: plain first, then any of trl, {', '.join(ENGINE_SYSTEMS)}")
+    tiny = args.model == "tiny"
+    systems = (args.systems or ",".join(SYSTEMS if tiny else ZOO_SYSTEMS)).split(",")
+    known = set(ENGINE_SYSTEMS) | set(OTHER_LOOPS) | ({"plain"} if tiny else set())
+    if not set(systems) <= known or (tiny and systems[0] != "plain"):
+        p.error(f"--systems: {'plain first, then ' if tiny else ''}any of {', '.join(sorted(known))}")
     if args.quick:
         args.rounds, args.minutes, args.eval_every, args.eval_prompts = 1, 0.25, 10, 100
-    spec = merged(yaml.safe_load(EXAMPLE.read_text()), {
-        "stop": {"max_minutes": args.minutes},
-        "eval": {"every_steps": args.eval_every, "prompts": args.eval_prompts},
-    })
+    json_path = Path(args.json or BENCH / "results" / ("vs_plain.json" if tiny else f"vs_plain-{args.model}.json"))
     targets: list[float] = []
-    bar = tqdm(total=args.rounds * len(systems), desc="runs", unit="run", file=sys.stdout, dynamic_ncols=True)
 
-    def one(system: str, tag: str) -> dict:
-        if system == "plain":
-            r = plain_run(spec, args.plain_threads)
-            targets.append(args.target if args.target is not None else r["accuracy_after"])
-        elif system == "trl":
-            from trl_grpo import trl_run
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = merged(yaml.safe_load(EXAMPLE.read_text()), {
+            "stop": {"max_minutes": args.minutes},
+            "eval": {"every_steps": args.eval_every, "prompts": args.eval_prompts},
+        })
+        if not tiny:
+            spec = zoo_spec(spec, args.model, Path(tmp), args.eval_prompts)
+        bar = tqdm(total=args.rounds * len(systems), desc="runs", unit="run", file=sys.stdout, dynamic_ncols=True)
 
-            r = trl_run(spec, args.plain_threads)
-        else:
-            r = engine_run(system, spec, Path(tmp) / tag)
-        r.update(train_s=r["seconds"] - r["eval_s"], outside_s=r["wall_s"] - r["seconds"], target=targets[-1])
-        r.update(samples_per_s=r["trained_samples"] / r["train_s"], time_to_target_s=time_to(r["curve"], targets[-1]))
-        bar.update(1)
-        return r
+        def one(system: str, tag: str) -> dict:
+            if system == "plain":
+                r = plain_run(spec, args.plain_threads)
+            elif system == "trl":
+                from trl_grpo import trl_run
 
-    # interleaved() prints a line per run: through tqdm.write, so the bar stays below them
-    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(DummyTqdmFile(sys.stdout)):
-        runs = interleaved(systems, args.rounds, one)  # plain first in each round: it sets the target
-    bar.close()
+                r = trl_run(spec, args.plain_threads)
+            else:
+                r = engine_run(system, spec, Path(tmp) / tag)
+            if system == systems[0]:  # each round's first system sets the round's target
+                targets.append(args.target if args.target is not None else r["accuracy_after"])
+            r.update(train_s=r["seconds"] - r["eval_s"], outside_s=r["wall_s"] - r["seconds"], target=targets[-1])
+            r.update(samples_per_s=r["trained_samples"] / r["train_s"], time_to_target_s=time_to(r["curve"], targets[-1]))
+            bar.update(1)
+            return r
+
+        # interleaved() prints a line per run: through tqdm.write, so the bar stays below them
+        with contextlib.redirect_stdout(DummyTqdmFile(sys.stdout)):
+            runs = interleaved(systems, args.rounds, one)  # the target setter first in each round
+        bar.close()
     summary = {name: summarize(rs) for name, rs in runs.items()}
     print_table(summary, targets, args)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"spec": spec, "args": vars(args), "targets": targets, "summary": summary,
-                               "runs": runs}, indent=2))
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"spec": spec, "args": vars(args), "targets": targets, "summary": summary,
+                                     "runs": runs}, indent=2))
 
 
 if __name__ == "__main__":

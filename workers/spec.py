@@ -341,10 +341,22 @@ class ScheduleSpec(_Strict):
     stream_train: bool = False
 
 
+class PipelineSpec(_Strict):
+    """RLHFuse's intra-stage fusion as the trainer of a GAE run (workers/train/pipeline_trainer.py)."""
+    stages: int = Field(1, ge=1, le=16, description="pipeline stages the actor and the critic are split into by "
+                        "layers, one rank process each, the critic's stages in the opposite direction; 1 = no "
+                        "pipeline (DeepSpeed's trainer)")
+    schedule: Literal["fused", "sequential"] = Field(
+        "fused", description="fused: both models' micro-batches in one schedule, each filling the other's "
+        "bubbles; sequential: the actor's 1F1B pipeline, then the critic's")
+    micro_batches: int = Field(8, ge=1, le=512, description="micro-batches per step (by length)")
+
+
 class TrainerSpec(_Strict):
     zero_stage: Literal[0, 1, 2, 3] = 0
     micro_batch_tokens: int = Field(4096, ge=16)
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
+    pipeline: PipelineSpec = PipelineSpec()
 
 
 class CriticSpec(_Strict):
@@ -451,7 +463,7 @@ class RunSpec(_Strict):
     @model_validator(mode="after")
     def _stream_needs_exact_scaling(self):
         if self.algorithm.minibatches is None:  # the default depends on the loss and the schedule
-            one = self.algorithm.loss != "ppo" or self.schedule.stream_train
+            one = self.algorithm.loss != "ppo" or self.schedule.stream_train or self.trainer.pipeline.stages > 1
             self.algorithm.minibatches = 1 if one else DEFAULT_PPO_MINIBATCHES
         if self.rollout.gather_tail and self.rollout.migrate_tail:
             raise ValueError("rollout.gather_tail and rollout.migrate_tail pull a step's tail opposite ways (onto "
@@ -467,6 +479,31 @@ class RunSpec(_Strict):
         if self.schedule.stream_train and (self.algorithm.minibatches > 1 or self.algorithm.ppo_epochs > 1):
             raise ValueError("schedule.stream_train trains each batch in one optimiser step: "
                              "algorithm.minibatches and ppo_epochs must be 1")
+        return self
+
+    @model_validator(mode="after")
+    def _a_pipeline_trains_actor_and_critic(self):
+        """What the pipeline trainer does not do (workers/train/pipeline_trainer.py): refused by name."""
+        if self.trainer.pipeline.stages == 1:
+            return self
+        refusals = [
+            (self.algorithm.advantage != "gae", "algorithm.advantage 'gae' (it fuses the actor's and the critic's "
+             "training; without a critic use the DeepSpeed trainer)"),
+            (self.trainer.zero_stage != 0 or self.critic.zero_stage != 0, "trainer.zero_stage and "
+             "critic.zero_stage 0 (its stages are not DeepSpeed engines)"),
+            (self.model.dtype != "float32", "model.dtype float32 (its stages train in fp32)"),
+            (self.algorithm.minibatches > 1 or self.algorithm.ppo_epochs > 1, "algorithm.minibatches and "
+             "ppo_epochs 1 (one optimiser step per batch)"),
+            (self.schedule.stream_train, "schedule.stream_train off"),
+            (self.algorithm.kl_coef > 0 and self.algorithm.kl_reference != "stage", "algorithm.kl_reference "
+             "'stage' with kl_coef > 0 (the reference is not split into stages; the inference stage brings "
+             "its log-probs)"),
+            (self.resources.trainer_ranks > 1 or self.resources.nodes > 1, "resources.trainer_ranks 1 and "
+             "nodes 1 (its ranks are the stages)"),
+        ]
+        wrong = [need for bad, need in refusals if bad]
+        if wrong:
+            raise ValueError("trainer.pipeline.stages > 1 needs " + "; ".join(wrong))
         return self
 
     @model_validator(mode="after")

@@ -24,6 +24,21 @@ def _stub(folder: Path, name: str, body: str) -> Path:
     return path
 
 
+def _run_with(tmp_path: Path, nvidia_smi: str, python: str) -> subprocess.CompletedProcess:
+    """The script with stand-ins for nvidia-smi (on PATH) and Python (PYTHON): shell bodies."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    _stub(bin_, "nvidia-smi", nvidia_smi)
+    return _run({"PATH": f"{bin_}:{os.environ['PATH']}", "PYTHON": str(_stub(tmp_path, "python", python))},
+                tmp_path / "out")
+
+
+def _rows(stdout: str) -> dict[str, list[str]]:
+    """The final table: check name -> its cells."""
+    return {line.split("|")[0].strip(): [c.strip() for c in line.split("|")]
+            for line in stdout.splitlines() if line.count("|") >= 4}
+
+
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has nvidia-smi")
 def test_without_a_gpu_it_fails_at_once_with_a_clear_message(tmp_path):
     result = _run({"PATH": os.environ["PATH"]}, tmp_path / "out")
@@ -34,34 +49,25 @@ def test_without_a_gpu_it_fails_at_once_with_a_clear_message(tmp_path):
 
 
 def test_nvidia_smi_without_a_gpu_torch_sees_fails_too(tmp_path):
-    bin_ = tmp_path / "bin"
-    bin_.mkdir()
-    _stub(bin_, "nvidia-smi", 'echo "GPU 0: NVIDIA H100 (UUID: GPU-x)"\n')
-    python = _stub(tmp_path, "python", "echo 0\n")  # torch.cuda.device_count() = 0 (a CPU-only torch)
-    result = _run({"PATH": f"{bin_}:{os.environ['PATH']}", "PYTHON": str(python)}, tmp_path / "out")
+    # torch.cuda.device_count() = 0 (a CPU-only torch)
+    result = _run_with(tmp_path, 'echo "GPU 0: NVIDIA H100 (UUID: GPU-x)"\n', "echo 0\n")
     assert result.returncode == 2
     assert NO_GPU in result.stderr and "nvidia-smi -L lists 1 GPU(s)" in result.stderr
 
 
 def test_the_table_lists_every_check_including_those_needing_more_gpus(tmp_path):
-    bin_ = tmp_path / "bin"
-    bin_.mkdir()
-    _stub(bin_, "nvidia-smi", """case "$*" in
+    result = _run_with(tmp_path, """case "$*" in
   -L) echo "GPU 0: H100"; echo "GPU 1: H100" ;;
   *name,memory.total*) echo "H100, 81559 MiB"; echo "H100, 81559 MiB" ;;
   *memory.used*) echo 1000; echo 2345 ;;
 esac
-""")
-    # device_count 2; everything passes
-    python = _stub(tmp_path, "python", """case "$*" in
+""", """case "$*" in
   *device_count*) echo 2 ;;
   *) exit 0 ;;
 esac
-""")
-    result = _run({"PATH": f"{bin_}:{os.environ['PATH']}", "PYTHON": str(python)}, tmp_path / "out")
+""")  # two GPUs; every command passes
     assert result.returncode == 0, result.stderr
-    rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")]
-            for line in result.stdout.splitlines() if line.count("|") >= 4}
+    rows = _rows(result.stdout)
     for name in ("trainer-bf16", "trainer-fp16", "disaggregated", "colocated", "collective", "build-05b"):
         assert rows[name][1] == "ok", rows[name]
         assert float(rows[name][2]) >= 0 and rows[name][3] == "2345"  # the most on any one GPU
@@ -72,16 +78,28 @@ esac
 
 
 def test_a_failing_check_fails_the_script(tmp_path):
-    bin_ = tmp_path / "bin"
-    bin_.mkdir()
-    _stub(bin_, "nvidia-smi", 'case "$*" in -L) echo "GPU 0: H100" ;; *) echo 10 ;; esac\n')
-    python = _stub(tmp_path, "python", """case "$*" in
+    result = _run_with(tmp_path, 'case "$*" in -L) echo "GPU 0: H100" ;; *) echo 10 ;; esac\n', """case "$*" in
   *device_count*) echo 1 ;;
   *gpu_trainer.py*float16*) echo "loss nan" >&2; exit 1 ;;
   *) exit 0 ;;
 esac
 """)
-    result = _run({"PATH": f"{bin_}:{os.environ['PATH']}", "PYTHON": str(python)}, tmp_path / "out")
     assert result.returncode == 1
     assert "[trainer-fp16] FAILED (exit 1)" in result.stderr and "loss nan" in result.stderr
     assert "trainer-fp16   | FAILED" in result.stdout
+
+
+def test_without_vllm_the_engine_checks_say_so_and_the_trainer_checks_run(tmp_path):
+    result = _run_with(tmp_path, 'case "$*" in -L) echo "GPU 0: H200" ;; *name*) echo "H200, 143771 MiB" ;; '
+                                 '*) echo 10 ;; esac\n', """case "$*" in
+  *device_count*) echo 1 ;;
+  *"import vllm"*) exit 1 ;;
+  *) exit 0 ;;
+esac
+""")
+    assert result.returncode == 0, result.stderr
+    rows = _rows(result.stdout)
+    assert rows["trainer-bf16"][1] == rows["trainer-fp16"][1] == "ok"
+    assert rows["colocated"][1] == "not run" and "needs vLLM (not importable" in result.stdout
+    assert rows["disaggregated"][1] == "not run"  # 2 GPUs first: that row names the GPUs it needs
+    assert "needs 2 GPUs (1 visible)" in result.stdout

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 from urllib.request import urlopen
+
+from workers.io import ports
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
@@ -31,9 +32,8 @@ def launch_profile(playwright, profile_dir, **options):
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """Outside the ephemeral range: the server binds it later (workers/io/ports.py)."""
+    return ports.free_port("127.0.0.1")
 
 
 def with_database(url: str, name: str) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ import pytest
 import requests
 from django.conf import settings
 from django.db import connection
+
+from workers.io import ports
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,9 +32,8 @@ needs_postgres_and_redis = pytest.mark.skipif(
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a server this test starts (outside the ephemeral range: workers/io/ports.py)."""
+    return ports.free_port("127.0.0.1")
 
 
 def wait_until(check, timeout: float, what: str, every: float = 0.2):

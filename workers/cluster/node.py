@@ -392,12 +392,6 @@ class ClusterTrainer:
             self.cluster.close()
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 # -- the agent's side ------------------------------------------------------------------------
 def _call_group(group, call: TrainerCall, run_dir: str = "") -> None:
     from workers.train.ranks import _Rank

@@ -91,7 +91,7 @@ class Checkpointer:
         def write(folder: Path) -> None:
             trainer.save_state(str(folder / "trainer"))
             # Every rank's shard must be here before the checkpoint is published as complete.
-            require_trainer_shards(folder / "trainer", *self.trainer_world())
+            self.require_trainer_state(folder / "trainer")
             torch.save(state, folder / "state.pt")
             trainer.save(str(folder / "model"))
 
@@ -137,6 +137,14 @@ class Checkpointer:
             "ranker": run.ranker.state_dict(),
         }
 
+    def require_trainer_state(self, folder: Path) -> None:
+        """Every file of the trainer's state in ``folder``, or ``IncompleteCheckpoint``."""
+        missing_files = getattr(self.run.trainer, "missing_state_files", None)  # the pipeline trainer's own
+        if missing_files is None:
+            require_trainer_shards(folder, *self.trainer_world())
+        elif missing := missing_files(str(folder)):
+            raise IncompleteCheckpoint(f"{folder} lacks the pipeline trainer's {', '.join(missing)}")
+
     def trainer_world(self) -> tuple[int, int, bool]:
         """(data-parallel ranks, ZeRO stage, bf16): what names the trainer's checkpoint files."""
         spec = self.run.spec
@@ -146,7 +154,7 @@ class Checkpointer:
         """Trainer (weights, optimiser, version) and controller state from a checkpoint."""
         import torch
 
-        require_trainer_shards(info.path / "trainer", *self.trainer_world())  # refused, not half-loaded
+        self.require_trainer_state(info.path / "trainer")  # refused, not half-loaded
         self.run.trainer.load_state(str(info.path / "trainer"))
         # Plain tensors, lists, dicts, numbers and strings only: nothing in a checkpoint
         # folder runs code when loaded.

@@ -52,6 +52,17 @@ def featurize(prompt: str, hash_dim: int = 256, ngram_max: int = 3) -> np.ndarra
     return x
 
 
+def _add_outer(sxx: np.ndarray, x: np.ndarray, k: float) -> None:
+    """``sxx += k * outer(x, x)``, on x's non-zero entries only where they are few: a short
+    prompt's hashed n-grams fill a few dozen of the 264 features, and the full outer
+    product, once per observed group, was most of the ranker's cost."""
+    nz = np.flatnonzero(x)
+    if 2 * len(nz) < len(x):
+        sxx[np.ix_(nz, nz)] += k * np.outer(x[nz], x[nz])
+    else:
+        sxx += k * np.outer(x, x)
+
+
 def rank(values: Sequence[float]) -> np.ndarray:
     """Ranks from 1, ties get their average rank (as in Spearman's definition)."""
     v = np.asarray(values, dtype=float)
@@ -113,7 +124,10 @@ class LengthRanker:
         d = _N_DENSE + hash_dim
         # Sliding-window sufficient statistics (Σx, Σxxᵀ, Σxy, Σy): a refit costs one d×d
         # solve instead of a pass over the whole window.
-        self._window: deque[tuple[np.ndarray, float]] = deque()
+        # One entry per observed group: its features and the lengths still in the window,
+        # oldest first (a group's samples share x: evicting them is one outer product).
+        self._window: deque[tuple[np.ndarray, deque[float]]] = deque()
+        self._window_n = 0  # samples in the window
         self._sx, self._sxx, self._sxy, self._sy = np.zeros(d), np.zeros((d, d)), np.zeros(d), 0.0
         self._memory: OrderedDict[str, tuple[float, int]] = OrderedDict()  # prompt -> (sum of log lengths, count)
         self._held_out: deque[tuple[float, float]] = deque(maxlen=quality_window)  # (predicted, actual)
@@ -156,21 +170,27 @@ class LengthRanker:
     def _add(self, x: np.ndarray, ys: list[float]) -> None:
         k = len(ys)
         self._sx += k * x
-        self._sxx += k * np.outer(x, x)
+        _add_outer(self._sxx, x, k)
         self._sxy += sum(ys) * x
         self._sy += sum(ys)
-        self._window.extend((x, y) for y in ys)
-        while len(self._window) > self.window:
-            old_x, old_y = self._window.popleft()
-            self._sx -= old_x
-            self._sxx -= np.outer(old_x, old_x)
-            self._sxy -= old_y * old_x
-            self._sy -= old_y
+        self._window.append((x, deque(ys)))
+        self._window_n += k
+        while self._window_n > self.window:  # the oldest samples leave, a group's at once
+            old_x, old_ys = self._window[0]
+            m = min(self._window_n - self.window, len(old_ys))
+            gone = sum(old_ys.popleft() for _ in range(m))
+            if not old_ys:
+                self._window.popleft()
+            self._sx -= m * old_x
+            _add_outer(self._sxx, old_x, -m)
+            self._sxy -= gone * old_x
+            self._sy -= gone
+            self._window_n -= m
 
     def _fit(self) -> None:
         """Ridge on standardised features, intercept unpenalised (the mean of y)."""
         self._since_fit = 0
-        n = len(self._window)
+        n = self._window_n
         self._y_mean = self._sy / n
         self._x_mean = self._sx / n
         cov = self._sxx / n - np.outer(self._x_mean, self._x_mean)
@@ -198,8 +218,9 @@ class LengthRanker:
             return {
                 "format": 1,
                 "config": {name: getattr(self, name) for name in self._CONFIG} | {"quality_window": self._held_out.maxlen},
-                "window_x": tensor(np.stack([x for x, _ in self._window]) if self._window else np.zeros((0, d))),
-                "window_y": tensor([y for _, y in self._window]),
+                "window_x": tensor(np.stack([x for x, ys in self._window for _ in ys]) if self._window
+                                   else np.zeros((0, d))),
+                "window_y": tensor([y for _, ys in self._window for y in ys]),
                 "sx": tensor(self._sx), "sxx": tensor(self._sxx), "sxy": tensor(self._sxy), "sy": float(self._sy),
                 "memory_prompts": list(self._memory),
                 "memory_totals": tensor([total for total, _ in self._memory.values()]),
@@ -227,7 +248,12 @@ class LengthRanker:
 
         with self._lock:
             window_x, window_y = array(state["window_x"]), array(state["window_y"])
-            self._window = deque(zip(window_x, map(float, window_y)))
+            self._window, self._window_n = deque(), len(window_y)
+            for x, y in zip(window_x, map(float, window_y)):  # a group's samples (the same x) back together
+                if self._window and np.array_equal(self._window[-1][0], x):
+                    self._window[-1][1].append(y)
+                else:
+                    self._window.append((x, deque([y])))
             self._sx, self._sxx, self._sxy = array(state["sx"]), array(state["sxx"]), array(state["sxy"])
             self._sy = float(state["sy"])
             self._memory = OrderedDict(

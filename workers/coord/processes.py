@@ -72,7 +72,15 @@ class Processes:
 
     async def start_trainer(self, checked):
         spec, res = self.spec, self.spec.resources
-        if res.nodes > 1:
+        if spec.trainer.pipeline.stages > 1:  # RLHFuse's fused actor-critic pipeline, its stages processes
+            if self.plan.device != "cpu":
+                raise PlacementError("trainer.pipeline runs its stages on the CPU (gloo) and is not placed on GPUs "
+                                     "yet: on GPUs leave trainer.pipeline.stages at 1 (DeepSpeed's trainer)")
+            from workers.train.pipeline_trainer import PipelineTrainer
+
+            self.trainer = await asyncio.to_thread(PipelineTrainer, spec, spec.model.path,
+                                                   self.plan.threads("trainer"), checked.pad_id)
+        elif res.nodes > 1:
             await self._join_nodes(checked)
         elif res.trainer_ranks > 1 or res.trainer_process:  # DeepSpeed ranks, each a process of its own
             from workers.train.ranks import TrainerGroup
@@ -106,7 +114,8 @@ class Processes:
     async def _join_nodes(self, checked) -> None:
         """Several nodes: wait for every other node's agent at the rendezvous, give each its
         part (trainer ranks, engine servers), form the trainer world with them."""
-        from workers.cluster.node import Cluster, ClusterTrainer, NodeAssignment, free_port
+        from workers.cluster.node import Cluster, ClusterTrainer, NodeAssignment
+        from workers.io.ports import free_port
         from workers.train.ranks import TrainerGroup
 
         spec, nodes = self.spec, self.spec.resources.nodes

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, Optional
 
 import requests
@@ -30,7 +31,12 @@ class Heartbeat:
 
     def _loop(self) -> None:
         failing = False
-        while not self._stop.wait(self.every_s):
+        due = time.monotonic() + self.every_s
+        while not self._stop.wait(max(0.0, due - time.monotonic())):
+            # A beat every every_s from the last one's start, not from its reply: a slow
+            # reply (the platform busy reconnecting after an outage) must not widen the gap
+            # the reaper judges by FLUXRL_RUN_STALE_S.
+            due = max(due + self.every_s, time.monotonic())
             try:
                 reply = self.platform.status("running")
             except requests.RequestException as exc:

@@ -5,7 +5,8 @@ their own, started by the coordinator as ``python -m <module> <fd> <config>``. T
 ends talk over a private socketpair: there is no address, so nothing else can connect.
 Messages are length-prefixed JSON frames with a size cap; every call has a deadline; a
 worker that dies, stalls or fails to load is a ``LocalWorkerError`` that says which.
-The worker reads end of stream when the coordinator closes its end or dies, and exits.
+The worker reads end of stream when the coordinator closes its end or dies, and exits
+(while it loads or answers, its parent watch ends it: workers/io/lifetime.py).
 
 ``MicroBatcher`` gathers the items of callers that arrive close together (samples that
 finish generating in the same moments) into batches of at most ``size``, waiting at most
@@ -24,6 +25,8 @@ import sys
 import threading
 import time
 from typing import Any, Callable, Optional
+
+from workers.io.lifetime import exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,7 @@ def serve(fd: int, load: Callable[[], tuple[Callable[[dict], dict], dict]]) -> i
     each request is answered with ``handler(request)`` until the coordinator closes its end.
     A failed load or call is answered ``{"error": ...}`` (the worker lives on after a call)."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    exit_with_parent(code=1)  # the stream's end comes only between calls, not while loading or answering
     sock = socket.socket(fileno=fd)
     try:
         handler, hello = load()

@@ -389,7 +389,9 @@ class Listener:
         self._ready: queue.Queue = queue.Queue()
         self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
         self._closed = False
-        threading.Thread(target=self._accept_loop, name=f"wire-accept-{self.address[1]}", daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"wire-accept-{self.address[1]}",
+                                          daemon=True)
+        self._acceptor.start()
 
     def _accept_loop(self) -> None:
         while not self._closed:
@@ -432,8 +434,18 @@ class Listener:
         return Channel(tls, messages, peer)
 
     def close(self) -> None:
+        """Stop listening now: once this returns, the port can be bound again (a resumed run
+        binds its rendezvous anew). Closing alone is not enough: the accept thread's poll
+        holds the socket, still listening, until it wakes (up to its 0.5 s timeout);
+        shutting it down first wakes the poll and ends the listening at once."""
         self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # not listening any more (closed before)
+            pass
         self._sock.close()
+        if self._acceptor is not threading.current_thread():
+            self._acceptor.join(timeout=2.0)
         while True:
             try:
                 self._ready.get_nowait()[0].close()

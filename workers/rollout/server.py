@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Annotated, Literal, Optional, Union
 from pydantic import Field, TypeAdapter, field_validator
 
 from workers.io import wire
+from workers.io.lifetime import exit_with_parent
 from workers.rollout.engine import (Completion, EngineDied, EngineRPCTimeout, RolloutEngine, SamplingOptions, UpdateTiming,
                       configure_cpu_environment)
 from workers.rollout.staleness import VersionTrack
@@ -84,6 +85,7 @@ class EngineServerConfig(wire.Message):
     tensor_parallel: int = Field(1, ge=1, le=64)  # shards (vLLM workers) of this engine
     priority_scheduling: bool = False  # vLLM's priority scheduler (schedule.dispatch skew_aware)
     heartbeat_timeout_s: float = 30.0  # a remote server this long silent is dead (a busy machine is not)
+    accept_timeout_s: float = 900.0  # for its client to connect (a node agent starts its trainer ranks first)
 
     @field_validator("env")
     @classmethod
@@ -461,6 +463,9 @@ class _Server:
 
 def serve(config: EngineServerConfig) -> int:
     """The engine server's process: listen, announce the address on stdout, serve one client."""
+    # Its launcher (the run's engine, or a node agent) stops it; one that was SIGKILLed cannot,
+    # and the server may be waiting for a client that will never connect.
+    exit_with_parent(code=1, whole_session=True)
     os.environ.update(config.env)  # before vLLM (and torch) read it; the keys are allow-listed (validated)
     configure_cpu_environment(config.env.get("VLLM_CPU_OMP_THREADS_BIND"), config.kv_cache_gb)
     listener = wire.listen(config.host, 0)
@@ -468,8 +473,13 @@ def serve(config: EngineServerConfig) -> int:
     sys.stdout.flush()
     # only a client that holds the run's key gets here (the listener refuses the others, each
     # connection with its own handshake deadline)
-    channel = listener.accept(REQUESTS)
-    listener.close()
+    try:
+        channel = listener.accept(REQUESTS, timeout=config.accept_timeout_s)
+    except TimeoutError as exc:
+        log.error("engine %d: %s: exiting", config.index, exc)
+        return 1
+    finally:
+        listener.close()
     asyncio.run(_Server(config, channel).run())
     # vLLM has shut its engine core down and closed its sockets: nothing is left to flush but
     # the standard streams. Skipping the interpreter's teardown of torch and vLLM (2+ s, every

@@ -22,28 +22,22 @@ with the other's micro-batches.
 - **Tied embeddings.** An actor whose LM head is its embedding holds that matrix on its
   first and last stage; their gradients are summed before the step.
 
-``run_step`` runs one step on ``stages`` processes and reports each rank's compute time and
-the step's wall time, hence the bubble share (a rank idle, waiting for another), and can
-write the gradients (tests compare them with the unsplit models'). bench/fused_pipeline.py
-measures both schedules. Runs do not train this way yet: the trainer's parallelism is
-DeepSpeed's data parallelism (README, issue 29).
+The rank processes live in workers/train/pipeline_group.py: ``PipelineGroup`` keeps them
+across steps (the trainer of a run with ``trainer.pipeline.stages`` ≥ 2,
+workers/train/pipeline_trainer.py); ``run_step`` measures one step's wall time and bubble
+share (a rank idle, waiting for another) and returns the gradients (tests compare them with
+the unsplit models'). bench/fused_pipeline.py measures both schedules.
 """
 from __future__ import annotations
 
 import copy
-import json
-import logging
-import multiprocessing
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-log = logging.getLogger(__name__)
 
 MODELS = ("actor", "critic")
 
@@ -181,20 +175,23 @@ class Stage(torch.nn.Module):
             return self.head(out)
         return self.head(out).squeeze(-1)
 
-    def full_names(self) -> dict[str, str]:
-        """Each parameter's name in the unsplit model (``AutoModelForCausalLM`` for the actor,
-        ``ValueModel`` for the critic)."""
+    def full_name(self, name: str) -> str:
+        """A parameter's (or state-dict entry's) name in the unsplit model
+        (``AutoModelForCausalLM`` for the actor, ``ValueModel`` for the critic)."""
         prefix = "model." if self.kind == "actor" else "trunk."
-        out = {}
-        for name, _ in self.named_parameters():
-            if name.startswith("base.layers."):
-                index, rest = name[len("base.layers."):].split(".", 1)
-                out[name] = f"{prefix}layers.{self.layer_ids[int(index)]}.{rest}"
-            elif name.startswith("base."):
-                out[name] = prefix + name[len("base."):]
-            else:  # the head
-                out[name] = ("lm_head." if self.kind == "actor" else "value_head.") + name[len("head."):]
-        return out
+        if name.startswith("base.layers."):
+            index, rest = name[len("base.layers."):].split(".", 1)
+            return f"{prefix}layers.{self.layer_ids[int(index)]}.{rest}"
+        if name.startswith("base."):
+            return prefix + name[len("base."):]
+        return ("lm_head." if self.kind == "actor" else "value_head.") + name[len("head."):]
+
+    def owned_state(self) -> dict[str, torch.Tensor]:
+        """This stage's share of the unsplit model's state dict, by full name: its layers, the
+        embedding on the first stage, the norm and head on the last (a later stage's copy of
+        the embedding is unused, or, tied to the LM head, leaves as ``lm_head``)."""
+        return {self.full_name(name): tensor.detach().clone() for name, tensor in self.state_dict().items()
+                if self.first or not name.startswith("base.embed_tokens.")}
 
 
 def load_model(model_path: str, kind: str, head_seed: Optional[int] = None) -> torch.nn.Module:
@@ -248,40 +245,83 @@ class Hyper:
     value_clip: float = 0.2
     temperature: float = 1.0
     head_seed: Optional[int] = None
+    loss: str = "ppo"  # or "reinforce" (algorithm.loss)
+    top_k: int = -1  # the rollout's truncation, as the trainer's log-probs apply it
+    top_p: float = 1.0
+    kl_coef: float = 0.0  # > 0: the micro-batches carry log π_ref ("ref", from the inference stage)
+    kl_estimator: str = "k2"
+
+    @classmethod
+    def of(cls, spec, denominator: float) -> "Hyper":
+        algo = spec.algorithm
+        return cls(denominator=denominator, clip=algo.clip, behav_weight_cap=algo.behav_weight_cap,
+                   value_clip=spec.critic.value_clip, temperature=max(spec.rollout.temperature, 1e-5),
+                   loss=algo.loss, top_k=spec.rollout.top_k, top_p=spec.rollout.top_p, kl_coef=algo.kl_coef,
+                   kl_estimator=algo.kl_estimator)
 
 
-def micro_batches(samples: list, rows: int, pad_id: int = 0) -> list[dict]:
+def micro_batches(samples: list, rows: int = 0, pad_id: int = 0, parts: Optional[list[list[int]]] = None) -> list[dict]:
     """GAE-trained samples (``TrainSample`` with ``token_advantages``, ``values`` and
-    ``returns``: after ``Trainer.critic_targets``) as micro-batches of ``rows`` sequences, each
-    the tensors both models' losses take, in the trainer's layout."""
+    ``returns``: after ``Trainer.critic_targets``) as micro-batches, each the tensors both
+    models' losses take, in the trainer's layout: ``rows`` sequences each, or the index
+    lists ``parts``. ``ref`` (log π_ref) where the samples bring it."""
     from workers.train.batching import completion_mask, pad_sequences, per_token
 
+    if parts is None:
+        parts = [list(range(start, min(start + rows, len(samples)))) for start in range(0, len(samples), rows)]
     out = []
-    for start in range(0, len(samples), rows):
-        part = samples[start:start + rows]
+    for indices in parts:
+        part = [samples[i] for i in indices]
         pairs = [(s.prompt_ids, s.token_ids) for s in part]
         ids, att = pad_sequences(pairs, pad_id)
         columns = ids.shape[1] - 1
-        out.append({"ids": ids, "att": att, "mask": completion_mask(pairs, columns),
-                    "behav": per_token(pairs, columns, [s.behav_logprobs for s in part]),
-                    "adv": per_token(pairs, columns, [s.token_advantages for s in part]),
-                    "old_values": per_token(pairs, columns, [s.values for s in part]),
-                    "returns": per_token(pairs, columns, [s.returns for s in part])})
+        mb = {"ids": ids, "att": att, "mask": completion_mask(pairs, columns),
+              "behav": per_token(pairs, columns, [s.behav_logprobs for s in part]),
+              "adv": per_token(pairs, columns, [s.token_advantages for s in part]),
+              "old_values": per_token(pairs, columns, [s.values for s in part]),
+              "returns": per_token(pairs, columns, [s.returns for s in part])}
+        if all(getattr(s, "ref_logprobs", None) is not None for s in part):
+            mb["ref"] = per_token(pairs, columns, [s.ref_logprobs for s in part])
+        out.append(mb)
     return out
 
 
-def _loss(kind: str, out: torch.Tensor, mb: dict, hyper: Hyper) -> torch.Tensor:
+def _loss(kind: str, out: torch.Tensor, mb: dict, hyper: Hyper, stats: Optional[dict] = None) -> torch.Tensor:
+    """The trainer's objective for one model on one micro-batch (workers/train/trainer.py
+    ``accumulate``); adds its statistics to ``stats``."""
     from workers.train import algorithms
 
     ids, mask = mb["ids"], mb["mask"]
+    stats = {} if stats is None else stats
     if kind == "actor":
         logits = out[:, :-1].float() / max(hyper.temperature, 1e-5)
-        logp, _ = algorithms.token_logprobs(logits, ids[:, 1:])
-        # one optimiser step per batch: π_prox is the policy being differentiated (as the trainer)
-        return algorithms.ppo_decoupled_loss(logp, logp.detach(), mb["behav"], mb["adv"], mask, hyper.clip,
-                                             hyper.behav_weight_cap, hyper.denominator).loss
-    loss, _ = algorithms.value_loss(out[:, :-1].float(), mb["old_values"], mb["returns"], mask, hyper.value_clip,
-                                    hyper.denominator)
+        logp, entropy = algorithms.token_logprobs(logits, ids[:, 1:], top_k=hyper.top_k, top_p=hyper.top_p,
+                                                  with_entropy=True)
+        if hyper.loss == "ppo":
+            # one optimiser step per batch: π_prox is the policy being differentiated (as the trainer)
+            result = algorithms.ppo_decoupled_loss(logp, logp.detach(), mb["behav"], mb["adv"], mask, hyper.clip,
+                                                   hyper.behav_weight_cap, hyper.denominator)
+        else:
+            result = algorithms.reinforce_tis_loss(logp, mb["behav"], mb["adv"], mask, hyper.behav_weight_cap,
+                                                   hyper.denominator)
+        loss = result.loss
+        if hyper.kl_coef > 0:
+            if "ref" not in mb:
+                raise RuntimeError("algorithm.kl_coef > 0 in a pipeline: the samples bring no reference log-probs "
+                                   "(algorithm.kl_reference 'stage')")
+            kl = algorithms.kl_penalty(logp, mb["ref"], mask, hyper.denominator, hyper.kl_estimator,
+                                       weights=result.weights)
+            loss = loss + hyper.kl_coef * kl
+            stats["kl"] = stats.get("kl", 0.0) + float(kl.detach())
+        for key, value in (("loss", float(result.loss.detach())), ("clip", result.clip_frac * result.tokens),
+                           ("entropy", float((entropy.detach() * mask).sum())), ("tokens", result.tokens),
+                           ("dropped", result.dropped), ("padded", ids.numel()), ("micro", 1)):
+            stats[key] = stats.get(key, 0) + value
+        return loss
+    loss, clip_frac = algorithms.value_loss(out[:, :-1].float(), mb["old_values"], mb["returns"], mask,
+                                            hyper.value_clip, hyper.denominator)
+    stats["value_loss"] = stats.get("value_loss", 0.0) + float(loss.detach())
+    stats["value_clip"] = stats.get("value_clip", 0.0) + clip_frac * float(mask.sum())
     return loss
 
 
@@ -305,62 +345,15 @@ def _tag(op: Op, micro: int, grad: bool) -> int:
     return ((MODELS.index(op.model) * 2 + int(grad)) * micro + op.micro)
 
 
-def _rank_main(rank: int, stages: int, model_path: str, data: str, kind: str, hyper: dict, out_dir: str,
-               threads: int, steps: int, save_grads: bool, conn) -> None:
-    import torch.distributed as dist
-    from safetensors.torch import load_file, save_file
-
-    from workers.io.stores import interface_of, master_store
-
-    torch.set_num_threads(threads)
-    logging.basicConfig(level=logging.WARNING)
-    timeout = __import__("datetime").timedelta(seconds=120)
-    if rank == 0:
-        store = master_store("127.0.0.1", 0, stages, timeout)
-        conn.send_bytes(json.dumps(store.port).encode())
-    else:
-        store = dist.TCPStore("127.0.0.1", json.loads(conn.recv_bytes()), stages, is_master=False, timeout=timeout)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface_of("127.0.0.1") or "lo")
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=stages, timeout=timeout)
-    hyper = Hyper(**hyper)
-    flat = load_file(data)
-    micro = len({k.split(".")[0] for k in flat})
-    mbs = [{k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith(f"mb{i}.")} for i in range(micro)]
-    models = {m: build_stage(model_path, m, stage_of(m, rank, stages), stages, hyper.head_seed) for m in MODELS}
-    hidden = models["actor"].base.config.hidden_size
-    ties = dist.new_group([0, stages - 1])  # every rank creates it; the actor's first and last stage use it
-    ops = schedule_for(kind, stages, micro)[rank]
-    walls, computes = [], []
-    for _ in range(steps):
-        for module in models.values():
-            module.zero_grad(set_to_none=True)
-        dist.barrier()  # every rank starts the step together: its wall time is the step's
-        t_start = time.perf_counter()
-        compute = _run_ops(ops, models, mbs, rank, stages, micro, hidden, hyper)
-        if _holds_tied_embedding(models["actor"], rank, stages):  # the LM head's share and the embedding's, summed
-            dist.all_reduce(models["actor"].base.embed_tokens.weight.grad, group=ties)
-        walls.append(time.perf_counter() - t_start)
-        computes.append(compute)
-    if save_grads:
-        grads = {}
-        for m, module in models.items():
-            names = module.full_names()
-            for name, p in module.named_parameters():
-                if p.grad is not None:
-                    grads[f"{m}/{names[name]}"] = p.grad.detach().contiguous()
-        save_file(grads, os.path.join(out_dir, f"grads{rank}.safetensors"))
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "compute_s": computes,
-                                                                     "wall_s": walls}))
-    dist.destroy_process_group()
-
-
-def _run_ops(ops: list[Op], models: dict, mbs: list[dict], rank: int, stages: int, micro: int, hidden: int,
-             hyper: Hyper) -> float:
+def run_ops(ops: list[Op], models: dict, mbs: list[dict], rank: int, stages: int, hidden: int, hyper: Hyper,
+            stats: Optional[dict] = None) -> float:
     """One rank's operations of a step, in order: forwards and backwards, receiving what each
-    waits for (blocking) and sending what the next stage needs (not blocking). Returns the
-    seconds spent computing."""
+    waits for (blocking) and sending what the next stage needs (not blocking); each model's
+    loss statistics go to ``stats[model]``. Returns the seconds spent computing."""
     import torch.distributed as dist
 
+    micro = len(mbs)
+    stats = {m: {} for m in MODELS} if stats is None else stats
     kept: dict[tuple, tuple] = {}
     sends = []
     compute = 0.0
@@ -376,7 +369,7 @@ def _run_ops(ops: list[Op], models: dict, mbs: list[dict], rank: int, stages: in
                 x.requires_grad_(True)
             t0 = time.perf_counter()
             out = module(x, mb["ids"], mb["att"])
-            result = _loss(op.model, out, mb, hyper) if module.last else out
+            result = _loss(op.model, out, mb, hyper, stats[op.model]) if module.last else out
             compute += time.perf_counter() - t0
             if not module.last:
                 sends.append((dist.isend(out.detach().contiguous(), dst=stage_of(op.model, stage + 1, stages),
@@ -402,63 +395,13 @@ def _run_ops(ops: list[Op], models: dict, mbs: list[dict], rank: int, stages: in
     return compute
 
 
-def _holds_tied_embedding(actor: Stage, rank: int, stages: int) -> bool:
+def holds_tied_embedding(actor: Stage, rank: int, stages: int) -> bool:
     """Whether this rank holds one of the two copies of an actor embedding that is also its LM
     head: the first stage's (as the embedding) and the last's (as the head)."""
     tied = bool(getattr(actor.base.config, "tie_word_embeddings", False))
     return tied and stages > 1 and rank in (0, stages - 1)
 
 
-@dataclass
-class StepReport:
-    schedule: str
-    wall_s: float  # the slowest rank's
-    compute_s: list[float]  # per rank
-    bubble: float  # the ranks' mean idle share of the step (waiting for another rank)
-
-
-def run_step(model_path: str, micro_batches: list[dict], kind: str, stages: int = 2, hyper: Optional[Hyper] = None,
-             out_dir: Optional[str] = None, threads: int = 1, steps: int = 1, timeout_s: float = 300.0) -> StepReport:
-    """A training step of both models (forwards and backwards; ``steps`` of them, the same
-    batch each time, for steadier timings) on ``stages`` rank processes (gloo on loopback)
-    with the ``kind`` schedule; ``out_dir`` receives each rank's gradients of the last step
-    (grads<rank>.safetensors). Reports the median step."""
-    import tempfile
-
-    from safetensors.torch import save_file
-
-    hyper = hyper or Hyper(denominator=float(sum(mb["mask"].sum() for mb in micro_batches)))
-    save_grads = out_dir is not None
-    with tempfile.TemporaryDirectory() as tmp:
-        out_dir = out_dir or tmp
-        data = os.path.join(tmp, "micro_batches.safetensors")
-        save_file({f"mb{i}.{k}": v.contiguous() for i, mb in enumerate(micro_batches) for k, v in mb.items()}, data)
-        ctx = multiprocessing.get_context("spawn")
-        pipes = [ctx.Pipe() for _ in range(stages)]
-        procs = [ctx.Process(target=_rank_main, args=(r, stages, model_path, data, kind, hyper.__dict__, out_dir,
-                                                      threads, steps, save_grads, pipes[r][1]), daemon=True)
-                 for r in range(stages)]
-        for p in procs:
-            p.start()
-        try:
-            if not pipes[0][0].poll(timeout_s):
-                raise RuntimeError("pipeline rank 0 did not open its store")
-            port = pipes[0][0].recv_bytes()
-            for r in range(1, stages):
-                pipes[r][0].send_bytes(port)
-            deadline = time.monotonic() + timeout_s
-            for p in procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-            failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-            if failed:
-                raise RuntimeError(f"pipeline ranks failed (rank, exit code): {failed}")
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(stages)]
-    walls = [max(r["wall_s"][i] for r in ranks) for i in range(steps)]
-    middle = sorted(range(steps), key=lambda i: walls[i])[(steps - 1) // 2]  # the median step
-    wall, compute = walls[middle], [r["compute_s"][middle] for r in ranks]
-    return StepReport(kind, wall, compute, sum(1 - c / wall for c in compute) / stages)
+def bubble_share(wall: float, compute: list[float]) -> float:
+    """The ranks' mean idle share of a step of ``wall`` seconds (waiting for another rank)."""
+    return sum(1 - c / wall for c in compute) / len(compute) if wall > 0 else 0.0

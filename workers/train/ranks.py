@@ -19,7 +19,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -30,6 +29,8 @@ from typing import TYPE_CHECKING, Annotated, Literal, NoReturn, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from workers.io.lifetime import exit_with_parent
+from workers.io.ports import free_port
 from workers.spec import RunSpec
 
 if TYPE_CHECKING:  # torch and DeepSpeed load in a rank only after its environment is set
@@ -39,7 +40,7 @@ if TYPE_CHECKING:  # torch and DeepSpeed load in a rank only after its environme
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.5  # how often a waiting parent (and a rank watching its parent) looks again
+_POLL_S = 0.5  # how often a waiting parent looks again
 _SHUTDOWN_GRACE_S = 10.0
 
 
@@ -291,12 +292,6 @@ def plan_train(batch: list, spec: RunSpec, version: int, world: int) -> list[Tra
     return requests
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 # -- the parent ------------------------------------------------------------------------------
 class TrainerGroup:
     """``ranks`` trainer processes on this node (global ranks ``node_rank * ranks`` …), one
@@ -317,7 +312,7 @@ class TrainerGroup:
         if master_port is None:
             if nnodes > 1:
                 raise ValueError("several nodes need an agreed master_port")
-            master_port = _free_port(master_addr)
+            master_port = free_port(master_addr)
         self.spec, self.model_path = spec, model_path
         self.ranks, self.world, self.first_rank = ranks, nnodes * ranks, node_rank * ranks
         self.version = 0
@@ -610,17 +605,6 @@ def _stop(procs: list, conns: list[Connection], grace: float) -> None:
 
 
 # -- a rank ----------------------------------------------------------------------------------
-def _watch_parent(parent_pid: int) -> None:
-    """Exit when the parent is gone (reparented), even while blocked in a collective."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(_POLL_S)
-        os._exit(70)
-
-    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
-
-
 _ENVIRON_LOCK = threading.Lock()
 
 
@@ -647,7 +631,7 @@ def _exec_environment(env: dict[str, str]):
 def _rank_main(config: _RankConfig, conn: Connection) -> None:
     os.environ.update(config.env)  # before torch.distributed / DeepSpeed read it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops its ranks itself
-    _watch_parent(config.parent_pid)
+    exit_with_parent(config.parent_pid)  # even while blocked in a collective
     code = 0
     try:
         rank = _Rank(config)

@@ -68,6 +68,14 @@ def minibatch_parts(n: int, minibatches: int, ppo_epochs: int, seed: int, versio
     return parts
 
 
+def with_critic_targets(sample: TrainSample, values: list[float], algo) -> TrainSample:
+    """``sample`` with the critic's ``values`` and, from them and its reward (on its last
+    token), GAE's per-token advantages and the returns the critic trains towards."""
+    adv, ret = algorithms.gae(algorithms.terminal_rewards(sample.reward, len(sample.token_ids)), values,
+                              algo.gamma, algo.lam)
+    return dataclasses.replace(sample, values=values, returns=ret, token_advantages=adv)
+
+
 class PrecisionError(ValueError):
     """A model.dtype this device cannot train, with what to use instead."""
 
@@ -354,10 +362,7 @@ class Trainer:
         out = list(batch)
 
         def targets(i: int, v: list[float]) -> None:
-            s = batch[i]
-            adv, ret = algorithms.gae(algorithms.terminal_rewards(s.reward, len(s.token_ids)), v,
-                                      algo.gamma, algo.lam)
-            out[i] = dataclasses.replace(s, values=v, returns=ret, token_advantages=adv)
+            out[i] = with_critic_targets(batch[i], v, algo)
 
         # samples the critic stage valued already (critic.forward: stage) need no forward here
         need = [i for i, s in enumerate(batch) if s.values is None]

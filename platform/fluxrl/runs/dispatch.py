@@ -33,6 +33,7 @@ from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, close_old_connections, transaction
 from django.db.models import Q
 from django.utils import timezone
+from workers.io.ports import free_port
 
 from fluxrl.accounts.services import create_run_token
 from fluxrl.errors import DomainError
@@ -85,11 +86,10 @@ def cluster_key(run: Run) -> str:
 
 
 def new_rendezvous() -> str:
-    """This worker host's address (FLUXRL_NODE_ADDRESS, default loopback) and a free port."""
+    """This worker host's address (FLUXRL_NODE_ADDRESS, default loopback) and a port free
+    now, outside the ephemeral range (the engine binds it seconds later)."""
     host = settings.FLUXRL_NODE_ADDRESS or "127.0.0.1"
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return f"{host}:{s.getsockname()[1]}"
+    return f"{host}:{free_port(host)}"
 
 
 def _term_with_parent() -> None:  # runs in the child, between fork and exec

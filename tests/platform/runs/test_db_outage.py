@@ -4,8 +4,8 @@ to reap every other run. A PostgreSQL cluster of this test's own (initdb into a 
 folder, never the shared server) is stopped for longer than the stale window and started
 again, under a Celery-style watcher (dispatch.watch, heart-beating and reaping) and an
 engine that reports to a real daphne server (its heartbeat and metrics over the REST
-API). FLUXRL_RUN_STALE_S is 3 s and the outage 7 s: the ratio of the issue's 90 s outage
-against 60 s."""
+API). FLUXRL_RUN_STALE_S is 5 s and the outage 11 s: about the ratio of the issue's 90 s
+outage against 60 s (3 s and 7 s failed once in CI, on a loaded machine)."""
 from __future__ import annotations
 
 import glob
@@ -36,8 +36,8 @@ from workers.io.report import PlatformClient, Reporter
 
 from ..servers import REPO, free_port, start_daphne, stop, wait_until
 
-STALE_S = 3.0
-OUTAGE_S = 7.0
+STALE_S = 5.0
+OUTAGE_S = 11.0
 
 
 def _pg_bin(name: str) -> str | None:
@@ -135,8 +135,9 @@ class Engine:
 
     def __init__(self, url: str, run: Run, out: Path):
         key = create_run_token(run)[1]
-        # 1 s against a 3 s stale window: about the default 15 s against 60 s.
-        self.heartbeat = Heartbeat(PlatformClient(url, key, run.pk, timeout=3), every_s=1.0).start()
+        # 1 s against a 5 s stale window (the default 15 s against 60 s); a reply that takes
+        # its whole 2 s timeout still leaves a beat every 2 s.
+        self.heartbeat = Heartbeat(PlatformClient(url, key, run.pk, timeout=2), every_s=1.0).start()
         self.reporter = Reporter(out / f"metrics-{run.pk}.jsonl", PlatformClient(url, key, run.pk, timeout=3),
                                  flush_every_s=0.2, max_backoff_s=1.0)
         self.steps = 0
@@ -199,7 +200,7 @@ def test_runs_outlive_a_database_outage_longer_than_the_stale_window(on_private_
     try:
         # "dead" never beats: reaped while the database is up, as before.
         wait_until(lambda: Run.objects.get(pk=dead.pk).status == RunStatus.FAILED, 15, "the dead run reaped")
-        assert "no heartbeat for more than 3 s" in Run.objects.get(pk=dead.pk).failure_reason
+        assert f"no heartbeat for more than {STALE_S:.0f} s" in Run.objects.get(pk=dead.pk).failure_reason
         wait_until(lambda: MetricPoint.objects.filter(run=reporting, key="loss/policy").count() > 5, 30, "points stored")
         quiet_engine.stop()  # its last beat: now; the outage starts before it is stale
         time.sleep(0.5)
@@ -225,9 +226,12 @@ def test_runs_outlive_a_database_outage_longer_than_the_stale_window(on_private_
         wait_until(lambda: Run.objects.get(pk=quiet.pk).status == RunStatus.FAILED, 4 * STALE_S, "quiet reaped")
         time.sleep(STALE_S)  # a full window more of reaping in the watcher
         statuses = dict(Run.objects.values_list("name", "status"))
-        assert statuses == {"watched": "running", "reporting": "running", "quiet": "failed", "dead": "failed"}
+        assert statuses == {"watched": "running", "reporting": "running", "quiet": "failed", "dead": "failed"}, (
+            f"back at {back}; " + "; ".join(f"{name}: heartbeat {beat}, ended {ended}"
+                                            for name, beat, ended in Run.objects.values_list(
+                                                "name", "heartbeat_at", "finished_at")))
         quiet.refresh_from_db()
-        assert "no heartbeat for more than 3 s" in quiet.failure_reason
+        assert f"no heartbeat for more than {STALE_S:.0f} s" in quiet.failure_reason
         assert (quiet.finished_at - back).total_seconds() > STALE_S - 0.5  # a full window after the return
         for run in (watched, reporting):
             assert Run.objects.get(pk=run.pk).heartbeat_at > back

@@ -11,7 +11,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,18 +19,13 @@ from pathlib import Path
 import pytest
 
 from workers.io.checkpoint import latest_checkpoint
+from workers.io.ports import free_port
 from workers.coord.controller import Controller, TrainerError
 from workers.spec import validate_spec
 from workers.weights.sync import tensors_checksum
 
 pytestmark = [pytest.mark.engine, pytest.mark.distributed, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _alive(pid: int) -> bool:
@@ -87,7 +81,7 @@ def _spec(stage: int, transport: str, steps: int, **trainer) -> dict:
 @pytest.fixture
 def cluster_env(monkeypatch):
     monkeypatch.setenv("FLUXRL_CLUSTER_KEY", secrets.token_hex(32))
-    return f"127.0.0.1:{_free_port()}"
+    return f"127.0.0.1:{free_port('127.0.0.1')}"  # outside the ephemeral range: the resumed run binds it again
 
 
 def _start_node(rendezvous: str, log_path: Path) -> subprocess.Popen:

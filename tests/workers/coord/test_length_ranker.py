@@ -1,9 +1,11 @@
 """The online output-length ranker: learns chain lengths, exact ranking metrics, determinism."""
+import math
 import random
 
+import numpy as np
 import pytest
 
-from workers.coord.length_ranker import LengthRanker, rank, spearman, top_recall
+from workers.coord.length_ranker import LengthRanker, featurize, rank, spearman, top_recall
 from workers.tasks.datasets import gen_chain
 
 
@@ -79,3 +81,33 @@ def test_a_group_is_scored_with_one_prediction_made_before_its_outcomes():
     predicted = [p for p, _ in ranker._held_out]
     assert predicted[0] == predicted[1] == 0.0  # nothing learnt yet
     assert predicted[2] == predicted[3] > 0.0
+
+
+def test_the_sliding_window_keeps_the_last_samples_and_their_sums_across_part_evicted_groups():
+    # window 20, groups of 8: the oldest group leaves part by part
+    ranker = LengthRanker(window=20, refit_every=5)
+    rng = random.Random(3)
+    observed = []
+    for i in range(9):
+        prompt = f"{rng.randint(0, 99)} + {rng.randint(0, 99)} = ?" + " x" * i
+        lengths = [rng.randint(1, 40) for _ in range(8)]
+        ranker.observe_group(prompt, lengths)
+        observed += [(featurize(prompt), math.log1p(n)) for n in lengths]
+    kept = observed[-20:]
+    X = np.stack([x for x, _ in kept])
+    y = np.array([v for _, v in kept])
+    state = ranker.state_dict()
+    assert state["window_x"].shape == (20, X.shape[1])
+    np.testing.assert_allclose(state["window_x"].numpy(), X)
+    np.testing.assert_allclose(state["window_y"].numpy(), y)
+    # the running sums are those of the samples in the window, not of every sample seen
+    np.testing.assert_allclose(state["sx"].numpy(), X.sum(0), atol=1e-9)
+    np.testing.assert_allclose(state["sxx"].numpy(), X.T @ X, atol=1e-7)
+    np.testing.assert_allclose(state["sxy"].numpy(), X.T @ y, atol=1e-9)
+    assert abs(state["sy"] - y.sum()) < 1e-9
+    # restored, the ranker evicts as the original does
+    twin = LengthRanker.from_state_dict(state)
+    ranker.observe_group("7 + 8 = ?", [5, 6, 7])
+    twin.observe_group("7 + 8 = ?", [5, 6, 7])
+    assert twin.predict(["1 + 2 = ?"]) == ranker.predict(["1 + 2 = ?"])
+    np.testing.assert_array_equal(twin.state_dict()["sxx"].numpy(), ranker.state_dict()["sxx"].numpy())

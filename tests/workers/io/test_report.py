@@ -5,18 +5,16 @@ keeps everything. tests/platform/metrics/test_reporter_outage.py covers a real o
 Its warnings are logged (workers.io.report); the engine CLI sends them to stderr, the run's
 engine.log (the last test here)."""
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from workers.io.ports import free_port
 from workers.io.report import PlatformClient, Reporter
 
 
 def unreachable_platform() -> PlatformClient:
-    with socket.socket() as s:  # a port nobody listens on once it is closed
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port("127.0.0.1")  # nobody listens there (and, below the ephemeral range, no retry self-connects)
     return PlatformClient(f"http://127.0.0.1:{port}", "flxr_test", 1, timeout=1)
 
 
@@ -98,11 +96,9 @@ def test_the_engine_cli_sends_the_warnings_to_stderr_with_their_level_and_logger
     script = f"""
 from workers.cli.engine import configure_logging
 configure_logging()
-import socket
+from workers.io.ports import free_port
 from workers.io.report import PlatformClient, Reporter
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+port = free_port("127.0.0.1")
 reporter = Reporter(None, PlatformClient(f"http://127.0.0.1:{{port}}", "flxr_test", 1, timeout=1),
                     flush_every_s=0.05, close_timeout_s=0.2)
 reporter.log(1, {{"reward/mean": 1.0}})

@@ -15,6 +15,7 @@ import psutil
 import pytest
 import torch
 
+from workers.io.ports import free_port
 from workers.spec import validate_spec
 from workers.train.ranks import TrainerGroup
 from workers.weights.broadcast import (ABORT_PREFIX, WeightBroadcastError, WeightGroup, describe_state_dict,
@@ -175,9 +176,7 @@ def _spec():
 def test_a_two_rank_trainer_and_its_weight_group_listen_on_loopback_only(tiny_model_path):
     """The DeepSpeed world's store (rank 0, MASTER_PORT), gloo's pair sockets and the weight
     group that trainer rank 0 hosts: all on loopback while a weight update crosses."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        master_port = s.getsockname()[1]
+    master_port = free_port("127.0.0.1")
     with TrainerGroup(_spec(), tiny_model_path, 2, 1, 0, master_port=master_port) as group:
         join = group.host_weight_group("127.0.0.1", 2, "gloo", 20.0)
         meta = group.prepare_weights(1, 2**20)

@@ -2,11 +2,16 @@
 EngineClient: it generates what the in-process engine generates, takes weights by RPC
 and through the collective (its barrier crosses the process boundary), refuses a
 client without the run's key, and a killed server ends its pending calls within
-moments and leaves no process behind."""
+moments and leaves no process behind; a server outlives neither its launcher nor its
+deadline for a client to connect."""
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +24,7 @@ from workers.weights.broadcast import WeightBroadcaster
 from workers.weights.sync import serialize_state_dict, tensors_checksum
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _alive(pid: int) -> bool:
@@ -137,6 +143,45 @@ def test_a_client_without_the_runs_key_is_refused(loop, tiny_model_path, monkeyp
         channel.close()
     finally:
         kill_session(proc.pid)
+        proc.wait()
+
+
+_LAUNCHER = """
+import json, sys, time
+from workers.rollout.server import EngineServerConfig, launch_server
+proc, address, pid = launch_server(EngineServerConfig(model_path=sys.argv[1], index=7))
+print(json.dumps({"pid": pid}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_server_whose_launcher_is_killed_before_it_connects_exits(tiny_model_path):
+    # The window between the server's address line and the client's connection: a run's
+    # engine SIGKILLed there used to leave the server waiting in accept for good.
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, tiny_model_path], stdout=subprocess.PIPE,
+                                cwd=REPO)
+    try:
+        server_pid = json.loads(launcher.stdout.readline())["pid"]
+    finally:
+        launcher.kill()
+        launcher.wait()
+    deadline = time.monotonic() + 15
+    while _alive(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = _alive(server_pid)
+    if alive:
+        os.kill(server_pid, signal.SIGKILL)
+    assert not alive, "the engine server outlived its launcher"
+
+
+def test_a_server_that_no_client_connects_to_exits_at_its_deadline(tiny_model_path):
+    from workers.rollout.server import launch_server
+
+    proc, _, _ = launch_server(EngineServerConfig(model_path=tiny_model_path, index=8, accept_timeout_s=1.0))
+    try:
+        assert proc.wait(timeout=60) == 1
+    finally:
+        proc.kill()
         proc.wait()
 
 

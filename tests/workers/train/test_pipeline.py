@@ -5,10 +5,10 @@ import random
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from workers.train.pipeline import (MODELS, Hyper, Op, fused_schedule, micro_batches, one_f_one_b,
-                                    reference_gradients, run_step, sequential_schedule, simulate, split_layers)
+                                    reference_gradients, sequential_schedule, simulate, split_layers)
+from workers.train.pipeline_group import run_step
 from workers.train.trainer import TrainSample
 
 
@@ -67,24 +67,22 @@ def _samples(n: int, seed: int = 0) -> list[TrainSample]:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_a_step_on_two_ranks_gives_the_unsplit_models_gradients_with_either_schedule(tiny_model_path, tmp_path):
+def test_a_step_on_two_ranks_gives_the_unsplit_models_gradients_with_either_schedule(tiny_model_path):
     mbs = micro_batches(_samples(12), rows=3)
     assert len(mbs) == 4
     hyper = Hyper(denominator=float(sum(mb["mask"].sum() for mb in mbs)), head_seed=7)
     want = reference_gradients(tiny_model_path, mbs, hyper)
     assert all(float(g.abs().max()) > 0 for g in want["critic"].values())  # a random head: the trunk learns too
     for kind in ("sequential", "fused"):
-        out = tmp_path / kind
-        out.mkdir()
-        report = run_step(tiny_model_path, mbs, kind, stages=2, hyper=hyper, out_dir=str(out))
+        report = run_step(tiny_model_path, mbs, kind, stages=2, hyper=hyper, grads=True)
         assert report.schedule == kind and len(report.compute_s) == 2 and 0 <= report.bubble < 1
-        got = {**load_file(str(out / "grads0.safetensors")), **load_file(str(out / "grads1.safetensors"))}
+        got = {**report.grads[0], **report.grads[1]}
         for model in MODELS:
             for name, expected in want[model].items():
                 g = got[f"{model}/{name}"]  # every parameter has its gradient on some rank
                 scale = float(expected.abs().max()) + 1e-12
                 assert float((g - expected).abs().max()) <= 1e-5 * scale, (kind, model, name)
         # the tied embedding: the first stage's and the last's copies both hold the summed gradient
-        first = load_file(str(out / "grads0.safetensors"))["actor/model.embed_tokens.weight"]
-        last = load_file(str(out / "grads1.safetensors"))["actor/model.embed_tokens.weight"]
+        first = report.grads[0]["actor/model.embed_tokens.weight"]
+        last = report.grads[1]["actor/model.embed_tokens.weight"]
         assert torch.equal(first, last)

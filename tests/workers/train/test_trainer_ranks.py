@@ -15,7 +15,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from workers.train.algorithms import pack_first_fit_decreasing
+from workers.io.ports import free_port
 from workers.io.checkpoint import IncompleteCheckpoint, missing_trainer_shards, require_trainer_shards
 from workers.spec import validate_spec
 from workers.models.tinymodel import encode
@@ -256,9 +256,7 @@ if __name__ == "__main__":
 def test_two_nodes_on_loopback_form_one_world(tiny_model_path, batch, tmp_path):
     raw = _raw_spec(trainer={"zero_stage": 2})
     linear = _scaled(batch, LINEAR)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port("127.0.0.1")
     args = tmp_path / "node1.json"
     args.write_text(json.dumps({"spec": raw, "model": tiny_model_path, "port": port,
                                 "batch": [dataclasses.asdict(s) for s in linear]}))

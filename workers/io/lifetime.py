@@ -1,0 +1,40 @@
+"""A child process that must not outlive the process that started it.
+
+Trainer ranks, pipeline stages and engine servers are started by the run's engine (or a
+node agent) and serve only it. When it is SIGKILLed it cannot stop them, and a child
+blocked in a collective, in ``accept`` or in a long import never notices on its own: it
+would live on, holding cores, memory and ports. The watch notices the reparenting
+(``getppid`` changes) and ends the process.
+
+Polling ``getppid`` rather than ``PR_SET_PDEATHSIG``: the death signal follows the
+*thread* that forked, and the engine starts children from worker threads that end
+while the engine lives."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5  # how long an orphan may live on, at most (about)
+
+
+def exit_with_parent(parent_pid: Optional[int] = None, code: int = 70, whole_session: bool = False) -> None:
+    """Exit with ``code`` within ``POLL_S`` of the parent's end, from a daemon thread.
+    ``whole_session``: first SIGKILL this process's session, when it leads one (what it
+    started, such as vLLM's engine core, goes with it)."""
+    parent_pid = os.getppid() if parent_pid is None else parent_pid
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(POLL_S)
+        log.warning("pid %d: its parent %d is gone: exiting", os.getpid(), parent_pid)
+        if whole_session and os.getsid(0) == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)  # this process too
+        os._exit(code)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
