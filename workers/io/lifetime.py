@@ -8,7 +8,12 @@ would live on, holding cores, memory and ports. The watch notices the reparentin
 
 Polling ``getppid`` rather than ``PR_SET_PDEATHSIG``: the death signal follows the
 *thread* that forked, and the engine starts children from worker threads that end
-while the engine lives."""
+while the engine lives.
+
+The parent's pid comes from the launcher (``launcher_env``), not from ``getppid`` when the
+watch starts: a child spends seconds importing before it gets there, and a launcher
+SIGKILLed meanwhile would leave it reparented already, its watch waiting for a change
+that has happened."""
 from __future__ import annotations
 
 import logging
@@ -21,13 +26,23 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how long an orphan may live on, at most (about)
+LAUNCHER_ENV = "FLUXRL_LAUNCHER_PID"
+
+
+def launcher_env() -> dict[str, str]:
+    """What a launcher adds to the environment of a child that calls ``exit_with_parent``."""
+    return {LAUNCHER_ENV: str(os.getpid())}
 
 
 def exit_with_parent(parent_pid: Optional[int] = None, code: int = 70, whole_session: bool = False) -> None:
     """Exit with ``code`` within ``POLL_S`` of the parent's end, from a daemon thread.
+    The parent: ``parent_pid``, else the launcher's pid from ``launcher_env`` (taken out of
+    the environment, so this process's own children do not see it), else ``getppid()``.
     ``whole_session``: first SIGKILL this process's session, when it leads one (what it
     started, such as vLLM's engine core, goes with it)."""
-    parent_pid = os.getppid() if parent_pid is None else parent_pid
+    launcher = os.environ.pop(LAUNCHER_ENV, "")
+    if parent_pid is None:
+        parent_pid = int(launcher) if launcher.isdigit() else os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent_pid:

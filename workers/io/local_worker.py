@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from workers.io.lifetime import exit_with_parent
+from workers.io.lifetime import exit_with_parent, launcher_env
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class LocalWorker:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", self.module, str(child.fileno()), json.dumps(self.config)],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True, cwd=_ROOT,
-                env={**os.environ, "OMP_NUM_THREADS": str(self.threads)})
+                env={**os.environ, "OMP_NUM_THREADS": str(self.threads), **launcher_env()})
         finally:
             child.close()
         self._sock = parent

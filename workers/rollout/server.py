@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Annotated, Literal, Optional, Union
 from pydantic import Field, TypeAdapter, field_validator
 
 from workers.io import wire
-from workers.io.lifetime import exit_with_parent
+from workers.io.lifetime import exit_with_parent, launcher_env
 from workers.rollout.engine import (Completion, EngineDied, EngineRPCTimeout, RolloutEngine, SamplingOptions, UpdateTiming,
                       configure_cpu_environment)
 from workers.rollout.staleness import VersionTrack
@@ -823,7 +823,8 @@ def launch_server(config: EngineServerConfig) -> tuple[subprocess.Popen, str, in
     # a library reads at import (OpenMP's pool size) is then the plan's too, and
     # /proc/<pid>/environ shows where the process was put.
     proc = subprocess.Popen([sys.executable, "-m", "workers", "engine-server"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, start_new_session=True, env={**os.environ, **config.env},
+                            stdout=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, **config.env, **launcher_env()},
                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     proc.stdin.write(config.model_dump_json().encode())
     proc.stdin.close()

@@ -121,13 +121,13 @@ class RankStep:
 
 # -- a rank ---------------------------------------------------------------------------------
 def _rank_main(rank: int, stages: int, model_path: str, optim: Optim, head_seed: Optional[int], threads: int,
-               timeout_s: float, conn: Connection) -> None:
+               timeout_s: float, parent_pid: int, conn: Connection) -> None:
     import torch.distributed as dist
 
     from workers.io.stores import interface_of, master_store
     from workers.io.lifetime import exit_with_parent
 
-    exit_with_parent()
+    exit_with_parent(parent_pid)  # the pid from the parent: it may be gone before this line
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING)
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -285,7 +285,7 @@ class PipelineGroup:
         self._conns = [parent for parent, _ in pipes]
         self._procs = [ctx.Process(target=_rank_main, name=f"fluxrl-pipeline-{r}",
                                    args=(r, stages, model_path, optim or Optim(), head_seed, max(1, threads),
-                                         timeout_s, pipes[r][1]), daemon=True)
+                                         timeout_s, os.getpid(), pipes[r][1]), daemon=True)
                        for r in range(stages)]
         for proc in self._procs:
             proc.start()
