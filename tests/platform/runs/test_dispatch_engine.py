@@ -123,9 +123,21 @@ def engine_tree(run_id: int) -> list:
     return [engine, *children] if children else []
 
 
-def all_gone(processes: list) -> bool:
+def survivors(processes: list) -> list[str]:
+    """What is left of ``processes``, each as pid and command line (for the failure message)."""
     _, alive = psutil.wait_procs(processes, timeout=0)
-    return not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    left = []
+    for p in alive:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{p.pid}: {' '.join(p.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def all_gone(processes: list) -> bool:
+    return not survivors(processes)
 
 
 async def follow(client: FluxClient, run_id: int) -> list[dict]:
@@ -175,4 +187,7 @@ def test_a_killed_engine_fails_the_run_with_a_reason_and_leaves_no_process(clien
     os.kill(tree[0].pid, signal.SIGKILL)
     row = wait_until(lambda: (r := run_row(run["id"])).is_terminal and r, 60, "the run to end")
     assert row.status == "failed" and row.failure_reason.startswith("The engine was killed by SIGKILL.")
-    wait_until(lambda: all_gone(tree), 15, "the engine's children to be stopped")
+    deadline = time.monotonic() + 15
+    while not all_gone(tree) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all_gone(tree), f"the engine's children outlived it by 15 s: {survivors(tree)}"
