@@ -49,28 +49,27 @@ class SlowStatusServer:
         self.server.server_close()
 
 
-def test_a_slow_reply_does_not_widen_the_gap_between_beats():
-    server = SlowStatusServer(delay_s=0.4)
-    heartbeat = Heartbeat(PlatformClient(server.url, "key", 1, timeout=5), every_s=0.5).start()
+def beat_against(delay_s: float, every_s: float, for_s: float) -> tuple[list, list, Heartbeat]:
+    """Beat every ``every_s`` against a server that replies after ``delay_s``, for ``for_s``:
+    the beats' arrival times, the gaps between them, and the heartbeat."""
+    server = SlowStatusServer(delay_s=delay_s)
+    heartbeat = Heartbeat(PlatformClient(server.url, "key", 1, timeout=5), every_s=every_s).start()
     try:
-        time.sleep(3.4)
+        time.sleep(for_s)
     finally:
         heartbeat.stop()
         server.close()
-    gaps = [b - a for a, b in zip(server.arrivals, server.arrivals[1:])]
-    assert len(server.arrivals) >= 5 and heartbeat.beats >= 4
+    return server.arrivals, [b - a for a, b in zip(server.arrivals, server.arrivals[1:])], heartbeat
+
+
+def test_a_slow_reply_does_not_widen_the_gap_between_beats():
+    arrivals, gaps, heartbeat = beat_against(delay_s=0.4, every_s=0.5, for_s=3.4)
+    assert len(arrivals) >= 5 and heartbeat.beats >= 4
     # every_s apart, not every_s + the 0.4 s reply (0.9 s); the median forgives one late thread
     assert statistics.median(gaps) < 0.65, gaps
 
 
 def test_a_reply_slower_than_the_cadence_is_followed_by_the_next_beat_at_once():
-    server = SlowStatusServer(delay_s=0.8)
-    heartbeat = Heartbeat(PlatformClient(server.url, "key", 1, timeout=5), every_s=0.3).start()
-    try:
-        time.sleep(4.0)
-    finally:
-        heartbeat.stop()
-        server.close()
-    gaps = [b - a for a, b in zip(server.arrivals, server.arrivals[1:])]
+    _, gaps, _ = beat_against(delay_s=0.8, every_s=0.3, for_s=4.0)
     # the reply's 0.8 s, no 0.3 s wait on top (1.1 s)
     assert len(gaps) >= 2 and statistics.median(gaps) < 0.95, gaps
