@@ -38,13 +38,14 @@ PLATFORM_LAYERS = [
     ["fluxrl.errors", "fluxrl.validation", "fluxrl.safe_yaml", "fluxrl.settings", "fluxrl.celery"],
     ["fluxrl.versioned"],
     ["fluxrl.accounts"],
+    ["fluxrl.quotas"],
     ["fluxrl.datasets", "fluxrl.modelstore"],
     ["fluxrl.rewards"],
     ["fluxrl.runs"],
     ["fluxrl.metrics"],
     ["fluxrl.dashboard"],
     ["fluxrl.api", "fluxrl.accounts.authentication"],
-    ["fluxrl.accounts.api", "fluxrl.datasets.api", "fluxrl.modelstore.api", "fluxrl.rewards.api", "fluxrl.runs.api",
+    ["fluxrl.accounts.api", "fluxrl.quotas.api", "fluxrl.datasets.api", "fluxrl.modelstore.api", "fluxrl.rewards.api", "fluxrl.runs.api",
      "fluxrl.runs.consumers",
      "fluxrl.accounts.websocket_auth"],
     ["fluxrl.metrics.api"],
@@ -192,6 +193,6 @@ def test_the_platform_layers_refuse_a_service_that_imports_the_api_or_a_higher_a
     edges = {"fluxrl.runs.services": {"fluxrl.api.parsers", "fluxrl.metrics.models"},
              "fluxrl.metrics.services": {"fluxrl.runs.live"}, "fluxrl.runs.api.views": {"fluxrl.runs.services"}}
     assert layer_violations(edges, PLATFORM_LAYERS) == [
-        "fluxrl.runs.services imports fluxrl.api.parsers: fluxrl.runs (layer 5) may not import fluxrl.api (layer 8)",
-        "fluxrl.runs.services imports fluxrl.metrics.models: fluxrl.runs (layer 5) may not import fluxrl.metrics "
-        "(layer 6)"]
+        "fluxrl.runs.services imports fluxrl.api.parsers: fluxrl.runs (layer 6) may not import fluxrl.api (layer 9)",
+        "fluxrl.runs.services imports fluxrl.metrics.models: fluxrl.runs (layer 6) may not import fluxrl.metrics "
+        "(layer 7)"]

@@ -48,6 +48,23 @@ class TaskSpec(_Strict):
     system_prompt: Optional[str] = Field(None, max_length=20000, description="chat: a system message for rows "
                                          "without their own")
 
+    @field_validator("dataset")
+    @classmethod
+    def _generator_bounded(cls, value):
+        if value.startswith("gen:"):  # its parameters within their bounds, named in the error
+            from workers.tasks.datasets import parse_generator
+
+            parse_generator(value)
+        return value
+
+    @model_validator(mode="after")
+    def _generated_rows_bounded(self):
+        if self.dataset.startswith("gen:"):  # task.size + task.eval_size rows, bounded (error on "task")
+            from workers.tasks.datasets import parse_generator
+
+            parse_generator(self.dataset, self.size + self.eval_size)
+        return self
+
     @field_validator("prompt_template")
     @classmethod
     def _template_compiles(cls, value):

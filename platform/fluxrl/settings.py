@@ -67,6 +67,7 @@ INSTALLED_APPS = [
     "fluxrl.rewards",
     "fluxrl.runs",
     "fluxrl.metrics",
+    "fluxrl.quotas",
     "fluxrl.dashboard",
 ]
 
@@ -178,8 +179,9 @@ CELERY_TASK_DEFAULT_QUEUE = "cpu"
 # routes. Every other task (the stale-run reaper) goes to cpu.
 CELERY_TASK_ROUTES = {"fluxrl.*": {"queue": "cpu"}}
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
-# The reaper fails runs whose watcher stopped heart-beating. Workers reap when they start
-# and while they watch a run; this beat entry (`celery -A fluxrl worker -B`, or a
+# The reaper fails runs whose watcher stopped heart-beating. A process reaps only after a
+# full FLUXRL_RUN_STALE_S of its own contact with the database (runs/dispatch.py): workers
+# reap one window after they start and while they watch a run; this beat entry (`celery -A fluxrl worker -B`, or a
 # `celery -A fluxrl beat` process) covers idle ones. Busy workers take it late: expire it.
 CELERY_BEAT_SCHEDULE = {"reap-stale-runs": {"task": "fluxrl.runs.tasks.reap_stale_runs", "schedule": 60.0,
                                             "options": {"expires": 50}}}
@@ -247,6 +249,10 @@ FLUXRL_MAX_UPLOAD_BYTES = int(float(os.environ.get("FLUXRL_MAX_UPLOAD_MB", "64")
 # A model folder's archive and its unpacked files (POST /api/models/): each at most this (the
 # web server holds an upload while it arrives: larger models belong in FLUXRL_MODEL_ROOTS).
 FLUXRL_MAX_MODEL_BYTES = int(float(os.environ.get("FLUXRL_MAX_MODEL_MB", "1024")) * 1024 * 1024)
+# Each JSON file of a model folder the platform parses (config.json, tokenizer_config.json, the
+# shard index, ...): at most this, refused before it is read (the vocabularies tokenizer.json and
+# vocab.json are not parsed here and count only toward FLUXRL_MAX_MODEL_MB).
+FLUXRL_MAX_MODEL_JSON_BYTES = int(float(os.environ.get("FLUXRL_MAX_MODEL_JSON_MB", "4")) * 1024 * 1024)
 FLUXRL_INGEST_MAX_POINTS = int(os.environ.get("FLUXRL_INGEST_MAX_POINTS", "1000"))
 FLUXRL_INGEST_MAX_SAMPLES = int(os.environ.get("FLUXRL_INGEST_MAX_SAMPLES", "500"))
 FLUXRL_INGEST_MAX_BYTES = int(os.environ.get("FLUXRL_INGEST_MAX_BYTES", str(1024 * 1024)))
@@ -270,6 +276,8 @@ FLUXRL_TRY_MAX_SECONDS = float(os.environ.get("FLUXRL_TRY_MAX_SECONDS", "10"))
 FLUXRL_TRY_MAX_CONCURRENT = int(os.environ.get("FLUXRL_TRY_MAX_CONCURRENT", "2"))
 # Prompt previews (POST /api/prompt-preview/) being made at once per web process; more get a 429.
 FLUXRL_PROMPT_PREVIEW_MAX_CONCURRENT = int(os.environ.get("FLUXRL_PROMPT_PREVIEW_MAX_CONCURRENT", "4"))
+# A preview (row generation, templates and tokens) stops after this; it answers 503 (fluxrl.runs.preview).
+FLUXRL_PROMPT_PREVIEW_DEADLINE_S = float(os.environ.get("FLUXRL_PROMPT_PREVIEW_DEADLINE_S", "15"))
 FLUXRL_RUN_TOKEN_TTL_HOURS = float(os.environ.get("FLUXRL_RUN_TOKEN_TTL_HOURS", "168"))  # 0 = until the run ends
 # Ordinary JSON bodies (run specs, reward code); uploads and ingest have their own limits.
 DATA_UPLOAD_MAX_MEMORY_SIZE = 4 * 1024 * 1024
@@ -309,11 +317,41 @@ REST_FRAMEWORK["DEFAULT_THROTTLE_CLASSES"] = ["fluxrl.api.throttles.ApiUserRateT
 REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"] = {
     scope: None if rate.strip().lower() in {"", "none", "0"} else rate.strip()
     for scope, rate in (("user", os.environ.get("FLUXRL_API_RATE", "6000/min")),
-                        ("login", os.environ.get("FLUXRL_LOGIN_RATE", "10/min")))}
-# Proxies in front of the server that append X-Forwarded-For (so rates count clients, not the proxy).
-if os.environ.get("FLUXRL_NUM_PROXIES"):
-    REST_FRAMEWORK["NUM_PROXIES"] = int(os.environ["FLUXRL_NUM_PROXIES"])
+                        ("login", os.environ.get("FLUXRL_LOGIN_RATE", "10/min")),
+                        ("login_user", os.environ.get("FLUXRL_LOGIN_USER_RATE", "20/hour")))}
+# Rates count the peer address (REMOTE_ADDR); X-Forwarded-For is read only behind the proxies
+# named here (fluxrl/api/throttles.py client_address): FLUXRL_TRUSTED_PROXIES, comma-separated
+# addresses/CIDRs, or FLUXRL_NUM_PROXIES, proxies every request passes through.
+FLUXRL_TRUSTED_PROXIES = [p.strip() for p in os.environ.get("FLUXRL_TRUSTED_PROXIES", "").split(",") if p.strip()]
+for _proxy in FLUXRL_TRUSTED_PROXIES:
+    try:
+        import ipaddress
+
+        ipaddress.ip_network(_proxy, strict=False)
+    except ValueError:
+        from django.core.exceptions import ImproperlyConfigured
+
+        raise ImproperlyConfigured(f"FLUXRL_TRUSTED_PROXIES: {_proxy!r} is not an address or CIDR") from None
+FLUXRL_NUM_PROXIES = int(os.environ.get("FLUXRL_NUM_PROXIES") or 0)
 MIDDLEWARE = [*MIDDLEWARE, "fluxrl.api.throttles.LoginThrottleMiddleware"]
 # A run's websocket re-checks this often that its user may still follow the run (membership,
-# token), and closes with 4403 when not.
+# token), and closes with 4404 (membership) or 4401 (token, user) when not.
 FLUXRL_WS_RECHECK_S = float(os.environ.get("FLUXRL_WS_RECHECK_S", "30"))
+
+# --- Quotas (issue 39, item 8): per-team defaults (an admin overrides them per team in the
+# Django admin: quotas.TeamQuota) and per-run ceilings; "none" = no limit. Live runs
+# (queued, starting, running) count towards runs, engines and nodes (fluxrl/quotas/services.py).
+
+
+def env_limit(name: str, default: str, scale: int = 1) -> int | None:
+    value = os.environ.get(name, default).strip().lower()
+    return None if value in {"", "none"} else int(float(value) * scale)
+
+
+FLUXRL_QUOTA_RUNS = env_limit("FLUXRL_QUOTA_RUNS", "32")
+FLUXRL_QUOTA_ENGINES = env_limit("FLUXRL_QUOTA_ENGINES", "128")
+FLUXRL_QUOTA_NODES = env_limit("FLUXRL_QUOTA_NODES", "64")  # every live run holds one at least
+FLUXRL_QUOTA_STORAGE_BYTES = env_limit("FLUXRL_QUOTA_STORAGE_MB", "51200", 1024 * 1024)  # 50 GiB
+FLUXRL_QUOTA_FILES = env_limit("FLUXRL_QUOTA_FILES", "20000")
+FLUXRL_MAX_ENGINES_PER_RUN = env_limit("FLUXRL_MAX_ENGINES_PER_RUN", "64")
+FLUXRL_MAX_NODES_PER_RUN = env_limit("FLUXRL_MAX_NODES_PER_RUN", "16")

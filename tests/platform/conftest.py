@@ -26,6 +26,18 @@ def data_dir(settings, tmp_path):
     return settings.FLUXRL_DATA_DIR
 
 
+@pytest.fixture
+def reaper_in_contact(monkeypatch):
+    """This process has reached the database for longer than any stale window, as a
+    long-lived worker has: its reaper judges heartbeats at once (runs/dispatch.py)."""
+    from fluxrl.runs import dispatch
+
+    contact = dispatch.DatabaseContact()
+    contact.assume_contact_for(1e6)
+    monkeypatch.setattr(dispatch, "db_contact", contact)
+    return contact
+
+
 def bearer(key: str) -> APIClient:
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")

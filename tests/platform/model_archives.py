@@ -1,5 +1,6 @@
 """Model folders as the archives a team uploads (POST /api/models/), built from the
 shipped tiny models: the reward model (a classifier) and the policy (a causal LM)."""
+import gzip
 import io
 import tarfile
 import zipfile
@@ -42,3 +43,37 @@ def zipped(files: dict[str, bytes], top: str = "") -> bytes:
 def tiny_rm_upload() -> SimpleUploadedFile:
     """The tiny reward model's folder as an uploaded .tar.gz."""
     return SimpleUploadedFile("tiny-rm.tar.gz", tar_gz(folder_files(RM)))
+
+
+def tar(files: dict[str, bytes], compression: str = "") -> bytes:
+    """A tar of ``files``, compressed with ``compression`` ("", "gz", "bz2", "xz")."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode=f"w:{compression}") as archive:
+        for name, body in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            archive.addfile(info, io.BytesIO(body))
+    return buf.getvalue()
+
+
+def zeros_gz(mib: int) -> bytes:
+    """``mib`` MiB of zeros as a gzip stream of ~1 KB per MiB: one member, repeated (a gzip
+    file may hold many members, read as one stream). Cheap to build, slow to read."""
+    one = gzip.compress(bytes(1 << 20), compresslevel=9, mtime=0)
+    return one * mib
+
+
+def declared_member_bomb(mib: int, name: str = "model.safetensors") -> bytes:
+    """A .tar.gz whose first header declares a ``mib`` MiB member, and whose stream really
+    holds that many zeros: skipping the member decompresses all of them."""
+    info = tarfile.TarInfo(name)
+    info.size = mib << 20
+    return gzip.compress(info.tobuf(format=tarfile.GNU_FORMAT), mtime=0) + zeros_gz(mib)
+
+
+def pax_header_bomb(mib: int) -> bytes:
+    """A .tar.gz whose first header is a pax record declaring ``mib`` MiB (tarfile reads a pax
+    record into memory whole), backed by that many zeros."""
+    info = tarfile.TarInfo("././@PaxHeader")
+    info.type, info.size = tarfile.XHDTYPE, mib << 20
+    return gzip.compress(info.tobuf(format=tarfile.USTAR_FORMAT), mtime=0) + zeros_gz(mib)

@@ -416,3 +416,54 @@ def test_no_websocket_route_lets_another_team_anonymous_or_a_run_token_watch(wor
 
     problems = async_to_sync(walk_sockets)()
     assert not problems, "\n".join(problems)
+
+
+# --- one answer for "not yours" and "no such" --------------------------------------------------
+
+MISSING_FILLERS = {("teams", "slug"): "no-such-team", ("members", "username"): "no-such-user"}
+MISSING_ID = "987654321"
+
+
+def fill_missing(route: Route) -> str:
+    """The route's URL with every path parameter naming nothing that exists."""
+    def value(match) -> str:
+        before = route.route[: match.start()].rstrip("/").rsplit("/", 1)[-1]
+        return MISSING_FILLERS.get((before, match.group(2) or match.group(3)), MISSING_ID)
+
+    return "/" + PARAM.sub(value, route.route.replace("^", "").replace("$", ""))
+
+
+def answer_shape(response, url: str) -> tuple:
+    """Status and body with the URL's own parameters blanked (they may be echoed)."""
+    text = b"".join(response.streaming_content) if response.streaming else response.content
+    text = text.decode("utf-8", "replace")
+    for part in sorted(urlsplit(url).path.strip("/").split("/"), key=len, reverse=True):
+        if len(part) > 1:
+            text = text.replace(part, "<param>")
+    text = re.sub(r"[A-Za-z0-9]{40,}", "<csrf>", text)  # a page's CSRF token differs per response
+    return response.status_code, response.get("Content-Type", ""), text
+
+
+def test_another_teams_objects_and_missing_ones_get_the_same_answer(world_a, world_b):
+    """For every route with path parameters (runs, datasets, models, teams, tokens...), team
+    A's object ids and ids that exist nowhere get the same status and body from team B
+    (API token, session) and from a team B run token: ids cannot be probed."""
+    session = APIClient()
+    session.force_login(world_b.admin)
+    clients = {"team B member": token_client(accounts.create_api_token(world_b.admin, "prober")[1]),
+               "team B session": session, "run token": token_client(world_b.run_key)}
+    problems = []
+    for route in all_routes():
+        if route.route in PUBLIC_ROUTES or route.route.startswith("admin/") or not PARAM.search(route.route):
+            continue
+        theirs, nowhere = fill(route, world_a), fill_missing(route)
+        for who, client in clients.items():
+            for method in ("GET", "POST", "PATCH", "DELETE"):
+                body = bodies(route, world_a, True)[0] if method != "GET" else {}
+                answers = [answer_shape(call(client, method, url, body, route), url) for url in (theirs, nowhere)]
+                if answers[0] != answers[1]:
+                    differs = next(i for i, (a, b) in enumerate(zip(*(str(x) for x in answers))) if a != b) \
+                        if str(answers[0]) != str(answers[1]) else 0
+                    problems.append(f"{who} {method} {route.route}: {theirs} -> {str(answers[0])[max(0, differs - 80):differs + 120]!r}"
+                                    f" but {nowhere} -> {str(answers[1])[max(0, differs - 80):differs + 120]!r}")
+    assert not problems, "\n".join(problems)

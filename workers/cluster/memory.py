@@ -50,6 +50,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from workers.tasks.model_folder import check_model_folder
 from workers.weights.broadcast import BUCKET_BYTES
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ def model_size(path: str) -> Optional[ModelSize]:
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         return None
+    check_model_folder(path)  # before AutoConfig reads it: a redirect is an error, not an unknown size
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM

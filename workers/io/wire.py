@@ -22,7 +22,12 @@ ends present that certificate and require the peer's to chain to it. So:
 
 Every accepted connection must finish its handshake within ``FLUXRL_WIRE_HANDSHAKE_S``
 (default 10 s), each in a thread of its own so a silent connection never blocks others;
-connects have the same limit. A frame's length is checked before anything is allocated:
+connects have the same limit. Handshake slots are shared out by source address: at most
+64 at once, at most 8 per address that has never completed a handshake here (a stranger;
+32 for a known peer's address), and when they are all taken, a new connection pushes out
+the stranger's handshake that has waited longest — so strangers, from one address or
+many, cannot hold off the run's peers (on one node every peer is 127.0.0.1: known after
+its first handshake, and the node agents retry a dropped connect). A frame's length is checked before anything is allocated:
 a header over 1 MiB or a blob over ``FLUXRL_WIRE_MAX_BLOB_MB`` (default 4096) closes the
 connection with :class:`FrameTooLarge`. Any failure of a channel (EOF, TLS error, bad or
 oversized frame, a message that does not validate) closes it and raises ``EOFError`` or
@@ -54,7 +59,12 @@ HANDSHAKE_ENV = "FLUXRL_WIRE_HANDSHAKE_S"
 MAX_BLOB_ENV = "FLUXRL_WIRE_MAX_BLOB_MB"
 MAX_HEADER = 1 << 20  # a message's JSON: samples of a batch fit many times over
 _CHUNK = 1 << 20  # plaintext handed to TLS at a time (bounds the encrypted copy in memory)
-_MAX_HANDSHAKES = 64  # connections handshaking at once per listener; more are dropped
+_MAX_HANDSHAKES = 64  # connections handshaking at once per listener
+# Per source address: one that never completed a handshake on this listener (a stranger)
+# cannot take more than a few slots; a known peer's address (a whole node: its agent's two
+# channels, the engine clients) gets more. A dropped node agent retries (cluster/node.py).
+_MAX_HANDSHAKES_PER_STRANGER = 8
+_MAX_HANDSHAKES_PER_KNOWN = 32
 _WELCOME = b"\x01"  # the server's first byte: it accepted our certificate
 
 _HEAD = struct.Struct(">IB")  # JSON length, kind (M: message, B: message + blob)
@@ -377,9 +387,19 @@ def _server_side(sock: socket.socket, key: bytes, deadline: float) -> _Tls:
     return tls
 
 
+class _Pending:
+    """A connection handshaking in its own thread."""
+
+    __slots__ = ("sock", "host", "known", "evicted")
+
+    def __init__(self, sock: socket.socket, host: str, known: bool):
+        self.sock, self.host, self.known, self.evicted = sock, host, known, False
+
+
 class Listener:
     """Accepts connections on ``(host, port)``; each handshakes in a thread of its own
-    within the deadline, so a silent or hostile connection delays nobody."""
+    within the deadline, so a silent or hostile connection delays nobody, and handshake
+    slots are shared out by source address (see the module's docstring)."""
 
     def __init__(self, host: str, port: int = 0, key: Optional[bytes] = None):
         self.key = key or cluster_key()
@@ -387,7 +407,11 @@ class Listener:
         self._sock.settimeout(0.5)  # the accept loop looks at _closed this often
         self.address = self._sock.getsockname()[:2]
         self._ready: queue.Queue = queue.Queue()
-        self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
+        self._lock = threading.Lock()
+        self._pending: list[_Pending] = []  # oldest first
+        self._known: set[str] = set()  # addresses that completed a handshake (only key holders can)
+        self._dropped = 0
+        self._dropped_logged_at = 0.0
         self._closed = False
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"wire-accept-{self.address[1]}",
                                           daemon=True)
@@ -404,23 +428,62 @@ class Listener:
                     return
                 time.sleep(0.1)  # e.g. out of file descriptors: try again
                 continue
-            if not self._handshakes.acquire(blocking=False):
-                log.warning("wire %s: %d connections already handshaking; dropped %s", format_address(self.address),
-                            _MAX_HANDSHAKES, format_address(peer))
+            pending = self._admit(sock, str(peer[0]))
+            if pending is None:
+                self._note_drop(peer)
                 sock.close()
                 continue
-            threading.Thread(target=self._handshake, args=(sock, peer), name="wire-handshake", daemon=True).start()
+            threading.Thread(target=self._handshake, args=(pending, peer), name="wire-handshake", daemon=True).start()
 
-    def _handshake(self, sock: socket.socket, peer) -> None:
+    def _admit(self, sock: socket.socket, host: str) -> Optional[_Pending]:
+        """A slot for a new connection from ``host``, or None (dropped). Over the global cap
+        it takes the slot of the stranger that has handshaken longest (a real peer's
+        handshake takes milliseconds; one that waits is most likely silent)."""
+        with self._lock:
+            known = host in self._known
+            same = sum(1 for p in self._pending if p.host == host)
+            if same >= (_MAX_HANDSHAKES_PER_KNOWN if known else _MAX_HANDSHAKES_PER_STRANGER):
+                return None
+            if len(self._pending) >= _MAX_HANDSHAKES:
+                victim = next((p for p in self._pending if not p.known), None)
+                if victim is None:  # every slot is a known peer's: the newcomer waits its turn (retries)
+                    return None
+                self._pending.remove(victim)
+                victim.evicted = True
+                try:  # wakes its thread, which closes it
+                    victim.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            pending = _Pending(sock, host, known)
+            self._pending.append(pending)
+            return pending
+
+    def _note_drop(self, peer) -> None:
+        # one line a second at most: a flood must not flood the log too
+        self._dropped += 1
+        now = time.monotonic()
+        if now - self._dropped_logged_at >= 1.0:
+            log.warning("wire %s: handshake slots taken (%d at most, %d per unknown address); dropped %d "
+                        "connection(s), the last from %s", format_address(self.address), _MAX_HANDSHAKES,
+                        _MAX_HANDSHAKES_PER_STRANGER, self._dropped, format_address(peer))
+            self._dropped, self._dropped_logged_at = 0, now
+
+    def _handshake(self, pending: _Pending, peer) -> None:
         try:
-            tls = _server_side(sock, self.key, time.monotonic() + handshake_timeout())
+            tls = _server_side(pending.sock, self.key, time.monotonic() + handshake_timeout())
         except Exception as exc:  # noqa: BLE001 - a refused peer is logged, never fatal to the listener
-            log.warning("wire %s: refused %s: %s", format_address(self.address), format_address(peer),
-                        f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            why = "pushed out by a newer connection" if pending.evicted else (
+                f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            log.warning("wire %s: refused %s: %s", format_address(self.address), format_address(peer), why)
             return
         finally:
-            self._handshakes.release()
-        if self._closed:
+            with self._lock:
+                if pending in self._pending:
+                    self._pending.remove(pending)
+        with self._lock:
+            if not pending.evicted:
+                self._known.add(pending.host)
+        if self._closed or pending.evicted:  # pushed out just as it finished: its socket is shut
             tls.close()
         else:
             self._ready.put((tls, format_address(peer)))

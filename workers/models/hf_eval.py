@@ -11,6 +11,7 @@ import logging
 import torch
 
 from workers.models.preflight import check_run
+from workers.tasks.model_folder import check_model_folder
 from workers.tasks.prompts import stop_token_ids
 
 logger = logging.getLogger(__name__)
@@ -23,7 +24,7 @@ def greedy_texts(folder: str, renderer, rows: list[dict], max_new: int, batch: i
     tokenizer = renderer.tokenizer
     stops = stop_token_ids(folder, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(check_model_folder(folder), dtype=torch.float32).eval()
     texts: list[str] = []
     for i in range(0, len(rows), batch):
         enc = [renderer.ids(r) for r in rows[i:i + batch]]

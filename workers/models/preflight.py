@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 from workers.tasks.prompts import PromptError, PromptRenderer, load_tokenizer, stop_token_ids
+from workers.tasks.template_child import CHAT_TEMPLATE
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,14 @@ def check_run(spec, train_rows: list[dict], eval_rows: list[dict], check_archite
     if budget >= cap:
         raise ModelCheckError(f"rollout.max_tokens {budget} leaves no room for a prompt within "
                               f"max_model_len {cap}" + ("" if wanted else " (the model's limit)"))
+
+    # Every row's prompt in one bounded child (workers.tasks.template_child): the spec's
+    # template and the model's chat template are user input, rendered nowhere else.
+    try:
+        renderer.prepare(train_rows + eval_rows)
+    except PromptError as exc:
+        raise ModelCheckError(f"model.path {path!r}: {exc}" if exc.source == CHAT_TEMPLATE
+                              else f"task.dataset: {exc}") from None
 
     def keep(rows: list[dict]) -> tuple[list[dict], int]:
         kept = []

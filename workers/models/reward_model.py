@@ -31,6 +31,7 @@ from workers.models.tinymodel import (MANIFEST, WEIGHTS, cache_is_good, default_
                                       recipe_id, shipped_manifest, verify_model_folder)
 from workers.tasks import datasets as tasks
 from workers.tasks.builtin_rewards import numeric_match
+from workers.tasks.model_folder import UnsafeModelFolder, check_model_folder
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,10 @@ def resolve_reward_model_path(path: str) -> str:
     labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
     if labels != 1:
         raise ModelCheckError(f"reward.model.path {path!r} has {labels} labels; a reward model has one (its logit)")
-    return path
+    try:
+        return check_model_folder(path)
+    except UnsafeModelFolder as exc:
+        raise ModelCheckError(f"reward.model.path: {exc}") from None
 
 
 def _near_miss(answer: int, rng: random.Random) -> int:
@@ -140,7 +144,7 @@ def train(recipe: dict, out: Path, progress: bool = True) -> dict:
 
     torch.set_num_threads(1)  # reproducible, and polite on a busy machine
     torch.manual_seed(recipe["seed"])
-    policy_dir = tinymodel.ensure_tiny_model(progress=progress)
+    policy_dir = check_model_folder(tinymodel.ensure_tiny_model(progress=progress))
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     policy = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
     t0 = time.time()

@@ -20,6 +20,7 @@ import sys
 from typing import Optional
 
 from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, serve
+from workers.tasks.model_folder import check_model_folder
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class Scorer:
 
         torch.set_num_threads(threads)
         self.torch = torch
+        check_model_folder(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForSequenceClassification.from_pretrained(path, use_safetensors=True).eval()
         if self.model.config.num_labels != 1:

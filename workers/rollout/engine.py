@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from workers.rollout.staleness import VersionTrack
+from workers.tasks.model_folder import check_model_folder
 
 if TYPE_CHECKING:
     from workers.weights.broadcast import CollectiveWeights
@@ -173,10 +174,11 @@ class RolloutEngine:
     async def start(self, warm_blob: Optional[bytes] = None, version: int = 0) -> None:
         """Start the engine; ``warm_blob`` is loaded as its first weight update, labelled
         ``version`` (a resumed run's checkpoint)."""
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         if not os.path.isfile(os.path.join(self.model_path, "config.json")):
             raise FileNotFoundError(f"model.path {self.model_path!r} is not a Hugging Face model folder (no config.json)")
+        check_model_folder(self.model_path)  # vLLM reads the folder's index and config as transformers does
+        from vllm.v1.engine.async_llm import AsyncLLM
+
         args = self.engine_args()
         # vLLM's CPU platform turns the uni executor into a worker process unless this is 0
         # when the config is made; the engine core process it starts inherits it.

@@ -7,6 +7,7 @@ rows need two or three running sums, a few need a dozen (StreamRL's skewness).
 from __future__ import annotations
 
 import random
+import re
 from typing import Callable
 
 
@@ -64,15 +65,81 @@ GENERATORS: dict[str, Callable[..., list[dict]]] = {
     "countdown": gen_countdown,
 }
 
-
-def generate(name: str, n: int, seed: int = 0, **params) -> list[dict]:
-    if name not in GENERATORS:
-        raise ValueError(f"unknown generator {name!r}; choose one of {sorted(GENERATORS)}")
-    return GENERATORS[name](n, seed=seed, **params)
+# Every parameter a generator takes from a spec (gen:<name>?k=v) or the datasets API, with
+# its bounds (inclusive): generating is linear (countdown's expression: quadratic) in them,
+# and a row is generated in the web process for a preview and a generated dataset.
+GENERATOR_PARAMS: dict[str, dict[str, tuple[int, int]]] = {
+    "add": {"max_digits": (1, 100)},
+    "chain": {"max_terms": (1, 100), "max_value": (1, 10 ** 9)},
+    "countdown": {"numbers": (1, 100), "max_value": (1, 10 ** 9)},
+}
+MAX_GENERATED_ROWS = 200_000  # rows of one generated dataset (task.size + task.eval_size)
+MAX_GENERATED_CHARS = 20_000_000  # rows x characters a row, about: seconds of one core at the bound
+_INTEGER = re.compile(r"-?[0-9]{1,18}")
 
 
 class DatasetError(ValueError):
     pass
+
+
+def _row_chars(name: str, params: dict) -> int:
+    """About how many characters a row of the generator has (prompt and answer)."""
+    digits = len(str(params.get("max_value", 30))) + 1
+    if name == "add":
+        return 3 * params.get("max_digits", 3) + 2
+    if name == "chain":
+        return 2 * min(params.get("max_terms", 14), 5) * digits  # a geometric number of terms, ~3 on average
+    return 2 * params.get("numbers", 3) * digits + 2 * digits
+
+
+def check_generator(name: str, n: int | None = None, params: dict | None = None) -> dict:
+    """The generator's parameters checked against GENERATOR_PARAMS and, given n rows, the
+    rows against MAX_GENERATED_ROWS and MAX_GENERATED_CHARS: DatasetError naming the
+    parameter and its bound. Integer strings (from a gen: query) become ints."""
+    if name not in GENERATORS:
+        raise DatasetError(f"unknown generator {name!r}; choose one of {sorted(GENERATORS)}")
+    allowed = GENERATOR_PARAMS[name]
+    out = {}
+    for key, value in (params or {}).items():
+        if key not in allowed:
+            raise DatasetError(f"gen:{name} has no parameter {key!r}; it takes "
+                               f"{', '.join(allowed) or 'none'}")
+        low, high = allowed[key]
+        if isinstance(value, str) and _INTEGER.fullmatch(value.strip()):
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise DatasetError(f"gen:{name} parameter {key} must be an integer from {low} to {high} "
+                               f"(the bound on {key}), not {str(value)[:40]!r}")
+        out[key] = value
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_GENERATED_ROWS:
+            raise DatasetError(f"gen:{name} makes at most {MAX_GENERATED_ROWS} rows (the bound on the rows: "
+                               f"task.size + task.eval_size, or n), not {n}")
+        chars = n * _row_chars(name, out)
+        if chars > MAX_GENERATED_CHARS:
+            raise DatasetError(f"gen:{name} with {', '.join(f'{k}={v}' for k, v in out.items()) or 'its defaults'} "
+                               f"makes about {chars} characters for {n} rows; the bound is {MAX_GENERATED_CHARS} "
+                               "(fewer rows, or smaller parameters)")
+    return out
+
+
+def parse_generator(ref: str, n: int | None = None) -> tuple[str, dict]:
+    """gen:<name>[?k=v&...] as (name, checked parameters): check_generator's errors."""
+    from urllib.parse import parse_qsl
+
+    name, _, query = ref.removeprefix("gen:").partition("?")
+    if len(query) > 1000:
+        raise DatasetError(f"gen:{name[:40]}: its parameters are over 1000 characters")
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query), max_num_fields=20)
+    except ValueError as exc:
+        raise DatasetError(f"gen:{name[:40]}: parameters as k=v&k=v ({exc})") from None
+    return name, check_generator(name, n, dict(pairs))
+
+
+def generate(name: str, n: int, seed: int = 0, **params) -> list[dict]:
+    params = check_generator(name, n, params)
+    return GENERATORS[name](n, seed=seed, **params)
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -103,12 +170,10 @@ def load_rows(dataset: str, size: int = 4000, eval_size: int = 200, seed: int = 
     fields); held-out prompts never appear in training.
     """
     import json
-    from urllib.parse import parse_qsl
 
     if dataset.startswith("gen:"):
-        name, _, query = dataset[4:].partition("?")
-        params = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in parse_qsl(query)}
-        rows = generate(name, size + eval_size, seed=seed, **params)
+        name, params = parse_generator(dataset, size + eval_size)
+        rows = GENERATORS[name](size + eval_size, seed=seed, **params)
     else:
         try:
             with open(dataset, encoding="utf-8") as fh:

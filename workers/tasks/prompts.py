@@ -27,7 +27,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 class PromptError(ValueError):
-    """A row, template or tokenizer that cannot make a prompt (bad input: exit code 2)."""
+    """A row, template or tokenizer that cannot make a prompt (bad input: exit code 2).
+    source: the template at fault (template_child.PROMPT_TEMPLATE or CHAT_TEMPLATE), if one is."""
+
+    def __init__(self, message: str, source: Optional[str] = None):
+        super().__init__(message)
+        self.source = source
 
 
 MAX_TEMPLATE_RESULT = 100_000  # characters (or items) one operation of a template may build
@@ -158,17 +163,21 @@ def _bounded_filters(filters: dict, refusals: list) -> dict:
             "replace": pass_eval_context(replace), "sum": pass_environment(sum_)}
 
 
-def _environment():
+def _environment(chat: bool = False):
     """Jinja's immutable sandbox (no Python internals), with every operation that can build
     far more than it is given bounded at MAX_TEMPLATE_RESULT: ``*`` and ``**``, ``%`` and
     str.format widths, the width filters (center, indent, format, batch, slice, tojson,
     join, replace, sum) and str's ljust/rjust/center/zfill/expandtabs; no lipsum. Jinja
     folds constant expressions while compiling, so ``{{ 'x'|center(10**8) }}`` would
     otherwise build 100 MB in whatever process compiles the template. CPU time and the
-    total size (a loop building many bounded pieces) are not bounded here: the web server
-    compiles and renders templates only in a child process with limits (runs/preview.py)."""
-    from jinja2 import StrictUndefined
-    from jinja2.exceptions import SecurityError
+    total size (a loop building many bounded pieces) are not bounded here: templates are
+    compiled and rendered only in a child process with limits (workers.tasks.template_child).
+    chat: the environment transformers' apply_chat_template renders a chat template in
+    (trim_blocks, lstrip_blocks, loop controls, {% generation %}, undefined fields empty,
+    its tojson, raise_exception and strftime_now), with the same bounds."""
+    from jinja2 import StrictUndefined, Undefined, nodes
+    from jinja2.exceptions import SecurityError, TemplateError
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class BoundedEnvironment(ImmutableSandboxedEnvironment):
@@ -214,45 +223,104 @@ def _environment():
             _check_str_format(value.__self__)
             return wrapped
 
-    env = BoundedEnvironment(undefined=StrictUndefined, keep_trailing_newline=True)
+    if not chat:
+        env = BoundedEnvironment(undefined=StrictUndefined, keep_trailing_newline=True)
+    else:
+        class Generation(Extension):
+            """{% generation %}...{% endgeneration %}: transformers marks assistant text with it;
+            rendered as its body (a prompt never asks for the assistant mask)."""
+            tags = {"generation"}
+
+            def parse(self, parser):
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return nodes.Scope(body).set_lineno(lineno)
+
+        env = BoundedEnvironment(undefined=Undefined, trim_blocks=True, lstrip_blocks=True,
+                                 extensions=[Generation, loopcontrols])
     env.refusals = []
     env.filters = _bounded_filters(env.filters, env.refusals)
     env.globals.pop("lipsum", None)  # lipsum(n=10**8): nothing a prompt needs
+    if chat:
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            _check_size("tojson's indent", _as_size(indent or 0))
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        def strftime_now(fmt):
+            from datetime import datetime
+
+            _check_size("strftime_now", len(str(fmt)) * 16)
+            return datetime.now().strftime(fmt)
+
+        env.filters["tojson"] = tojson
+        env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     return env
 
 
 class DeferredTemplate:
-    """What compile_template returns in a process that hands templates to a checker (the
-    web server): the template was checked elsewhere and is never rendered here."""
+    """What compile_template returns: a template checked in the child process and never
+    compiled in this one; render() renders it over the given fields in a child too."""
 
     def __init__(self, text: str):
         self.text = text
 
-    def render(self, *args, **kwargs):
-        raise RuntimeError("prompt templates are rendered in a bounded child process here (runs/preview.py)")
+    def render(self, **fields) -> str:
+        from workers.tasks import template_child
+
+        return template_child.render_rows([fields], prompt_template=self.text, prompt_format="raw")[0]
 
 
 _template_checker = None
 
 
 def check_templates_with(checker) -> None:
-    """From now on this process compiles no template itself: compile_template(text) calls
-    checker(text) (which compiles it elsewhere, raising ValueError "line N: ..." for a bad
-    one) and returns a DeferredTemplate. The web server sets this (fluxrl/runs/apps.py) so
-    validating a spec never compiles user Jinja in the web process."""
+    """compile_template(text) calls checker(text) from now on instead of the default (a
+    child process of workers.tasks.template_child): the web server sets one that also
+    bounds how many children run at once (fluxrl/runs/apps.py)."""
     global _template_checker
     _template_checker = checker
 
 
-def compile_template(text: str):
-    """A Jinja template over row fields, in the bounded sandbox above: undefined fields
-    are errors, not empty strings."""
-    if _template_checker is not None:
-        _template_checker(text)
-        return DeferredTemplate(text)
+_checked: dict[bytes, None] = {}  # sha256 of templates that compiled (only digests: nothing compiled is kept)
+_CHECKED_MAX = 256
+
+
+def _check_in_child(text: str) -> None:
+    import hashlib
+
+    from workers.tasks import template_child
+
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+    if digest in _checked:
+        return
+    try:
+        template_child.check_template(text)
+    except template_child.TemplateError as exc:
+        raise ValueError(str(exc)) from None
+    _checked[digest] = None
+    while len(_checked) > _CHECKED_MAX:
+        del _checked[next(iter(_checked))]
+
+
+def compile_template(text: str) -> DeferredTemplate:
+    """A Jinja template over row fields, checked (compiled) in the bounded child process:
+    ValueError "line N: ..." for a bad one, or naming the budget. Nothing of it is compiled
+    or kept compiled in this process (compile_bounded is the child's own compiler)."""
+    (_template_checker or _check_in_child)(text)
+    return DeferredTemplate(text)
+
+
+def compile_bounded(text: str, chat: bool = False):
+    """The template compiled in THIS process, in the bounded sandbox above: only for the
+    template child (workers.tasks.template_child), which runs under a memory and time limit.
+    chat: a model's chat template, in transformers' chat environment; otherwise a prompt
+    template, where undefined fields are errors, not empty strings."""
     from jinja2 import TemplateSyntaxError
 
-    env = _environment()
+    env = _environment(chat)
     try:
         template = env.from_string(text)
     except TemplateSyntaxError as exc:
@@ -266,9 +334,15 @@ def load_tokenizer(model_path: str):
     """The folder's tokenizer, or a PromptError saying what is missing."""
     from transformers import AutoTokenizer
 
+    from workers.tasks.model_folder import UnsafeModelFolder, check_model_folder
+
     if os.path.isdir(model_path) and not any(os.path.isfile(os.path.join(model_path, f)) for f in TOKENIZER_FILES):
         raise PromptError(f"model.path {model_path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
                           "save it next to the weights with tokenizer.save_pretrained(folder)")
+    try:
+        check_model_folder(model_path)
+    except UnsafeModelFolder as exc:
+        raise PromptError(str(exc)) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds here
@@ -316,6 +390,12 @@ def stop_token_ids(model_path: str, tokenizer) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
+def _special_tokens(tokenizer) -> dict:
+    """What apply_chat_template passes a chat template besides the messages (bos_token...)."""
+    tokens = getattr(tokenizer, "special_tokens_map", None) or {}
+    return {k: v if isinstance(v, (str, list)) else str(v) for k, v in tokens.items()}
+
+
 def row_is_chat(row: dict, fmt: str, system_prompt: Optional[str]) -> bool:
     if fmt != "auto":
         return fmt == "chat"
@@ -323,14 +403,22 @@ def row_is_chat(row: dict, fmt: str, system_prompt: Optional[str]) -> bool:
 
 
 class PromptRenderer:
-    """Rows → prompt text → token ids (cached per prompt), and generated ids → text."""
+    """Rows → prompt text → token ids (cached per prompt), and generated ids → text.
+
+    Templates (task.prompt_template, the tokenizer's chat template) are user input: they
+    are compiled and rendered only in the bounded child of workers.tasks.template_child,
+    never in this process. prepare(rows) renders a whole dataset in one child; text() and
+    ids() of a row not prepared render it alone."""
 
     def __init__(self, tokenizer, fmt: str = "auto", template: Optional[str] = None,
-                 system_prompt: Optional[str] = None):
+                 system_prompt: Optional[str] = None, check: bool = True):
         self.tokenizer = tokenizer
         self.format = fmt
-        self.template = compile_template(template) if template else None
+        if template and check:
+            compile_template(template)  # checked now (in the child): a bad one is a spec error
+        self.template = template or None
         self.system_prompt = system_prompt
+        self._texts: dict[str, str] = {}
         self._cache: dict[str, list[int]] = {}
 
     @classmethod
@@ -344,37 +432,61 @@ class PromptRenderer:
     def is_chat(self, row: dict) -> bool:
         return row_is_chat(row, self.format, self.system_prompt)
 
-    def _user_text(self, row: dict) -> str:
-        if self.template is None:
-            return row["prompt"]
-        try:
-            return self.template.render(**row)
-        except Exception as exc:  # noqa: BLE001 - an undefined field, a sandbox refusal
-            raise PromptError(f"task.prompt_template failed on a row: {type(exc).__name__}: {exc}") from None
+    def _key(self, row: dict) -> str:
+        return json.dumps([row.get("messages"), row.get("system"), row.get("prompt")] if self.template is None
+                          else row, sort_keys=True, default=str)
 
-    def messages(self, row: dict) -> list[dict]:
-        if isinstance(row.get("messages"), list):
-            return row["messages"]
-        system = row.get("system") or self.system_prompt
-        return ([{"role": "system", "content": str(system)}] if system else []) + \
-            [{"role": "user", "content": self._user_text(row)}]
-
-    def text(self, row: dict) -> str:
-        """The prompt exactly as the tokenizer encodes it."""
-        if not self.is_chat(row):
-            return self._user_text(row)
+    def _chat_template(self) -> Optional[str]:
+        """The tokenizer's chat template text as apply_chat_template picks it (a dict of named
+        templates: its "default"); picking it compiles nothing."""
         if not self.has_chat_template:
+            return None
+        try:
+            return self.tokenizer.get_chat_template()
+        except Exception as exc:  # noqa: BLE001 - several named templates and no default
+            raise PromptError(f"the chat template: {exc}") from None
+
+    def prepare(self, rows: list[dict], deadline: Optional[float] = None) -> None:
+        """Every row's prompt text rendered in one bounded child (rows needing no template
+        skipped): PromptError naming the template, the row and the budget when it fails."""
+        from workers.tasks import template_child
+
+        todo: dict[str, dict] = {}
+        for row in rows:
+            if self.template is None and not self.is_chat(row):
+                continue
+            key = self._key(row)
+            if key not in self._texts and key not in self._cache:
+                todo.setdefault(key, row)
+        if not todo:
+            return
+        chat_template = self._chat_template()
+        if chat_template is None and any(self.is_chat(r) for r in todo.values()):
             raise PromptError("a chat row (messages or a system message) needs a chat template, and this model's "
                               "tokenizer has none: set task.prompt_format: raw with a task.prompt_template, or add "
                               "chat_template to tokenizer_config.json")
         try:
-            return self.tokenizer.apply_chat_template(self.messages(row), add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # noqa: BLE001 - a template that raises on these messages
-            raise PromptError(f"the chat template failed on a row: {type(exc).__name__}: {exc}") from None
+            texts = template_child.render_rows(
+                list(todo.values()), prompt_template=self.template, chat_template=chat_template,
+                special_tokens=_special_tokens(self.tokenizer), prompt_format=self.format,
+                system_prompt=self.system_prompt, deadline=deadline)
+        except template_child.TemplateDeadline:
+            raise
+        except template_child.TemplateError as exc:
+            raise PromptError(f"{exc.source or 'the template'}: {exc}", source=exc.source) from None
+        self._texts.update(zip(todo, texts))
+
+    def text(self, row: dict) -> str:
+        """The prompt exactly as the tokenizer encodes it."""
+        if self.template is None and not self.is_chat(row):
+            return row["prompt"]
+        key = self._key(row)
+        if key not in self._texts:
+            self.prepare([row])
+        return self._texts[key]
 
     def ids(self, row: dict) -> list[int]:
-        key = json.dumps([row.get("messages"), row.get("system"), row.get("prompt")] if self.template is None
-                         else row, sort_keys=True, default=str)
+        key = self._key(row)
         ids = self._cache.get(key)
         if ids is None:
             # A chat template writes its own special tokens (BOS included); raw text gets
@@ -383,6 +495,7 @@ class PromptRenderer:
             if not ids:
                 raise PromptError(f"a row's prompt encodes to no tokens: {row.get('prompt')!r:.80}")
             self._cache[key] = ids
+            self._texts.pop(key, None)  # the ids are what is kept
         return ids
 
     def decode(self, ids: list[int]) -> str:

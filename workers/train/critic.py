@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from workers.spec import RunSpec
+from workers.tasks.model_folder import check_model_folder
 from workers.train import algorithms
 
 CHECKPOINT_TAG = "critic"  # the critic's DeepSpeed files sit beside the policy's ("ds") in a checkpoint
@@ -53,7 +54,7 @@ class Critic:
         self.spec = spec
         self.autocast_dtype = autocast_dtype
         self.device_type = device_type
-        model = ValueModel(AutoModel.from_pretrained(model_path, dtype=load_dtype))
+        model = ValueModel(AutoModel.from_pretrained(check_model_folder(model_path), dtype=load_dtype))
         lr = spec.critic.lr or spec.algorithm.lr
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=spec.algorithm.weight_decay)
         # the caller (Trainer) has reset DeepSpeed's autocast globals for this engine

@@ -38,6 +38,8 @@ from typing import Optional
 
 import torch
 
+from workers.tasks.model_folder import check_model_folder
+
 
 MODELS = ("actor", "critic")
 
@@ -199,6 +201,7 @@ def load_model(model_path: str, kind: str, head_seed: Optional[int] = None) -> t
     a small random value head instead of zeros, so its trunk has gradients at once)."""
     from transformers import AutoModel, AutoModelForCausalLM
 
+    check_model_folder(model_path)
     if kind == "actor":
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     from workers.train.critic import ValueModel

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from workers.spec import RunSpec
+from workers.tasks.model_folder import check_model_folder
 from workers.train import algorithms
 from workers.train.batching import generated_columns, pad_sequences
 from workers.train.pipeline import Hyper, bubble_share, micro_batches
@@ -58,7 +59,8 @@ class PipelineTrainer:
         from transformers import AutoConfig
 
         # the config class's default where the file leaves it out (a GPT-2 ties, a Llama does not)
-        self.tied = bool(getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False))
+        self.tied = bool(getattr(AutoConfig.from_pretrained(check_model_folder(model_path)), "tie_word_embeddings",
+                                 False))
         self.group = PipelineGroup(model_path, self.stages, Optim.of(spec),
                                    threads=max(1, (threads or 1) // self.stages))
         self.version = 0

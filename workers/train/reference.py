@@ -20,6 +20,7 @@ import logging
 import sys
 
 from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, serve
+from workers.tasks.model_folder import check_model_folder
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class ReferenceScorer:
         # As the trainer: fp32 weights under autocast at ZeRO 0 with a low precision, else that dtype
         self.autocast = getattr(torch, dtype) if dtype != "float32" and zero_stage == 0 else None
         load = torch.float32 if self.autocast is not None else getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=load).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(check_model_folder(path), dtype=load).eval()
         self.model.requires_grad_(False)
         self.temperature = max(temperature, 1e-5)
         self.top_k, self.top_p, self.pad_id = top_k, top_p, pad_id

@@ -21,6 +21,7 @@ import torch
 from workers.train import algorithms
 from workers.train.batching import completion_mask, generated_columns, pad_sequences, per_token
 from workers.spec import RunSpec
+from workers.tasks.model_folder import check_model_folder
 
 
 @dataclass
@@ -229,7 +230,7 @@ class Trainer:
         # master copy from the cast ones (engine.py _configure_distributed_model), so loading
         # them in fp32 first would buy nothing but twice the host memory: the spec's dtype.
         load = torch.float32 if self.autocast_dtype is not None else getattr(torch, spec.model.dtype)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=load)
+        model = AutoModelForCausalLM.from_pretrained(check_model_folder(model_path), dtype=load)
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.reference = None
         if algo.kl_coef > 0 and algo.kl_reference == "trainer":  # (stage: the samples bring log π_ref)

@@ -31,6 +31,7 @@ import tempfile
 import time
 
 from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, serve
+from workers.tasks.model_folder import check_model_folder
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class ValueScorer:
         # As the trainer's critic: fp32 weights under autocast at ZeRO 0 with a low precision, else that dtype
         self.autocast = getattr(torch, dtype) if dtype != "float32" and zero_stage == 0 else None
         load = torch.float32 if self.autocast is not None else getattr(torch, dtype)
-        self.model = ValueModel(AutoModel.from_pretrained(path, dtype=load)).eval()
+        self.model = ValueModel(AutoModel.from_pretrained(check_model_folder(path), dtype=load)).eval()
         self.model.requires_grad_(False)
         self.pad_id = pad_id
         self.version = -1  # no weights from the trainer yet: values are refused until the first load

@@ -23,5 +23,5 @@ class ApiTokenAdmin(admin.ModelAdmin):
 
 @admin.register(RunToken)
 class RunTokenAdmin(admin.ModelAdmin):
-    list_display = ["prefix", "run", "expires_at", "revoked_at"]
-    readonly_fields = ["prefix", "key_hash", "run", "created_at"]
+    list_display = ["prefix", "run", "minted_by", "expires_at", "revoked_at"]
+    readonly_fields = ["prefix", "key_hash", "run", "minted_by", "minted_with", "created_at"]

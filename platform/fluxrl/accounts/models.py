@@ -66,9 +66,15 @@ class ApiToken(TokenBase):
 
 
 class RunToken(TokenBase):
-    """A worker's key: may only report to its one run; revoked when the run ends."""
+    """A worker's key: may only report to its one run; revoked when the run ends. One a
+    person minted (minted_by, and minted_with when through an API token) also ends with
+    that person's rights: membership of the run's team, an active user, a live API token.
+    The dispatcher's own (minted_by empty) serve the run's engine while the run is live."""
 
     run = models.ForeignKey("runs.Run", on_delete=models.CASCADE, related_name="tokens")
+    minted_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE,
+                                  related_name="+")
+    minted_with = models.ForeignKey(ApiToken, null=True, blank=True, on_delete=models.CASCADE, related_name="+")
 
     def __str__(self):
         return f"{self.prefix}… (run {self.run_id})"

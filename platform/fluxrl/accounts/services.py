@@ -98,6 +98,10 @@ def remove_member(team: Team, by, username: str) -> None:
     if membership.role == Role.ADMIN and not team.memberships.filter(role=Role.ADMIN).exclude(pk=membership.pk).exists():
         raise Conflict("A team must keep at least one admin.")
     membership.delete()
+    # the run tokens they minted for the team's runs end with their membership (check_key
+    # refuses them anyway; revoked, they stay dead if the member comes back)
+    RunToken.objects.filter(minted_by=membership.user_id, run__team=team, revoked_at__isnull=True).update(
+        revoked_at=timezone.now())
 
 
 # --- user API tokens -------------------------------------------------------------
@@ -128,32 +132,52 @@ def create_api_token(
 
 
 def revoke_api_token(token: ApiToken) -> None:
+    """Revokes the token and the run tokens minted with it."""
+    now = timezone.now()
     if token.revoked_at is None:
-        token.revoked_at = timezone.now()
+        token.revoked_at = now
         token.save(update_fields=["revoked_at"])
+    RunToken.objects.filter(minted_with=token, revoked_at__isnull=True).update(revoked_at=now)
 
 
 # --- run tokens (workers) ---------------------------------------------------------
 
 
-def create_run_token(run, ttl_hours: float | None = None) -> tuple[RunToken, str]:
+def earliest(*moments: datetime | None) -> datetime | None:
+    """The first of the given expiries (None: never)."""
+    return min((m for m in moments if m is not None), default=None)
+
+
+def create_run_token(run, ttl_hours: float | None = None, minted_by=None,
+                     minted_with: ApiToken | None = None) -> tuple[RunToken, str]:
     """A key that lets a worker report metrics, samples, status and checkpoints for this
     run only. It stops working when the run reaches a terminal state or after ttl_hours
-    (FLUXRL_RUN_TOKEN_TTL_HOURS by default; 0 = no expiry)."""
+    (FLUXRL_RUN_TOKEN_TTL_HOURS by default; 0 = no expiry). One a person mints (minted_by,
+    minted_with: the API token used, if any) has no more rights than they have: never
+    later than that API token's expiry, and refused once they leave the run's team
+    (check_key). The dispatcher's (no minter) are the run's own, for its engine."""
     ttl = settings.FLUXRL_RUN_TOKEN_TTL_HOURS if ttl_hours is None else ttl_hours
     expires_at = timezone.now() + timedelta(hours=ttl) if ttl else None
+    if isinstance(minted_with, ApiToken):
+        expires_at = earliest(expires_at, minted_with.expires_at)
+    else:
+        minted_with = None  # a session: bound by the user's membership only
     key, fields = new_key(RUN_KEY_PREFIX)
-    return RunToken.objects.create(run=run, expires_at=expires_at, **fields), key
+    token = RunToken.objects.create(run=run, expires_at=expires_at, minted_by=minted_by, minted_with=minted_with,
+                                    **fields)
+    return token, key
 
 
 def renew_run_token(token: RunToken) -> None:
     """A live run's heartbeat keeps its token valid for another FLUXRL_RUN_TOKEN_TTL_HOURS:
     the TTL bounds how long a token outlives the engine that held it, not how long a run
-    may train (a two-week run would otherwise lose its reports on day 7)."""
+    may train (a two-week run would otherwise lose its reports on day 7). Never past the
+    expiry of the API token that minted it."""
     ttl = settings.FLUXRL_RUN_TOKEN_TTL_HOURS
     if not ttl or token.expires_at is None:
         return
-    expires_at = timezone.now() + timedelta(hours=ttl)
+    expires_at = earliest(timezone.now() + timedelta(hours=ttl),
+                          token.minted_with.expires_at if token.minted_with_id else None)
     # at most one write per minute of heartbeats
     if expires_at - token.expires_at > timedelta(minutes=1):
         RunToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(expires_at=expires_at)
@@ -193,16 +217,30 @@ def authenticate_key(key: str):
         return None
 
 
+def check_minter(token: RunToken) -> None:
+    """A run token a person minted works only while they still could mint it: an active
+    member of the run's team, with the API token they used still live."""
+    if token.minted_with_id and not token.minted_with.is_active:
+        why = "been revoked" if token.minted_with.revoked_at else "expired"
+        raise KeyRefused(f"The API token that minted this run token has {why}: the run token ended with it.")
+    user = token.minted_by
+    if token.minted_by_id and not (user.is_active and Membership.objects.filter(user=user, team=token.run.team_id).exists()):
+        raise KeyRefused("This run token's minter is no longer an active member of the run's team: it is revoked.")
+
+
 def check_key(key: str):
     """(principal, token) for a valid key; raises KeyRefused saying why it is not. A run
     token works only while its run is live: from the moment the run ends it is refused,
     whether or not its revocation (runs.services.transition) has been written yet."""
     model = RunToken if key.startswith(RUN_KEY_PREFIX) else ApiToken
-    token = model.objects.select_related(*(["run"] if model is RunToken else ["user"])).filter(key_hash=hash_key(key)).first()
+    related = ["run", "minted_by", "minted_with"] if model is RunToken else ["user"]
+    token = model.objects.select_related(*related).filter(key_hash=hash_key(key)).first()
     if token is None:
         raise KeyRefused("Invalid, expired or revoked token.")
     if isinstance(token, RunToken) and token.run.is_terminal:
         raise KeyRefused(f"Run {token.run_id} has {token.run.status}: its run token takes no more reports.")
+    if isinstance(token, RunToken):
+        check_minter(token)  # first: when it was revoked for its minter, say so
     if not token.is_active:
         raise KeyRefused("This token has been revoked." if token.revoked_at else "This token has expired.")
     if isinstance(token, RunToken):

@@ -10,6 +10,7 @@ urlpatterns = [
     path("", include("fluxrl.rewards.api.urls")),
     path("", include("fluxrl.runs.api.urls")),
     path("", include("fluxrl.metrics.api.urls")),
+    path("", include("fluxrl.quotas.api.urls")),
     # The schema maps every endpoint: signed-in people only (401 otherwise; run tokens 403). The docs pages are
     # static shells that fetch it with the browser's session.
     path("schema/", SpectacularAPIView.as_view(permission_classes=[IsTeamUser]), name="schema"),

@@ -17,6 +17,7 @@ from django.conf import settings
 from django.db import transaction
 
 from fluxrl.errors import NotFound, TooLarge, field_error
+from fluxrl.quotas.services import check_storage
 from fluxrl.validation import contains_nul, safe_upload_name
 from fluxrl.versioned import check_name, find_version, next_version_number
 from workers.tasks.datasets import GENERATORS, DatasetError, check_messages, generate
@@ -172,10 +173,11 @@ def write_immutable(path: Path, body: bytes) -> None:
 def add_version(team, user, name: str, rows: list[dict], description: str = "", **meta) -> DatasetVersion:
     """Store rows as the next version of the team's dataset `name` (created if new)."""
     check_name(name)
+    body = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode()
+    check_storage(team, len(body), 1)  # the team's quota; locks the team until the version is stored
     dataset, _ = Dataset.objects.get_or_create(team=team, name=name, defaults={"created_by": user, "description": description})
     dataset = Dataset.objects.select_for_update().get(pk=dataset.pk)  # serializes version numbers
     number = next_version_number(dataset)
-    body = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode()
     sha256 = hashlib.sha256(body).hexdigest()
     relative = Path("datasets") / str(team.id) / str(dataset.id) / f"v{number}-{sha256[:12]}.jsonl"
     write_immutable(Path(settings.FLUXRL_DATA_DIR) / relative, body)

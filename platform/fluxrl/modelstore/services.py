@@ -5,14 +5,17 @@ spec names as ``model:<name>[@<version>]`` in ``model.path`` or ``reward.model.p
 An upload is an archive (.tar, .tar.gz/.tgz or .zip) of a Hugging Face folder. It is read
 member by member, never extracted as a whole: only regular files with plain relative
 names, only the kinds of file a folder needs (safetensors weights, JSON config and
-tokenizer files, a SentencePiece model, text), within a size and a count limit. Pickled
-weights (``.bin``, ``.pt``, ...) are refused, since loading them runs code, and so is
-Python code (nothing is loaded with ``trust_remote_code``). Refused uploads leave nothing
-behind. The worker loads the stored folder like any other (its own checks: a one-label
+tokenizer files, a SentencePiece model, text), within a size and a count limit checked
+header by header, before a member's bytes are read; compressed only as its name says.
+Pickled weights (``.bin``, ``.pt``, ...) are refused, since loading them runs code, and so
+is Python code (nothing is loaded with ``trust_remote_code``). The folder is checked as a
+loader reads it: one shard index (model.safetensors.index.json) naming only the archive's
+own files, no JSON key that points the loader at other weights or code
+(``transformers_weights``, ``auto_map``), each JSON file capped before it is parsed.
+Refused uploads leave nothing behind. The worker loads the stored folder like any other (its own checks: a one-label
 classifier for a reward model, the tokenizer and chat template for a policy)."""
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -21,12 +24,14 @@ import shutil
 import tarfile
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 
 from django.conf import settings
 from django.db import transaction
 
 from fluxrl.errors import TooLarge, field_error
+from fluxrl.quotas.services import check_storage
 from fluxrl.validation import safe_upload_name
 from fluxrl.versioned import check_name, find_version, next_version_number
 
@@ -41,6 +46,18 @@ KIND_BY_HEAD = {"ForCausalLM": StoredModelVersion.Kind.CAUSAL_LM,
                 "LMHeadModel": StoredModelVersion.Kind.CAUSAL_LM,  # GPT-2's name for it
                 "ForSequenceClassification": StoredModelVersion.Kind.SEQUENCE_CLASSIFICATION}
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
+INDEX_NAME = "model.safetensors.index.json"  # the one shard index; its shards are the archive's own files
+# Keys (anywhere in a folder's JSON) that make transformers or vLLM read other weights or run code.
+REFUSED_KEYS = {
+    "transformers_weights": "it points the loader at another weights file; the folder's own weights are "
+                            "model.safetensors, or shards named in model.safetensors.index.json",
+    "auto_map": "it names custom model code (FluxRL loads models without trust_remote_code)",
+    "custom_pipelines": "it names custom pipeline code (FluxRL loads models without trust_remote_code)",
+    "trust_remote_code": "FluxRL loads models without trust_remote_code",
+}
+REFUSED_FILES = {"adapter_config.json": "a PEFT adapter loads its base model from wherever the file names; "
+                                        "merge the adapter and upload the full model"}
+VOCABULARIES = {"tokenizer.json", "vocab.json"}  # stored for the tokenizer, never parsed here
 
 
 def max_model_bytes() -> int:
@@ -58,37 +75,124 @@ def _refuse(message: str):
 
 
 # --- reading an archive ----------------------------------------------------------------
+#
+# An archive is read header by header and member by member, each member written as soon as
+# its header is checked: a member's declared size counts toward the upload's byte limit
+# before any of its bytes is read or skipped (skipping a compressed member decompresses it),
+# and the compression is the one the file's name declares (tarfile's "r:*" would also open
+# bz2 and xz, whose members cost far more to skip than to send).
 
-@contextlib.contextmanager
-def _members(path: Path, display: str):
-    """The archive, open: (name, size, open()) per regular file; anything else is refused by name."""
-    if zipfile.is_zipfile(path):
-        _zip_entries(path)  # before ZipFile reads the whole central directory
-        with zipfile.ZipFile(path) as archive:
-            members = []
-            for seen, info in enumerate(archive.infolist()):
-                _count(seen)
-                if info.is_dir():
-                    continue
-                if ((info.external_attr >> 16) & 0o170000) not in (0, 0o100000):  # a symlink or device in a zip
-                    raise _refuse(f"{info.filename}: not a regular file (links and devices are refused)")
-                members.append((info.filename, info.file_size, lambda i=info: archive.open(i)))
-            yield members
+TAR_MODES = {".tar.gz": ("r:gz", "a gzip-compressed tar archive"), ".tgz": ("r:gz", "a gzip-compressed tar archive"),
+             ".tar": ("r:", "an uncompressed tar archive")}
+META_HEADER_BYTES = 64 * 1024  # a pax or GNU long-name header: a long name, never megabytes
+DEFLATE_MAX_RATIO = 1032  # the most deflate expands: a zip entry declaring more lies about its size
+
+
+def max_json_bytes() -> int:
+    return settings.FLUXRL_MAX_MODEL_JSON_BYTES
+
+
+class _Budget:
+    """What the members declared so far, checked as each header arrives."""
+
+    def __init__(self):
+        self.limit, self.declared, self.entries, self.written = max_model_bytes(), 0, 0, 0
+
+    def header(self, name: str, size: int) -> None:
+        if self.entries >= MAX_FILES:  # folders count too: a bomb of empty members stops here
+            raise _refuse(f"the archive holds more than {MAX_FILES} files")
+        self.entries += 1
+        self.declared += max(0, size)
+        if self.declared > self.limit:
+            raise TooLarge(f"The model's files take more than {self.limit} bytes (at {name!r}); the limit is "
+                           f"{self.limit} bytes (FLUXRL_MAX_MODEL_MB).", fields={"file": "too large"})
+
+
+def _refuse_sparse(self, *args, **kwargs):
+    raise _refuse(f"{self.name}: a sparse file (a model folder has none)")
+
+
+class _CheckedTarInfo(tarfile.TarInfo):
+    """tarfile's header parsing, except that the headers whose data tarfile reads into memory
+    itself (pax records, GNU long names, sparse maps) are bounded first."""
+
+    def _proc_gnulong(self, tarfile):
+        self._bounded()
+        return super()._proc_gnulong(tarfile)
+
+    def _proc_pax(self, tarfile):
+        self._bounded()
+        return super()._proc_pax(tarfile)
+
+    def _bounded(self):
+        if self.size > META_HEADER_BYTES:
+            raise _refuse(f"a tar header record of {self.size} bytes (at most {META_HEADER_BYTES})")
+
+    # sparse members: their maps are read block by block before any size is known
+    _proc_sparse = _proc_gnusparse_00 = _proc_gnusparse_01 = _proc_gnusparse_10 = _refuse_sparse
+
+
+def _archive_kind(display: str) -> str:
+    lower = display.lower()
+    if lower.endswith(".zip"):
+        return "zip"
+    for suffix in TAR_MODES:
+        if lower.endswith(suffix):
+            return suffix
+    raise _refuse(f"{display}: upload the model folder as a .tar, .tar.gz or .zip archive")
+
+
+def _members(path: Path, display: str, budget: _Budget):
+    """(name, size, open()) per regular file, one at a time: the caller reads a member before
+    the next header is read. Folders are skipped; anything else is refused by name."""
+    kind = _archive_kind(display)
+    if kind == "zip":
+        yield from _zip_members(path, display, budget)
         return
+    mode, what = TAR_MODES[kind]
     try:
-        archive = tarfile.open(path, "r:*")
-    except tarfile.TarError:
-        raise _refuse(f"{display} is not a .tar, .tar.gz or .zip archive") from None
+        archive = tarfile.open(path, mode, tarinfo=_CheckedTarInfo)
+    except (tarfile.TarError, OSError, EOFError, zlib.error):
+        raise _refuse(f"{display} is not {what}, as its name says (.tar: uncompressed, .tar.gz or .tgz: gzip, "
+                      ".zip: zip)") from None
     with archive:
-        members = []
-        for seen, info in enumerate(archive):  # header by header: a bomb of empty members stops at MAX_FILES
-            _count(seen)
+        while True:
+            try:
+                info = archive.next()  # reads one header; the previous member was read to its end
+            except (tarfile.TarError, OSError, EOFError, zlib.error, RecursionError) as exc:
+                raise _refuse(f"{display}: damaged after {budget.entries} entries ({type(exc).__name__})") from None
+            if info is None:
+                return
+            budget.header(info.name, info.size)
             if info.isdir():
                 continue
-            if not info.isfile():
+            if not info.isfile() or info.issparse():
                 raise _refuse(f"{info.name}: not a regular file (links and devices are refused)")
-            members.append((info.name, info.size, lambda i=info: archive.extractfile(i)))
-        yield members
+            yield info.name, info.size, lambda i=info: archive.extractfile(i)
+
+
+def _zip_members(path: Path, display: str, budget: _Budget):
+    if not zipfile.is_zipfile(path):
+        raise _refuse(f"{display} is not a zip archive, as its name says")
+    _zip_entries(path)  # before ZipFile reads the whole central directory
+    with zipfile.ZipFile(path) as archive:
+        infos = archive.infolist()
+        for info in infos:  # every declared size, before any entry is read
+            budget.header(info.filename, info.file_size)
+            if info.is_dir():
+                continue
+            if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+                raise _refuse(f"{info.filename}: compression method {info.compress_type} (a model zip is stored "
+                              "or deflated)")
+            if (info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size) or \
+                    info.file_size > DEFLATE_MAX_RATIO * info.compress_size + 1024:
+                raise _refuse(f"{info.filename}: declares {info.file_size} bytes from {info.compress_size} "
+                              "compressed ones, more than its compression can produce")
+            if ((info.external_attr >> 16) & 0o170000) not in (0, 0o100000):  # a symlink or device in a zip
+                raise _refuse(f"{info.filename}: not a regular file (links and devices are refused)")
+        for info in infos:
+            if not info.is_dir():
+                yield info.filename, info.file_size, lambda i=info: archive.open(i)
 
 
 def _zip_entries(path: Path) -> None:
@@ -106,26 +210,14 @@ def _zip_entries(path: Path) -> None:
         raise _refuse(f"the archive holds more than {MAX_FILES} files")
 
 
-def _count(seen: int) -> None:
-    """Entries (folders too) before this one: at most MAX_FILES."""
-    if seen >= MAX_FILES:
-        raise _refuse(f"the archive holds more than {MAX_FILES} files")
-
-
-def _clean_names(names: list[str]) -> dict[str, str]:
-    """Member name -> its name in the stored folder: a single top-level folder every
-    member shares is dropped; a name that is absolute, climbs (``..``), hides (``.x``) or
+def _clean_name(name: str) -> list[str]:
+    """A member name's parts; a name that is absolute, climbs (``..``), hides (``.x``) or
     holds other characters is refused."""
-    parts = {}
-    for name in names:
-        split = [p for p in name.split("/") if p not in ("", ".")]  # "./config.json" (tar -C dir .) is config.json
-        if name.startswith("/") or "\\" in name or not split or not all(_NAME.fullmatch(p) for p in split):
-            raise _refuse(f"{name!r}: a file name must be relative, of letters, digits, '.', '_' and '-', "
-                          "with no part starting with '.' (no '..', no hidden files)")
-        parts[name] = split
-    tops = {p[0] for p in parts.values()}
-    strip = len(tops) == 1 and all(len(p) > 1 for p in parts.values())
-    return {name: "/".join(p[1:] if strip else p) for name, p in parts.items()}
+    split = [p for p in name.split("/") if p not in ("", ".")]  # "./config.json" (tar -C dir .) is config.json
+    if name.startswith("/") or "\\" in name or not split or not all(_NAME.fullmatch(p) for p in split):
+        raise _refuse(f"{name!r}: a file name must be relative, of letters, digits, '.', '_' and '-', "
+                      "with no part starting with '.' (no '..', no hidden files)")
+    return split
 
 
 def _check_kind(name: str) -> None:
@@ -138,16 +230,102 @@ def _check_kind(name: str) -> None:
         raise _refuse(f"{name}: custom model code is not run (FluxRL loads models without trust_remote_code)")
     if suffix not in ALLOWED_SUFFIXES and leaf not in ALLOWED_PLAIN:
         raise _refuse(f"{name}: not a file a model folder needs (allowed: {', '.join(sorted(ALLOWED_SUFFIXES))})")
+    if leaf in REFUSED_FILES:
+        raise _refuse(f"{name}: {REFUSED_FILES[leaf]}")
+
+
+def _parsed_json(name: str) -> bool:
+    """A JSON file the platform parses (and caps); vocabularies are only stored."""
+    return name.lower().endswith(".json") and name.rsplit("/", 1)[-1] not in VOCABULARIES
+
+
+def _check_json_size(name: str, size: int) -> None:
+    cap = max_json_bytes()
+    if _parsed_json(name) and size > cap:
+        raise TooLarge(f"{name} is {size} bytes; a model folder's JSON metadata is at most {cap} bytes "
+                       "(FLUXRL_MAX_MODEL_JSON_MB)", fields={"file": f"{name} too large"})
+
+
+def _unpack(upload_path: Path, display: str, into: Path) -> list[list]:
+    """The archive's files written into ``into``: [name, bytes, sha256] each, by name. A
+    single top-level folder every member shares is dropped."""
+    budget, found, parts = _Budget(), [], {}
+    for name, size, opener in _members(upload_path, display, budget):
+        split = _clean_name(name)
+        stored = "/".join(split)
+        if stored in parts:
+            raise _refuse("the archive holds the same file name twice")
+        parts[stored] = split
+        _check_kind(stored)
+        _check_json_size(stored, size)
+        target = into / stored
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            out = open(target, "xb")
+        except OSError:  # "a" and "a/b" both in the archive
+            raise _refuse(f"{name}: clashes with another file of the archive") from None
+        digest, written = hashlib.sha256(), 0
+        with opener() as src, out:
+            while chunk := _read(src, name):
+                written += len(chunk)
+                budget.written += len(chunk)
+                if written > size or budget.written > budget.limit:  # a header that lied about the size
+                    raise _refuse(f"{name}: more bytes than its header says")
+                digest.update(chunk)
+                out.write(chunk)
+        os.chmod(target, 0o444)
+        found.append([stored, written, digest.hexdigest()])
+    tops = {p[0] for p in parts.values()}
+    if len(tops) == 1 and parts and all(len(p) > 1 for p in parts.values()):
+        top = tops.pop()
+        moved = into.with_name(into.name + ".top")
+        os.replace(into / top, moved)
+        into.rmdir()
+        os.replace(moved, into)
+        found = [[name.split("/", 1)[1], size, sha] for name, size, sha in found]
+    return sorted(found)
+
+
+def _read(src, name: str) -> bytes:
+    try:
+        return src.read(1 << 20)
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, OSError) as exc:  # truncated, bad CRC
+        raise _refuse(f"{name}: damaged ({type(exc).__name__}: {exc})") from None
+
+
+def _load_json(folder: Path, name: str):
+    """A parsed JSON file of the folder, its size checked before it is read."""
+    path = folder / name
+    _check_json_size(name, path.stat().st_size)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _refuse(f"{name} is not JSON: {exc}") from None
+    except RecursionError:
+        raise _refuse(f"{name}: nested too deeply") from None
+
+
+def _refused_key(value) -> str | None:
+    """The first key anywhere in a parsed JSON value that would make a loader read other
+    weights or run code."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for key, inner in item.items():
+                if key in REFUSED_KEYS:
+                    return key
+                stack.append(inner)
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
 
 
 def _read_config(folder: Path) -> tuple[str, str]:
     """(architecture, kind) from config.json."""
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise _refuse("the archive has no config.json at its top level: upload a Hugging Face model folder") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise _refuse(f"config.json is not JSON: {exc}") from None
+    if not (folder / "config.json").is_file():
+        raise _refuse("the archive has no config.json at its top level: upload a Hugging Face model folder")
+    config = _load_json(folder, "config.json")
     archs = config.get("architectures") if isinstance(config, dict) else None
     if not (isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str)):
         raise _refuse("config.json must name one architecture (\"architectures\": [\"...ForCausalLM\"])")
@@ -158,52 +336,35 @@ def _read_config(folder: Path) -> tuple[str, str]:
     return archs[0], kind
 
 
-def _check_weights(folder: Path, files: list[str]) -> None:
+def _check_as_loaded(folder: Path, files: list[str]) -> None:
+    """The folder as transformers and vLLM read it: no JSON names other weights or code,
+    and the one shard index names only files of the archive itself."""
+    for name in files:
+        if name.endswith(".index.json") and name != INDEX_NAME:  # transformers would read it as a shard index
+            raise _refuse(f"{name}: the only shard index read is a top-level {INDEX_NAME}; other index files "
+                          "(pytorch_model.bin.index.json, ...) are refused")
+    for name in files:
+        if _parsed_json(name):
+            key = _refused_key(_load_json(folder, name))
+            if key:
+                raise _refuse(f"{name}: {key!r} is refused: {REFUSED_KEYS[key]}")
     weights = [f for f in files if f.endswith(".safetensors")]
     if not weights:
         raise _refuse("the archive has no .safetensors weights")
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise _refuse("model.safetensors.index.json has no weight_map") from None
-        missing = sorted(s for s in shards if s not in files)
-        if missing:
-            raise _refuse(f"model.safetensors.index.json names shards the archive lacks: {', '.join(missing)}")
-
-
-def _unpack(upload_path: Path, display: str, into: Path) -> list[list]:
-    """The archive's files written into ``into``: [name, bytes, sha256] each, by name."""
-    with _members(upload_path, display) as members:
-        return _write(members, into)
-
-
-def _write(members, into: Path) -> list[list]:
-    limit, total, found = max_model_bytes(), 0, []
-    names = _clean_names([m[0] for m in members])
-    if len(set(names.values())) != len(names):
-        raise _refuse("the archive holds the same file name twice")
-    for name, size, opener in members:
-        stored = names[name]
-        _check_kind(stored)
-        total += size
-        if total > limit:
-            raise TooLarge(f"The model's files take more than {limit} bytes; the limit is {limit} bytes "
-                           "(FLUXRL_MAX_MODEL_MB).", fields={"file": "too large"})
-        target = into / stored
-        target.parent.mkdir(parents=True, exist_ok=True)
-        digest, written = hashlib.sha256(), 0
-        with opener() as src, open(target, "xb") as dst:
-            while chunk := src.read(1 << 20):
-                written += len(chunk)
-                if written > size or total - size + written > limit:  # a header that lied about the size
-                    raise _refuse(f"{name}: more bytes than its header says")
-                digest.update(chunk)
-                dst.write(chunk)
-        os.chmod(target, 0o444)
-        found.append([stored, written, digest.hexdigest()])
-    return sorted(found)
+    if INDEX_NAME not in files:
+        return
+    index = _load_json(folder, INDEX_NAME)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+        raise _refuse(f"{INDEX_NAME} has no weight_map of tensor names to shard file names")
+    outside = sorted({s for s in weight_map.values() if not _NAME.fullmatch(s)})
+    if outside:
+        raise _refuse(f"{INDEX_NAME} names shards outside the folder: {', '.join(map(repr, outside))} (a shard is "
+                      "a file name of the archive's top level)")
+    missing = sorted({s for s in weight_map.values() if s not in weights})
+    if missing:
+        raise _refuse(f"{INDEX_NAME} names shards the archive lacks: {', '.join(missing)} (a shard is one of its "
+                      ".safetensors files)")
 
 
 def _manifest_sha256(files: list[list]) -> str:
@@ -240,7 +401,7 @@ def upload_version(team, user, name: str, upload, description: str = "") -> Stor
         archive.unlink()
         names = [f[0] for f in files]
         architecture, kind = _read_config(folder)
-        _check_weights(folder, names)
+        _check_as_loaded(folder, names)
         return _add_version(team, user, name, folder, files, architecture, kind, display, description)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -248,6 +409,7 @@ def upload_version(team, user, name: str, upload, description: str = "") -> Stor
 
 @transaction.atomic
 def _add_version(team, user, name, folder: Path, files, architecture, kind, source_name, description):
+    check_storage(team, sum(f[1] for f in files), len(files))  # the team quota; locks the team until stored
     model, _ = StoredModel.objects.get_or_create(team=team, name=name,
                                                  defaults={"created_by": user, "description": description})
     model = StoredModel.objects.select_for_update().get(pk=model.pk)  # serializes version numbers

@@ -3,10 +3,12 @@ metric history after step N (each series downsampled to M points) and recent sam
 then every change as it is pushed to the group run-<id> (live.py; the history on connect:
 fluxrl.metrics.live.snapshot).
 
-Close codes: 4400 bad query, 4401 not signed in, 4403 not a member of the run's team
-(or a token without the read scope), 4404 no such run. The same check is made again
-every FLUXRL_WS_RECHECK_S on an open socket: a member removed from the team, a user
-deactivated or a token revoked after connecting is closed with 4403 (4401 for the last two)."""
+Close codes: 4400 bad query, 4401 not signed in, 4403 a token that may not read runs (a
+run token, or no read scope), 4404 no run of the user's teams: a missing run and another
+team's run get the same code and reason (live.run_for_subscriber), so the socket tells
+nothing about which run ids exist. The same check is made again every FLUXRL_WS_RECHECK_S
+on an open socket: a member removed from the team is closed with 4404, a user deactivated
+or a token revoked after connecting with 4401."""
 import asyncio
 
 from channels.db import database_sync_to_async

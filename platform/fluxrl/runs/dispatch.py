@@ -361,17 +361,19 @@ def finish(run_id: int, code: int | None, log_path: Path) -> str:
 
 
 class DatabaseContact:
-    """This process's own record of reaching the database: when it last lost it and when
-    it got it back. While the database is away nobody can write a heartbeat, so a
-    heartbeat can only be judged stale over a window in which this process itself could
-    have seen it arrive: after an outage, the reaper waits until its contact has lasted
-    FLUXRL_RUN_STALE_S. A process that has never seen the database fail trusts that it
-    was there (a worker starting after a reboot reaps at once)."""
+    """This process's own record of reaching the database: since when it has had contact
+    (its first success, or its first success after the last loss). While the database is
+    away nobody can write a heartbeat, so a heartbeat can only be judged stale over a
+    window in which this process itself could have seen it arrive: the reaper waits until
+    its contact has lasted FLUXRL_RUN_STALE_S. A process that has not seen the database
+    for a window yet — a worker started just after an outage that other workers' watchers
+    are still recovering from — does not reap (Celery processes observe it from their
+    start: keep_contact)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._lost_at: float | None = None  # monotonic; None: reachable as far as we know
-        self._back_at: float | None = None  # monotonic, first success after the last loss
+        self._lost_at: float | None = None  # monotonic; None: not lost (as far as we know)
+        self._since: float | None = None  # monotonic, first success (after the last loss); None: none yet
 
     def failed(self, exc: BaseException | None = None) -> None:
         """The database could not be reached (a query's own error, such as a constraint, is
@@ -380,23 +382,83 @@ class DatabaseContact:
             return
         with self._lock:
             if self._lost_at is None:
-                self._lost_at, self._back_at = time.monotonic(), None
+                self._lost_at, self._since = time.monotonic(), None
 
     def succeeded(self) -> None:
         with self._lock:
+            now = time.monotonic()
             if self._lost_at is not None:
-                log.warning("database reachable again after %.1f s", time.monotonic() - self._lost_at)
-                self._lost_at, self._back_at = None, time.monotonic()
+                log.warning("database reachable again after %.1f s", now - self._lost_at)
+                self._lost_at = None
+            if self._since is None:
+                self._since = now
 
     def unbroken_s(self) -> float:
-        """Seconds of unbroken contact (infinite if it never broke, 0 while broken)."""
+        """Seconds of unbroken contact: since the first success of this process, or since
+        the return after its last loss; 0 while lost or before any success."""
         with self._lock:
-            if self._lost_at is not None:
+            if self._lost_at is not None or self._since is None:
                 return 0.0
-            return float("inf") if self._back_at is None else time.monotonic() - self._back_at
+            return time.monotonic() - self._since
+
+    def assume_contact_for(self, seconds: float) -> None:
+        """Record that this process has been in contact for ``seconds`` already (tests and
+        tools that call the reaper directly in a process whose contact they vouch for)."""
+        with self._lock:
+            self._lost_at, self._since = None, time.monotonic() - seconds
+
+    def _after_fork(self) -> None:
+        # a child forked while another thread held the lock would wait on it forever
+        self._lock = threading.Lock()
 
 
 db_contact = DatabaseContact()
+os.register_at_fork(after_in_child=lambda: db_contact._after_fork())  # noqa: SLF001
+_keeper_pid: int | None = None
+
+
+def contact_every_s() -> float:
+    """How often keep_contact looks: several times a stale window."""
+    return max(0.1, min(settings.FLUXRL_HEARTBEAT_S, settings.FLUXRL_RUN_STALE_S / 4))
+
+
+def check_contact() -> bool:
+    """One look at the database (its own connection in a thread), recorded in db_contact."""
+    from django.db import connection
+
+    try:
+        close_old_connections()
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+    except DatabaseError as exc:
+        db_contact.failed(exc)
+        try:
+            connection.close()  # a broken connection: a fresh one next time
+        except DatabaseError:
+            pass
+        return False
+    db_contact.succeeded()
+    return True
+
+
+def keep_contact() -> bool:
+    """Watch the database from this process (once per process: a daemon thread looking every
+    contact_every_s), so that its reaper knows whether the database was there over the last
+    window: an idle Celery process (beat's reap task lands on any prefork child) sees an
+    outage it had no task during, and a new one can reap a window after its start.
+    Whether a thread was started."""
+    global _keeper_pid
+    if _keeper_pid == os.getpid():
+        return False
+    _keeper_pid = os.getpid()
+
+    def look():
+        while True:
+            check_contact()
+            time.sleep(contact_every_s())
+
+    threading.Thread(target=look, name="fluxrl-db-contact", daemon=True).start()
+    return True
 
 
 def reap_stale_runs() -> list[int]:

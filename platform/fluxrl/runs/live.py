@@ -110,16 +110,16 @@ def client_message(message: dict) -> dict:
 
 def run_for_subscriber(user, token, run_id: int) -> Run:
     """The run a websocket client may follow: it must be signed in (session or a user
-    API token with the read scope) and a member of the run's team."""
+    API token with the read scope) and a member of the run's team. Another team's run
+    and a missing one get the same 404 from the same one query (no run-id oracle); the
+    token checks come first, as they do not depend on the run."""
     if user is None or not user.is_authenticated:
         raise Unauthorized("Sign in, or pass an API token (Authorization header or ?token=).")
-    run = Run.objects.filter(pk=run_id).first()
-    if run is None:
-        raise NotFound(f"No run {run_id}.")
     if isinstance(token, RunToken) or (isinstance(token, ApiToken) and Scope.READ not in token.scopes):
         raise Forbidden("This token may not read runs.")
-    if not visible_teams(user, token).filter(pk=run.team_id).exists():
-        raise Forbidden("Only members of the run's team may follow it.")
+    run = Run.objects.filter(pk=run_id, team__in=visible_teams(user, token)).first()
+    if run is None:
+        raise NotFound(f"No run {run_id} among your teams' runs.")
     return run
 
 

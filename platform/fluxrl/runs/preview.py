@@ -2,45 +2,46 @@
 engine renders it for the model (workers.tasks.prompts: format, template, system prompt, the
 model folder's own tokenizer and chat template), with its token ids and their texts.
 
-It runs in the web process: the model path is scoped as a run's is (check_model_path),
-tokenizers are loaded once and kept (a small LRU), and the model's chat template renders
-in transformers' sandboxed Jinja environment. The spec's own task.prompt_template is
-compiled and rendered only in a short-lived child process with a time and memory limit
-and an empty environment (a template is user input; the sandbox, workers.tasks.prompts, bounds
-each operation but not loops or the total): here and whenever a spec is validated in the
-web process (check_template, installed by runs/apps.py).
+The model path is scoped as a run's is (check_model_path) and tokenizers are loaded once and
+kept (a small LRU). Every template a user controls (the spec's task.prompt_template, the
+model folder's chat template) is compiled and rendered only in the bounded child process of
+workers.tasks.template_child (one memory and time budget, shared with the worker hosts; an
+empty environment), never in the web process, and nothing compiled from one is kept here:
+here and whenever a spec is validated in the web process (check_template, installed by
+runs/apps.py). A gen: dataset's row is generated in that child too.
+
+A preview takes its concurrency slot first (429 past FLUXRL_PROMPT_PREVIEW_MAX_CONCURRENT),
+and stops at FLUXRL_PROMPT_PREVIEW_DEADLINE_S (503; loading a tokenizer, kept once loaded,
+does not count): the child generating the row or rendering the templates is killed.
 No user Python runs. Without the engine's libraries (a web-only install) the answer is
 a 501 saying so."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import json
 import os
-import subprocess
-import sys
 import threading
+import time
 from collections import OrderedDict
-from pathlib import Path
 
 from annotated_types import MaxLen
 from django.conf import settings
 from django.db import connection
 
-import workers
 from fluxrl.datasets import services as datasets
 from fluxrl.errors import DomainError, InvalidInput, NotFound, TooManyRequests, field_error
 from workers.models.preflight import ModelCheckError, resolve_model_path
+from workers.tasks import template_child
 from workers.tasks.prompts import TOKENIZER_FILES, PromptError, PromptRenderer, load_tokenizer, row_is_chat
 from workers.spec import SpecError, TaskSpec, validate_spec
-from workers.tasks.datasets import GENERATORS, DatasetError, check_messages, load_rows
+from workers.tasks.datasets import GENERATORS, DatasetError, check_messages
+from workers.tasks.template_child import CHAT_TEMPLATE, TemplateDeadline, TemplateError
 
 from .services import MODEL_FIELD, check_model_path, load_spec_text, spec_errors
 
 PREVIEW_MAX_TOKENS = 4096  # token ids and texts returned (token_count counts them all)
-MAX_PROMPT_CHARS = 1_000_000
+MAX_PROMPT_CHARS = template_child.MAX_PROMPT_CHARS
 TOKENIZER_CACHE_SIZE = 4
-TEMPLATE_TIMEOUT_S = 5.0
-TEMPLATE_MEMORY_MB = 512
 DATASET_FIELD = "spec.task.dataset"
 FORMAT_FIELD = "spec.task.prompt_format"
 TEMPLATE_FIELD = "spec.task.prompt_template"
@@ -48,6 +49,16 @@ TEMPLATE_FIELD = "spec.task.prompt_template"
 
 class EngineUnavailable(DomainError):
     status, code = 501, "engine_unavailable"
+
+
+class PreviewDeadline(DomainError):
+    status, code = 503, "preview_deadline"
+
+
+def deadline_passed(what: str) -> PreviewDeadline:
+    limit = settings.FLUXRL_PROMPT_PREVIEW_DEADLINE_S
+    return PreviewDeadline(f"The preview was stopped {what}: a preview may take {limit:g} s "
+                           "(FLUXRL_PROMPT_PREVIEW_DEADLINE_S). Try a smaller dataset parameter or template.")
 
 
 # --- the spec and the row --------------------------------------------------------------------
@@ -102,20 +113,20 @@ def given_row(row, task) -> dict:
     return out
 
 
-def first_row(team, task) -> dict:
+def first_row(team, task, deadline: float | None = None) -> dict:
     """The first row of the spec's dataset: a generator's (gen:<name>[?k=v]) as the engine
-    generates it, or the first stored row of one of the team's datasets (another team's is
-    not found, as at submission)."""
+    generates it (in the bounded child, stopped at the deadline), or the first stored row
+    of one of the team's datasets (another team's is not found, as at submission)."""
     ref = task.dataset
     if ref.startswith("gen:"):
         if ref[4:].partition("?")[0] not in GENERATORS:
             raise field_error(DATASET_FIELD, f"unknown generator; choose one of {sorted(GENERATORS)}")
         try:
-            train, _ = load_rows(ref, size=1, eval_size=0, seed=task.seed)
-        except Exception as exc:  # noqa: BLE001 - DatasetError, parameters it does not take or cannot use
-            raise field_error(DATASET_FIELD, f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError)
-                              else str(exc)) from None
-        return train[0]
+            return template_child.generate_rows(ref, 1, seed=task.seed, deadline=deadline)[0]
+        except TemplateDeadline:
+            raise deadline_passed("while generating the row") from None
+        except TemplateError as exc:  # parameters it does not take or cannot use, or over the budget
+            raise field_error(DATASET_FIELD, str(exc).removeprefix("generating the rows failed: ")) from None
     try:
         version = datasets.get_version(team, ref, field=DATASET_FIELD)
     except NotFound as exc:  # a dangling reference is a bad spec, not a missing URL
@@ -180,73 +191,22 @@ def tokenizer_for(model_path: str):
     return entry
 
 
-# --- the user's template, bounded ------------------------------------------------------------
+# --- the user's templates, bounded ----------------------------------------------------------
 
-_TEMPLATE_CHILD = r"""
-import json, resource, sys
-limit = int(sys.argv[2]) * 1024 * 1024
-resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-cpu = int(sys.argv[3])
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-sys.path.insert(0, sys.argv[1])
-from workers.tasks.prompts import compile_template
-job = json.load(sys.stdin)
-def answer(**reply):
-    print(json.dumps(reply))
-    sys.exit()
-try:
-    template = compile_template(job["template"])
-except MemoryError:
-    answer(error=f"compiling it ran out of memory ({sys.argv[2]} MB)")
-except ValueError as exc:  # "line N: ..."
-    answer(error=str(exc).removeprefix("prompt_template ")[:2000])
-except Exception as exc:
-    answer(error=f"does not compile: {type(exc).__name__}: {exc}"[:2000])
-if not job["render"]:
-    answer(text="")
-try:
-    text = template.render(**job["row"])
-except MemoryError:
-    answer(error=f"rendering it on the row ran out of memory ({sys.argv[2]} MB)")
-except Exception as exc:
-    answer(error=f"failed on the row: {type(exc).__name__}: {exc}"[:2000])
-if len(text) > job["max_chars"]:
-    answer(error=f"the rendered prompt is over {job['max_chars']} characters")
-answer(text=text)
-"""
-
-
-# What the child gets of the environment: nothing of the web server's (DATABASE_URL,
-# DJANGO_SECRET_KEY, REDIS_URL...): it only needs Python and Jinja.
-CHILD_ENV = {"PATH": os.defpath, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
 TEMPLATE_CHILDREN_MAX = 4  # template children at once per web process (submissions and previews)
 _children = threading.BoundedSemaphore(TEMPLATE_CHILDREN_MAX)
 
 
-def _template_child(template: str, row: dict, render: bool) -> str:
-    """The template compiled (and rendered over row) in a child process stopped after
-    TEMPLATE_TIMEOUT_S or TEMPLATE_MEMORY_MB (RLIMIT_AS), with an empty environment;
-    ValueError with the reason when it fails."""
-    root = str(Path(workers.__file__).resolve().parents[1])
-    job = json.dumps({"template": template, "row": row, "render": render, "max_chars": MAX_PROMPT_CHARS})
-    cpu = max(1, int(TEMPLATE_TIMEOUT_S) + 1)
-    if not _children.acquire(timeout=TEMPLATE_TIMEOUT_S):
+@contextlib.contextmanager
+def _child_slot():
+    """One of TEMPLATE_CHILDREN_MAX template children (workers.tasks.template_child), or a 429."""
+    if not _children.acquire(timeout=template_child.TEMPLATE_TIMEOUT_S):
         raise TooManyRequests(f"{TEMPLATE_CHILDREN_MAX} prompt templates are already being checked: try again "
                               "shortly", retry_after_s=2)
     try:
-        done = subprocess.run([sys.executable, "-I", "-c", _TEMPLATE_CHILD, root, str(TEMPLATE_MEMORY_MB), str(cpu)],
-                              input=job, capture_output=True, text=True, timeout=TEMPLATE_TIMEOUT_S, env=CHILD_ENV)
-    except subprocess.TimeoutExpired:
-        raise ValueError(f"compiling and rendering it took over {TEMPLATE_TIMEOUT_S:g} s") from None
+        yield
     finally:
         _children.release()
-    try:
-        result = json.loads(done.stdout)
-    except ValueError:
-        raise ValueError(f"compiling or rendering it ran out of memory ({TEMPLATE_MEMORY_MB} MB) or time") from None
-    if "error" in result:
-        raise ValueError(result["error"])
-    return result["text"]
 
 
 _checked: OrderedDict = OrderedDict()  # sha256 of templates that compiled: a stored spec is validated again on display
@@ -263,7 +223,11 @@ def check_template(template: str) -> None:
         if digest in _checked:
             _checked.move_to_end(digest)
             return
-    _template_child(template, {}, render=False)
+    with _child_slot():
+        try:
+            template_child.check_template(template)
+        except TemplateError as exc:
+            raise ValueError(str(exc)) from None
     with _checked_lock:
         _checked[digest] = True
         while len(_checked) > CHECKED_CACHE_SIZE:
@@ -271,12 +235,16 @@ def check_template(template: str) -> None:
 
 
 def render_template(template: str, row: dict, render: bool = True) -> str:
-    """task.prompt_template compiled and rendered over the row as PromptRenderer does it
-    (the same bounded sandbox, workers.tasks.prompts), in the child process (_template_child);
-    render=False: only compiled. A 400 naming spec.task.prompt_template when it fails."""
+    """task.prompt_template compiled and rendered over the row as PromptRenderer does it, in
+    the bounded child; render=False: only compiled. A 400 naming spec.task.prompt_template
+    (and the budget, when it is the budget that stopped it) when it fails."""
     try:
-        return _template_child(template, row, render)
-    except ValueError as exc:
+        with _child_slot():
+            if not render:
+                template_child.check_template(template)
+                return ""
+            return template_child.render_rows([row], prompt_template=template, prompt_format="raw")[0]
+    except TemplateError as exc:
         raise field_error(TEMPLATE_FIELD, str(exc)) from None
 
 
@@ -298,40 +266,48 @@ def preview_prompt(team, spec_input, row: dict | None = None) -> dict:
     tokens (each token's own text, special tokens shown) stop after PREVIEW_MAX_TOKENS
     (truncated: true); token_count counts them all. 400s name the field at fault; 501
     without the engine's libraries; 429 past FLUXRL_PROMPT_PREVIEW_MAX_CONCURRENT previews
-    at once in this process. Call it from a thread, never an event loop."""
-    spec, template = preview_spec(spec_input)
-    task = spec.task
-    model_path = check_model_path(team, spec.model.path)
-    row = given_row(row, task) if row is not None else first_row(team, task)
+    at once in this process, before any work; 503 past FLUXRL_PROMPT_PREVIEW_DEADLINE_S
+    (the generation or rendering under way is stopped). Call it from a thread, never an
+    event loop."""
     slot = _slot()
-    if not slot.acquire(blocking=False):
+    if not slot.acquire(blocking=False):  # first: nothing is parsed, generated or loaded without a slot
         raise TooManyRequests(f"{settings.FLUXRL_PROMPT_PREVIEW_MAX_CONCURRENT} prompt previews are already being "
                               "made: try again shortly", retry_after_s=2)
     try:
+        deadline = time.monotonic() + settings.FLUXRL_PROMPT_PREVIEW_DEADLINE_S
+        spec, template = preview_spec(spec_input)
+        task = spec.task
+        model_path = check_model_path(team, spec.model.path)
+        row = given_row(row, task) if row is not None else first_row(team, task, deadline)
         if not connection.in_atomic_block:
             connection.close()  # no query below: back to the pool while a tokenizer loads
-        return _render(model_path, task, template, row)
+        return _render(model_path, task, template, row, deadline)
     finally:
         slot.release()
 
 
-def _render(model_path: str, task, template: str | None, source: dict) -> dict:
+def _render(model_path: str, task, template: str | None, source: dict, deadline: float) -> dict:
     row = source
     chat = row_is_chat(row, task.prompt_format, task.system_prompt)
-    if template:
-        # The engine's PromptRenderer renders the template over the row as the text (raw)
-        # or the user message (chat without a messages list); here the child process does.
-        used = not (chat and isinstance(row.get("messages"), list))
-        text = render_template(template, row, render=used)
-        if used:
-            row = {**row, "prompt": text}
+    loading = time.monotonic()
     tokenizer, lock = tokenizer_for(model_path)
-    renderer = PromptRenderer(tokenizer, task.prompt_format, None, task.system_prompt)
+    # Loading a tokenizer (once per folder, kept; the first one imports the engine's libraries)
+    # cannot be stopped half-way and is not a user's work: the deadline bounds the rest.
+    deadline += time.monotonic() - loading
+    # The spec's template and the model's chat template, compiled and rendered in one bounded
+    # child (check=False: the child reports a template that does not compile, by name).
+    renderer = PromptRenderer(tokenizer, task.prompt_format, template, task.system_prompt, check=False)
     with lock:
         try:
+            with _child_slot():
+                renderer.prepare([row], deadline=deadline)
             text = renderer.text(row)
-        except PromptError as exc:  # a chat row without a chat template, or the template failing on it
-            raise field_error(FORMAT_FIELD if not renderer.has_chat_template else MODEL_FIELD, str(exc)) from None
+        except TemplateDeadline:
+            raise deadline_passed("while rendering the templates") from None
+        except PromptError as exc:  # a chat row without a chat template, or a template failing on it
+            field = (MODEL_FIELD if exc.source == CHAT_TEMPLATE else TEMPLATE_FIELD if exc.source
+                     else FORMAT_FIELD if not renderer.has_chat_template else MODEL_FIELD)
+            raise field_error(field, str(exc)) from None
         if len(text) > MAX_PROMPT_CHARS:
             raise field_error("row", f"the prompt is {len(text)} characters; a preview shows up to {MAX_PROMPT_CHARS}")
         try:

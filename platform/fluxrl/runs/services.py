@@ -19,6 +19,7 @@ from django.db.models import Q, QuerySet
 
 from fluxrl.datasets import services as datasets
 from fluxrl.errors import Conflict, InvalidInput, NotFound, TooLarge, field_error
+from fluxrl.quotas import services as quotas
 from fluxrl.rewards import services as rewards
 from fluxrl.safe_yaml import BadYAML, load_yaml_mapping
 from workers.tasks.builtin_rewards import BUILTIN_REWARDS
@@ -72,9 +73,10 @@ def parse_user_spec(spec_input) -> dict:
     if isinstance(spec_input, (str, bytes)):
         spec_input = load_spec_text(spec_input)
     try:
-        validate_spec(spec_input)
+        validated = validate_spec(spec_input)
     except SpecError as exc:
         raise spec_errors(exc.errors) from None
+    quotas.check_spec_ceilings(validated.to_dict())  # the deployment's per-run engines and nodes
     return copy.deepcopy(spec_input)
 
 
@@ -133,10 +135,11 @@ def submit_run(team, owner, spec_input, tags=(), notes: str = "") -> Run:
     reward_model_path = check_reward_model_path(team, spec)
     dataset_version, reward_version = resolve_references(team, spec)
     reward_model = (spec.get("reward") or {}).get("model") or {}
+    resolved_spec = engine_spec(spec, dataset_version, reward_version, model_path=model_path,
+                                reward_model_path=reward_model_path)
+    quotas.check_run_quota(team, resolved_spec)  # locks the team's row until this run is stored
     run = Run.objects.create(
-        team=team, owner=owner, name=spec["name"], spec=spec, notes=notes,
-        resolved_spec=engine_spec(spec, dataset_version, reward_version, model_path=model_path,
-                                  reward_model_path=reward_model_path),
+        team=team, owner=owner, name=spec["name"], spec=spec, notes=notes, resolved_spec=resolved_spec,
         dataset_version=dataset_version, reward_version=reward_version,
         model_version=stored_model_version(team, spec["model"]["path"]),
         reward_model_version=stored_model_version(team, reward_model.get("path"), REWARD_MODEL_FIELD, CLASSIFIER),
@@ -216,6 +219,7 @@ def resume_run(run: Run) -> Run:
         raise NoCheckpoint(f"Run {run.pk} has no checkpoint to resume from: it saves one every "
                            "trainer.checkpoint_every steps of its spec (0 = only at the end), and none was saved "
                            "before it stopped.")
+    quotas.check_run_quota(run.team, run.resolved_spec)  # live again: it counts like a new run
     run.status = RunStatus.QUEUED
     run.failure_reason = ""
     run.cancel_requested = False

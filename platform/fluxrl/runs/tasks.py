@@ -2,7 +2,8 @@
 prefetch 1 and the broker's visibility timeout are set in settings (CELERY_*).
 services.enqueue_run sends them; nothing here or in dispatch.py imports services."""
 from celery import shared_task
-from celery.signals import worker_ready
+from celery.signals import worker_process_init, worker_ready
+from django.conf import settings
 
 from . import dispatch
 
@@ -27,8 +28,20 @@ def reap_stale_runs() -> list[int]:
     return dispatch.reap_stale_runs()
 
 
+@worker_process_init.connect
+def watch_the_database_from_each_pool_process(**_):
+    # beat's reap task lands on any prefork child: each watches the database from its start,
+    # so whichever gets it knows whether the database was there over the last window.
+    dispatch.keep_contact()
+
+
 @worker_ready.connect
-def reap_when_a_worker_starts(**_):
-    # Runs left live by a worker that died (reboot, OOM kill) are failed as soon as a
-    # worker is back, even where no beat process runs.
-    dispatch.reap_stale_runs()
+def reap_when_a_worker_starts(sender=None, **_):
+    # Runs left live by a worker that died (reboot, OOM kill) are failed once a worker is
+    # back, even where no beat process runs: one stale window after it started, not at once
+    # (a worker started just after a database outage must leave the other workers' watchers
+    # a window to beat again; dispatch.DatabaseContact).
+    pool = getattr(sender, "pool", None)
+    if pool is None or not type(pool).__module__.endswith("prefork"):
+        dispatch.keep_contact()  # solo / threads pools run tasks in this process
+    reap_stale_runs.apply_async(countdown=settings.FLUXRL_RUN_STALE_S + 2 * dispatch.contact_every_s())

@@ -101,14 +101,14 @@ def test_the_template_child_gets_none_of_the_web_environment(monkeypatch):
     monkeypatch.setenv("DJANGO_SECRET_KEY", "web-secret")
     seen = preview.render_template("{{ env }}", {"env": "x"})
     assert seen == "x"
-    # What the child's os.environ holds, read by the child itself through a probe module.
-    probe = preview._TEMPLATE_CHILD.replace("from workers.tasks.prompts import compile_template",
-                                           "import os; print(json.dumps(dict(text=json.dumps(sorted(os.environ))))); "
-                                           "sys.exit()")
-    monkeypatch.setattr(preview, "_TEMPLATE_CHILD", probe)
+    # What the child's os.environ holds, read by the child itself through a probe in its place.
+    from workers.tasks import template_child
+
+    monkeypatch.setattr(template_child, "_BOOT", "import json, os; print(json.dumps(dict(text=json.dumps("
+                                                 "sorted(os.environ)))))")
     names = set(__import__("json").loads(preview.render_template("x", {})))
     assert not names & {"DATABASE_URL", "DJANGO_SECRET_KEY", "REDIS_URL", "FLUXRL_CLUSTER_KEY_SECRET"}, names
-    assert names <= set(preview.CHILD_ENV) | {"PWD", "SHLVL", "_"}, names
+    assert names <= set(template_child.CHILD_ENV) | {"PWD", "SHLVL", "_"}, names
 
 
 @pytest.mark.parametrize("depth,nul", [(5000, False), (1000, False), (400, True)])

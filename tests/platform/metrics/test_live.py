@@ -76,7 +76,7 @@ async def test_subscribing_needs_a_signed_in_member_of_the_run_team(run_a, alice
     write_only = await database_sync_to_async(key_of)(alice, scopes=["write"])
     assert await refused_with(path) == 4401
     assert await refused_with(path, key="flxu_not-a-key") == 4401
-    assert await refused_with(path, key=carol_key) == 4403  # another team's run
+    assert await refused_with(path, key=carol_key) == 4404  # another team's run: as if missing
     assert await refused_with(path, key=worker_key) == 4403  # run tokens report, they do not watch
     assert await refused_with(path, key=write_only) == 4403
     assert await refused_with("/ws/runs/999999/", key=alice_key) == 4404

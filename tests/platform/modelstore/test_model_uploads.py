@@ -78,7 +78,8 @@ def test_too_many_files_are_refused_before_the_archive_is_read_to_its_end(api_a)
 
 def test_not_an_archive_and_too_large_are_refused(api_a, settings):
     assert "upload the model folder as a .tar" in upload(api_a, b"{}", "config.json").json()["error"]["message"]
-    assert "is not a .tar, .tar.gz or .zip archive" in upload(api_a, b"plain bytes").json()["error"]["message"]
+    assert "rm.tar.gz is not a gzip-compressed tar archive, as its name says" in \
+        upload(api_a, b"plain bytes").json()["error"]["message"]
     settings.FLUXRL_MAX_MODEL_BYTES = 2_500_000  # the archive (2.45 MB) fits; its files (2.64 MB) do not
     response = upload(api_a, tar_gz(folder_files(RM)))
     assert response.status_code == 413 and "FLUXRL_MAX_MODEL_MB" in response.json()["error"]["message"]
@@ -112,3 +113,70 @@ def test_a_run_names_its_teams_models_pinned_at_submission_and_no_other_team_can
     # nor reach the stored folder by its path: it is under no model root
     by_path = api_b.post("/api/runs/", {"spec": spec(model={"path": str(run.model_version.path)})})
     assert by_path.status_code == 400 and "spec.model.path" in by_path.json()["error"]["fields"]
+
+
+# --- the folder as a loader reads it (issue 39, item 1) ---------------------------------
+
+VICTIM = "../../../../runs/1/out/final_model/model.safetensors"  # another team's run, relative to the stored folder
+
+
+def redirected(changes: dict[str, bytes | None], base=RM) -> dict[str, bytes]:
+    """The tiny model's files with ``changes`` (None: left out): its weights under another name
+    unless a change keeps them."""
+    files = folder_files(base)
+    files["weights.safetensors"] = files.pop("model.safetensors")
+    files.update(changes)
+    return {name: body for name, body in files.items() if body is not None}
+
+
+def weight_map(*shards: str) -> bytes:
+    return json.dumps({"metadata": {}, "weight_map": {f"t{i}": s for i, s in enumerate(shards)}}).encode()
+
+
+def with_config(base=RM, **extra) -> bytes:
+    return json.dumps(json.loads((base / "config.json").read_bytes()) | extra).encode()
+
+
+@pytest.mark.parametrize("changes, message", [
+    # transformers reads a pytorch_model.bin.index.json when there is no model.safetensors
+    ({"pytorch_model.bin.index.json": weight_map(VICTIM)}, "pytorch_model.bin.index.json: the only shard index read "
+                                                           "is a top-level model.safetensors.index.json"),
+    ({"sharded.safetensors.index.json": weight_map(VICTIM),
+      "config.json": with_config(transformers_weights="sharded.safetensors.index.json")},
+     "sharded.safetensors.index.json: the only shard index read"),
+    ({"config.json": with_config(transformers_weights="weights.safetensors")},
+     "config.json: 'transformers_weights' is refused"),
+    ({"model.safetensors.index.json": weight_map("weights.safetensors", VICTIM)},
+     f"model.safetensors.index.json names shards outside the folder: '{VICTIM}'"),
+    ({"model.safetensors.index.json": weight_map("/srv/fluxrl/runs/1/out/final_model/model.safetensors")},
+     "model.safetensors.index.json names shards outside the folder"),
+    ({"model.safetensors.index.json": weight_map("sub/weights.safetensors")},
+     "model.safetensors.index.json names shards outside the folder"),
+    ({"model.safetensors.index.json": weight_map("weights.safetensors", "model-00002.safetensors")},
+     "model.safetensors.index.json names shards the archive lacks: model-00002.safetensors"),
+    ({"model.safetensors.index.json": b'{"weight_map": ["weights.safetensors"]}'},
+     "model.safetensors.index.json has no weight_map"),
+    ({"sub/model.safetensors.index.json": weight_map(VICTIM)}, "sub/model.safetensors.index.json: the only shard index"),
+    ({"config.json": with_config(auto_map={"AutoModel": "modeling.Model"})}, "config.json: 'auto_map' is refused"),
+    ({"config.json": with_config(text_config={"auto_map": {"AutoModel": "x.Y"}})}, "config.json: 'auto_map' is refused"),
+    ({"tokenizer_config.json": json.dumps({"auto_map": {"AutoTokenizer": ["tok.T", None]}}).encode()},
+     "tokenizer_config.json: 'auto_map' is refused"),
+    ({"generation_config.json": json.dumps({"trust_remote_code": True}).encode()},
+     "generation_config.json: 'trust_remote_code' is refused"),
+    ({"adapter_config.json": json.dumps({"base_model_name_or_path": "../../../../runs/1/out/final_model"}).encode()},
+     "adapter_config.json: a PEFT adapter loads its base model"),
+])
+def test_an_archive_a_loader_would_read_other_weights_or_code_from_is_refused_by_name_and_leaves_nothing(
+        api_a, data_dir, changes, message):
+    response = upload(api_a, tar_gz(redirected(changes)))
+    assert response.status_code == 400, response.content
+    assert message in response.json()["error"]["message"] and "file" in response.json()["error"]["fields"]
+    assert not StoredModel.objects.exists()
+    assert not list((data_dir / "team-models").rglob("*"))
+
+
+def test_a_sharded_folder_whose_index_names_its_own_shards_is_stored(api_a):
+    files = redirected({"model.safetensors.index.json": weight_map("weights.safetensors", "weights.safetensors")})
+    response = upload(api_a, zipped(files, top="rm/"), "rm.zip")
+    assert response.status_code == 201, response.content
+    assert "model.safetensors.index.json" in [f[0] for f in response.json()["files"]]

@@ -34,7 +34,8 @@ from fluxrl.runs.services import submit_run, transition
 from workers.io.heartbeat import Heartbeat
 from workers.io.report import PlatformClient, Reporter
 
-from ..servers import REPO, free_port, start_daphne, stop, wait_until
+from ..servers import (REPO, free_port, needs_postgres, needs_postgres_and_redis, server_env, show_logs,
+                       start_celery_worker, start_daphne, stop, wait_for_server_sessions_to_end, wait_until)
 
 STALE_S = 5.0
 OUTAGE_S = 11.0
@@ -257,13 +258,16 @@ def test_runs_outlive_a_database_outage_longer_than_the_stale_window(on_private_
 # -- the same rule without a cluster to stop (the session's own database) ----------------------
 
 
-def test_only_a_lost_connection_breaks_contact_and_contact_counts_from_its_return():
+def test_only_a_lost_connection_breaks_contact_and_contact_counts_from_the_first_success_or_the_return():
     from django.db import IntegrityError, OperationalError
 
     contact = dispatch.DatabaseContact()
-    assert contact.unbroken_s() == float("inf")  # never seen failing: trusted
+    assert contact.unbroken_s() == 0.0  # never seen the database: no contact to count on
+    contact.succeeded()
+    time.sleep(0.2)
+    assert 0.2 <= contact.unbroken_s() < 1.0  # from the first contact, not from the process' start
     contact.failed(IntegrityError("duplicate key"))  # a query's own error
-    assert contact.unbroken_s() == float("inf")
+    assert contact.unbroken_s() >= 0.2
     contact.failed(OperationalError("connection refused"))
     time.sleep(0.2)
     assert contact.unbroken_s() == 0.0
@@ -288,3 +292,76 @@ def test_a_reaper_that_saw_the_database_fail_reaps_only_after_a_window_of_contac
     assert Run.objects.get(pk=lost.pk).status == RunStatus.RUNNING
     time.sleep(0.6)
     assert dispatch.reap_stale_runs() == [lost.pk]
+
+
+# -- a fresh process has not seen the database for a window: it does not reap yet ----------------
+
+FRESH_STALE_S = 2.0
+
+# A new worker process right after an outage: the reap task at once, then again as it keeps in
+# contact, printing each answer with the seconds since its first call.
+FRESH_REAPER = """
+import json, time, django
+django.setup()
+from fluxrl.runs import tasks
+started = time.monotonic()
+print(json.dumps([0.0, tasks.reap_stale_runs()]), flush=True)
+while time.monotonic() - started < 20:
+    time.sleep(0.25)
+    reaped = tasks.reap_stale_runs()
+    if reaped:
+        print(json.dumps([time.monotonic() - started, reaped]), flush=True)
+        break
+"""
+
+
+def _stale_running_run(team, owner, name: str) -> Run:
+    from datetime import timedelta
+
+    run = running_run(team, owner, name)
+    old = timezone.now() - timedelta(seconds=90)  # the issue's 90 s outage
+    Run.objects.filter(pk=run.pk).update(heartbeat_at=old, updated_at=old)
+    return run
+
+
+@needs_postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_fresh_process_reaps_only_after_a_window_of_its_own_contact(team_a, alice, tmp_path, django_db_blocker):
+    import json
+
+    live = _stale_running_run(team_a, alice, "beats-again-soon")
+    env = server_env(tmp_path / "data", free_port(), FLUXRL_RUN_STALE_S=str(FRESH_STALE_S))
+    try:
+        done = subprocess.run([sys.executable, "-c", FRESH_REAPER], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr[-3000:]
+        answers = [json.loads(line) for line in done.stdout.splitlines()]
+        assert answers[0] == [0.0, []]  # its first look: the 90 s old heartbeat is not judged
+        at, reaped = answers[-1]
+        assert reaped == [live.pk] and at >= FRESH_STALE_S  # after a full window of contact, it is
+        assert Run.objects.get(pk=live.pk).status == RunStatus.FAILED
+    finally:
+        wait_for_server_sessions_to_end(django_db_blocker)
+
+
+@needs_postgres_and_redis
+@pytest.mark.timeout(120)
+@pytest.mark.django_db(transaction=True)
+def test_a_celery_worker_that_starts_reaps_a_window_later_not_at_once(team_a, alice, tmp_path, django_db_blocker):
+    live = _stale_running_run(team_a, alice, "watched-elsewhere")
+    env = server_env(tmp_path / "data", free_port(), FLUXRL_RUN_STALE_S=str(FRESH_STALE_S))
+    log_path = tmp_path / "celery.log"
+    worker = start_celery_worker(env, "cpu", f"reaper-{os.getpid()}", log_path)
+    try:
+        ready_at = time.monotonic()
+        time.sleep(0.5)
+        assert Run.objects.get(pk=live.pk).status == RunStatus.RUNNING, "reaped as the worker started"
+        # beat's task or the one the worker sends itself at start: a prefork child, a window later
+        wait_until(lambda: Run.objects.get(pk=live.pk).status == RunStatus.FAILED, 30, "the stale run reaped")
+        assert time.monotonic() - ready_at >= FRESH_STALE_S - 0.5
+    except AssertionError:
+        show_logs(log_path)
+        raise
+    finally:
+        stop(worker)
+        wait_for_server_sessions_to_end(django_db_blocker)

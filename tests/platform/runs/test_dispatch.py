@@ -159,7 +159,7 @@ def test_a_failure_reported_without_reason_gets_the_log_tail(run_a, tmp_path):
     assert Run.objects.get(pk=run_a.pk).failure_reason.endswith("step 1\nTraceback: boom")
 
 
-def test_the_reaper_fails_live_runs_whose_heartbeat_is_stale(team_a, alice, spec, settings):
+def test_the_reaper_fails_live_runs_whose_heartbeat_is_stale(team_a, alice, spec, settings, reaper_in_contact):
     settings.FLUXRL_RUN_STALE_S = 60
     old = timezone.now() - timedelta(seconds=61)
     lost, alive, waiting = (submit_run(team_a, alice, spec(name=name)) for name in ("lost", "alive", "waiting"))

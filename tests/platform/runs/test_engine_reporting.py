@@ -45,7 +45,7 @@ def test_the_engine_takes_its_run_token_from_the_environment(live_server, run_a,
     assert run.status == RunStatus.FAILED and "not_a_section" in run.failure_reason
 
 
-def test_a_heartbeat_keeps_a_long_step_alive_for_the_reaper_and_hears_a_cancel(live_server, run_a, settings):
+def test_a_heartbeat_keeps_a_long_step_alive_for_the_reaper_and_hears_a_cancel(live_server, run_a, settings, reaper_in_contact):
     settings.FLUXRL_RUN_STALE_S = 60
     running(run_a)
     Run.objects.filter(pk=run_a.pk).update(heartbeat_at=timezone.now() - timedelta(seconds=120))  # a long step so far
@@ -64,7 +64,7 @@ def test_a_heartbeat_keeps_a_long_step_alive_for_the_reaper_and_hears_a_cancel(l
         heartbeat.stop()
 
 
-def test_without_a_heartbeat_the_reaper_fails_a_run_whose_engine_went_quiet(run_a, settings):
+def test_without_a_heartbeat_the_reaper_fails_a_run_whose_engine_went_quiet(run_a, settings, reaper_in_contact):
     settings.FLUXRL_RUN_STALE_S = 60
     running(run_a)
     Run.objects.filter(pk=run_a.pk).update(heartbeat_at=timezone.now() - timedelta(seconds=120))

@@ -10,6 +10,7 @@ import pytest
 
 from fluxrl.datasets.services import read_rows
 from fluxrl.runs import preview
+from workers.tasks import template_child
 from workers.tasks.datasets import load_rows
 
 URL = "/api/prompt-preview/"
@@ -96,8 +97,8 @@ def test_a_prompt_template_renders_over_the_rows_fields(api_a, chat_model):
 
 
 def test_a_template_that_fails_loops_or_grows_is_refused_naming_it(api_a, assert_error, monkeypatch):
-    monkeypatch.setattr(preview, "TEMPLATE_TIMEOUT_S", 1.5)
-    for template, words in [("{{ question }}", "failed on the row: UndefinedError: 'question' is undefined"),
+    monkeypatch.setattr(template_child, "TEMPLATE_TIMEOUT_S", 1.5)
+    for template, words in [("{{ question }}", "failed on row 1: UndefinedError: 'question' is undefined"),
                             ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "took"),
                             ("{{ 'ab' * 1000000000 }}", "may not build more than"),  # would fold while compiling
                             ("{{ prompt * 1000000000 }}", "may not build more than"),  # would build while rendering
@@ -173,3 +174,138 @@ def test_who_may_preview(api_a, run_a, worker_client, client_for, alice, assert_
     finally:
         slot.release()
     assert api_a.post(URL, body).status_code == 200
+
+
+# --- bounded work: generator parameters, the concurrency slot, the deadline (issue 39, item 5) ---
+
+
+@pytest.mark.parametrize("dataset,bound", [
+    ("gen:add?max_digits=10000000", "from 1 to 100"), ("gen:countdown?numbers=5000000", "from 1 to 100"),
+    ("gen:countdown?max_value=10000000000", "from 1 to 1000000000"), ("gen:chain?max_terms=101", "from 1 to 100"),
+    ("gen:chain?max_value=0", "from 1 to 1000000000"), ("gen:add?max_digits=" + "9" * 5000, "over 1000 characters"),
+])
+def test_an_over_bound_generator_parameter_is_400_naming_it_and_its_bound_at_once(api_a, assert_error, dataset,
+                                                                                   bound):
+    import time
+
+    started = time.monotonic()
+    error = assert_error(api_a.post(URL, {"spec": spec(dataset=dataset)}), 400, field="spec.task.dataset")
+    assert time.monotonic() - started < 1.0
+    name = dataset[4:].partition("?")[2].partition("=")[0]
+    assert bound in error["message"] and (name in error["message"] or "characters" in bound), error
+
+
+def test_too_many_generated_rows_are_400_naming_the_bound(api_a, assert_error):
+    error = assert_error(api_a.post("/api/runs/", {"spec": spec(size=10 ** 9)}), 400, field="spec.task")
+    assert "at most 200000 rows" in error["message"] and "task.size" in error["message"]
+    error = assert_error(api_a.post(URL, {"spec": spec(dataset="gen:countdown?numbers=100", size=150000)}), 400,
+                         field="spec.task")
+    assert "numbers=100" in error["message"] and "the bound is 20000000" in error["message"]
+
+
+def test_the_preview_takes_its_slot_before_generating_the_row(api_a, assert_error, settings, monkeypatch):
+    generated = []
+    real = preview.first_row
+    monkeypatch.setattr(preview, "first_row", lambda *a, **k: generated.append(a) or real(*a, **k))
+    settings.FLUXRL_PROMPT_PREVIEW_MAX_CONCURRENT = 2
+    slot = preview._slot()
+    for _ in range(2):
+        slot.acquire()
+    try:
+        assert_error(api_a.post(URL, {"spec": spec(dataset="gen:countdown?numbers=100")}), 429)
+        assert generated == []  # refused before the row was generated
+    finally:
+        for _ in range(2):
+            slot.release()
+    assert api_a.post(URL, {"spec": spec(dataset="gen:countdown?numbers=100")}).status_code == 200
+    assert len(generated) == 1
+
+
+def test_a_large_allowed_parameter_is_generated_within_the_deadline(api_a):
+    import time
+
+    started = time.monotonic()
+    body = api_a.post(URL, {"spec": spec(dataset="gen:countdown?numbers=100&max_value=1000000000", seed=3)}).json()
+    first = load_rows("gen:countdown?numbers=100&max_value=1000000000", size=1, eval_size=0, seed=3)[0][0]
+    assert body["row"] == first and body["text"] == first["prompt"]
+    assert time.monotonic() - started < 10
+
+
+def test_past_its_deadline_a_preview_is_503_and_its_generation_is_stopped(api_a, assert_error, settings,
+                                                                          monkeypatch):
+    import psutil
+
+    settings.FLUXRL_PROMPT_PREVIEW_DEADLINE_S = 0.4
+    # A generation slower than the deadline (a child that sleeps before generating): it is killed, not awaited.
+    monkeypatch.setattr(template_child, "_BOOT", "import time; time.sleep(30)")
+    started = __import__("time").monotonic()
+    error = assert_error(api_a.post(URL, {"spec": spec(dataset="gen:add")}), 503, code="preview_deadline")
+    assert "0.4 s" in error["message"] and "FLUXRL_PROMPT_PREVIEW_DEADLINE_S" in error["message"]
+    assert __import__("time").monotonic() - started < 5
+    assert not [p for p in psutil.Process().children(recursive=True) if p.is_running()
+                and p.status() != psutil.STATUS_ZOMBIE]
+
+
+# --- an uploaded tokenizer's chat template, against the live web server (issue 39, item 2) ---
+
+BOMBS = {  # each would take the web process' memory or a core if rendered there
+    "memory": "{{ 'x' * 300000000 }}",
+    "range": "{% for i in range(10**9) %}{% endfor %}",
+    "loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "growth": "{% set ns = namespace(s=[]) %}{% for i in range(99999) %}{% set ns.s = ns.s + ['x' * 99999] %}"
+              "{% endfor %}",
+}
+
+
+def vm_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(240)
+def test_an_uploaded_chat_template_bomb_is_refused_by_the_live_server_in_bounded_time_and_memory(
+        alice, django_db_blocker, tmp_path):
+    import time
+
+    import requests
+
+    from fluxrl.accounts.services import create_api_token
+    from tests.platform.model_archives import POLICY, folder_files, tar_gz
+    from tests.platform.servers import free_port, server_env, show_logs, start_daphne, stop, \
+        wait_for_server_sessions_to_end
+
+    files = folder_files(POLICY)
+    config = json.loads(files["tokenizer_config.json"])
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {create_api_token(alice, 'bomb')[1]}"
+    port, log = free_port(), tmp_path / "daphne.log"
+    web = start_daphne(server_env(tmp_path / "data", port), port, log)
+    url = f"http://127.0.0.1:{port}/api"
+    chat_row = {"messages": [{"role": "user", "content": "1+1="}], "answer": "2"}
+    try:
+        for name, bomb in BOMBS.items():
+            archive = tar_gz({**files, "tokenizer_config.json": json.dumps({**config, "chat_template": bomb}).encode()})
+            reply = session.post(f"{url}/models/", files={"file": (f"{name}.tar.gz", archive)}, data={"name": name},
+                                 timeout=60)
+            assert reply.status_code == 201, reply.text
+        # Warm: the tokenizer libraries imported and a tokenizer loaded, as a served process has them.
+        reply = session.post(f"{url}/prompt-preview/", json={"spec": spec("model:memory"), "row": {"prompt": "1="}},
+                             timeout=60)
+        assert reply.status_code == 200, reply.text
+        for name in BOMBS:
+            before = vm_rss_mb(web.pid)
+            started = time.monotonic()
+            reply = session.post(f"{url}/prompt-preview/", json={"spec": spec(f"model:{name}"), "row": chat_row},
+                                 timeout=60)
+            took, grew = time.monotonic() - started, vm_rss_mb(web.pid) - before
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert "spec.model.path" in error["fields"], error
+            assert "chat template" in error["message"] and "budget" in error["message"], error
+            assert took < template_child.TEMPLATE_TIMEOUT_S + 5, (name, took)
+            assert grew < 50, (name, grew)
+    finally:
+        stop(web)
+        show_logs(log)
+        wait_for_server_sessions_to_end(django_db_blocker)

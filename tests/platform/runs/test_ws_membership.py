@@ -1,7 +1,8 @@
 """An open ws/runs/<id>/ socket is checked again every FLUXRL_WS_RECHECK_S: a member
-removed from the run's team (4403), a revoked token or a deactivated user (4401) is
-closed; a member who stays keeps the socket. The real ASGI stack (fluxrl.asgi) with
-channels' WebsocketCommunicator, as in tests/platform/metrics/test_live.py."""
+removed from the run's team (4404, as for a run that does not exist), a revoked token or
+a deactivated user (4401) is closed; a member who stays keeps the socket. Another team's
+run and a missing run are refused alike. The real ASGI stack (fluxrl.asgi) with channels'
+WebsocketCommunicator, as in tests/platform/metrics/test_live.py."""
 import functools
 
 import pytest
@@ -49,10 +50,31 @@ async def closed_with(ws) -> int:
 
 
 @sync
-async def test_a_member_removed_from_the_team_is_closed_with_4403(run_a, bob):
+async def test_a_member_removed_from_the_team_is_closed_with_4404(run_a, bob):
     ws = await follow(run_a, bob)
     await database_sync_to_async(Membership.objects.filter(user=bob, team=run_a.team).delete)()
-    assert await closed_with(ws) == 4403
+    assert await closed_with(ws) == 4404
+
+
+async def refusal(path: str, key: str) -> dict:
+    ws = WebsocketCommunicator(application, path,
+                               headers=[(b"origin", b"http://127.0.0.1"), (b"authorization", f"Bearer {key}".encode())])
+    await ws.connect()
+    closed = await ws.receive_output(timeout=5)
+    await ws.disconnect()
+    return closed
+
+
+@sync
+async def test_another_teams_run_and_a_missing_run_are_closed_alike(run_a, carol):
+    """No run-id oracle: the close (code and reason, the run id aside) is the same."""
+    key = (await database_sync_to_async(accounts.create_api_token)(carol, "ws"))[1]
+    missing = run_a.id + 1000
+    existing = await refusal(f"/ws/runs/{run_a.id}/", key)
+    absent = await refusal(f"/ws/runs/{missing}/", key)
+    assert existing["type"] == absent["type"] == "websocket.close"
+    assert existing["code"] == absent["code"] == 4404
+    assert existing.get("reason", "").replace(str(run_a.id), "<id>") == absent.get("reason", "").replace(str(missing), "<id>")
 
 
 @sync

@@ -161,6 +161,83 @@ def test_a_silent_connection_is_dropped_at_the_deadline_and_does_not_delay_a_rea
     silent.close()
 
 
+@pytest.fixture
+def flood_deadline(monkeypatch):
+    """Long enough to open a flood of connections on a loaded machine, short enough to wait out."""
+    monkeypatch.setenv(wire.HANDSHAKE_ENV, "3")
+    return 3.0
+
+
+def _silent_from(source: str, port: int, count: int) -> list[socket.socket]:
+    """``count`` TCP connections from ``source`` (any of 127.0.0.0/8 on Linux: a stranger on
+    another address) that never say a word."""
+    socks = []
+    for i in range(count):
+        if i % 8 == 7:
+            time.sleep(0.02)  # within the listen backlog: a refused SYN would come back a second later
+        sock = socket.socket()
+        sock.bind((source, 0))
+        sock.connect(("127.0.0.1", port))
+        socks.append(sock)
+    return socks
+
+
+def _closed_by(socks: list[socket.socket], deadline: float) -> bool:
+    """Whether the listener closed every one of them by ``deadline`` (monotonic)."""
+    for sock in socks:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            if sock.recv(1) != b"":
+                return False
+        except socket.timeout:
+            return False
+        except ConnectionResetError:
+            pass
+    return True
+
+
+def test_silent_connections_from_one_address_take_a_few_slots_and_close_at_the_deadline(flood_deadline, listener):
+    fast_deadline = flood_deadline
+    opened = time.monotonic()
+    silent = _silent_from("127.0.0.2", listener.address[1], wire._MAX_HANDSHAKES + 16)
+    time.sleep(0.2)  # the listener has taken them all
+    assert time.monotonic() - opened < 0.8 * fast_deadline  # all still within their handshake deadline
+    started = time.monotonic()
+    client, server = _pair(listener)  # a first-time peer on another address gets a slot at once
+    assert time.monotonic() - started < 0.5 * fast_deadline
+    client.send(Note(text="through"))
+    assert server.recv()[0].text == "through"
+    try:
+        assert _closed_by(silent, started + fast_deadline + 1.0)  # the extra ones at once, the rest at the deadline
+    finally:
+        for sock in silent:
+            sock.close()
+
+
+def test_strangers_on_many_addresses_holding_every_slot_do_not_stop_a_known_peer(flood_deadline, listener):
+    fast_deadline = flood_deadline
+    first, _ = _pair(listener)  # 127.0.0.1 is a known peer from here on
+    first.close()
+    port = listener.address[1]
+    per_address = wire._MAX_HANDSHAKES_PER_STRANGER
+    addresses = [f"127.0.1.{i}" for i in range(1, wire._MAX_HANDSHAKES // per_address + 3)]
+    opened = time.monotonic()
+    silent = [s for a in addresses for s in _silent_from(a, port, per_address)]
+    time.sleep(0.2)  # every slot is a stranger's
+    assert time.monotonic() - opened < 0.5 * fast_deadline  # all still within their handshake deadline
+    assert len(silent) > wire._MAX_HANDSHAKES
+    for _ in range(3):  # and again, as they are reopened: the known peer is served each time
+        started = time.monotonic()
+        client, server = _pair(listener)
+        assert time.monotonic() - started < 0.5 * fast_deadline
+        client.send(Note(text="known"))
+        assert server.recv()[0].text == "known"
+        client.close()
+        server.close()
+    for sock in silent:
+        sock.close()
+
+
 def test_connect_gives_up_on_a_server_that_never_answers(fast_deadline):
     with socket.create_server(("127.0.0.1", 0)) as mute:  # the kernel completes TCP; nobody speaks
         started = time.monotonic()

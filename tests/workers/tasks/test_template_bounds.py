@@ -1,14 +1,15 @@
-"""Prompt templates (workers.tasks.prompts.compile_template): every operation that can build far
-more than it is given refuses past MAX_TEMPLATE_RESULT, when folded while compiling (a
-ValueError naming it) or when rendered (SecurityError), before allocating; ordinary uses
-of the same filters and methods still work."""
+"""Prompt templates (workers.tasks.prompts.compile_bounded, the template child's compiler):
+every operation that can build far more than it is given refuses past MAX_TEMPLATE_RESULT,
+when folded while compiling (a ValueError naming it) or when rendered (SecurityError),
+before allocating; ordinary uses of the same filters and methods still work. Outside the
+child, compile_template compiles nothing in the calling process."""
 import resource
 
 import pytest
 from jinja2.exceptions import SecurityError, UndefinedError
 
 from workers.tasks import prompts
-from workers.tasks.prompts import compile_template
+from workers.tasks.prompts import compile_bounded, compile_template
 
 BIG = 100_000_000
 
@@ -24,7 +25,7 @@ def peak_mb() -> float:
 def test_width_filters_folded_while_compiling_are_refused_at_compile_time(template):
     before = peak_mb()
     with pytest.raises(ValueError, match="would build more than 100000"):
-        compile_template(template)
+        compile_bounded(template)
     assert peak_mb() - before < 20
 
 
@@ -40,13 +41,13 @@ def test_width_filters_folded_while_compiling_are_refused_at_compile_time(templa
 def test_width_operations_are_refused_when_rendered(template):
     before = peak_mb()
     with pytest.raises((SecurityError, ValueError), match="not allowed|may not"):
-        compile_template(template).render(prompt="p")
+        compile_bounded(template).render(prompt="p")
     assert peak_mb() - before < 50
 
 
 def test_lipsum_is_not_available():
     with pytest.raises(UndefinedError):
-        compile_template("{{ lipsum(100000000) }}").render()
+        compile_bounded("{{ lipsum(100000000) }}").render()
 
 
 @pytest.mark.parametrize("template,expected", [
@@ -57,13 +58,17 @@ def test_lipsum_is_not_available():
     ("{{ '-' * 3 }}", "---"), ("{{ 2 ** 10 }}", "1024"),
 ])
 def test_ordinary_templates_still_render(template, expected):
-    assert compile_template(template).render(prompt="p=1") == expected
+    assert compile_bounded(template).render(prompt="p=1") == expected
 
 
-def test_a_checker_process_compiles_nothing_itself(monkeypatch):
-    checked = []
+def test_compile_template_compiles_nothing_in_this_process(monkeypatch):
+    import jinja2
+
+    checked, compiled_here = [], []
     monkeypatch.setattr(prompts, "_template_checker", checked.append)
+    monkeypatch.setattr(jinja2.Environment, "from_string", lambda *a, **k: compiled_here.append(a))
     deferred = compile_template('{{ "x"|center(100000000) }}')
-    assert checked == ['{{ "x"|center(100000000) }}']
-    with pytest.raises(RuntimeError, match="child process"):
-        deferred.render()
+    assert checked == ['{{ "x"|center(100000000) }}'] and compiled_here == []
+    with pytest.raises(ValueError, match="would build more than 100000"):
+        deferred.render()  # rendered in the bounded child, which refuses it
+    assert compiled_here == []

@@ -103,7 +103,8 @@ class RunTokenView(RunMixin, generics.GenericAPIView):
         run = self.get_object()
         if run.is_terminal:
             raise services.IllegalTransition(f"The run has {run.status}; it takes no more reports.")
-        token, key = create_run_token(run)
+        # it ends with the minter's rights: their membership, the API token they used
+        token, key = create_run_token(run, minted_by=request.user, minted_with=request.auth)
         token.key = key
         return Response(RunTokenSerializer(token).data, status=status.HTTP_201_CREATED)
 
