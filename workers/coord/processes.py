@@ -28,11 +28,14 @@ def placement(spec: RunSpec):
     """Where every process runs (workers/cluster/placement.py): this machine describes every node."""
     import torch
 
-    from workers.cluster.placement import Machine, detect_machine, plan_cpu, plan_placement
+    from workers.cluster.placement import (Machine, check_weight_transport, detect_machine, model_size, plan_cpu,
+                                           plan_placement)
 
     if torch.cuda.is_available():
         return plan_placement(spec, detect_machine())
-    return plan_cpu(spec, Machine(cpu_cores=os.cpu_count() or 1))
+    plan = plan_cpu(spec, Machine(cpu_cores=os.cpu_count() or 1))
+    check_weight_transport(spec, plan, model_size(spec.model.path))
+    return plan
 
 
 class Processes:
