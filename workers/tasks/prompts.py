@@ -456,7 +456,7 @@ class PromptRenderer:
             if self.template is None and not self.is_chat(row):
                 continue
             key = self._key(row)
-            if key not in self._texts and key not in self._cache:
+            if key not in self._texts:
                 todo.setdefault(key, row)
         if not todo:
             return
@@ -494,8 +494,7 @@ class PromptRenderer:
             ids = self.tokenizer.encode(self.text(row), add_special_tokens=not self.is_chat(row))
             if not ids:
                 raise PromptError(f"a row's prompt encodes to no tokens: {row.get('prompt')!r:.80}")
-            self._cache[key] = ids
-            self._texts.pop(key, None)  # the ids are what is kept
+            self._cache[key] = ids  # the text stays too: reported samples show it (a child per lookup is slow)
         return ids
 
     def decode(self, ids: list[int]) -> str:

@@ -95,6 +95,9 @@ def test_a_whole_dataset_renders_in_one_child(tiny_model_path, tmp_path, monkeyp
     row = checked.train_rows[0]
     assert checked.renderer.ids(row) == load_tokenizer(path).encode(
         f"<|system|>S\n<|user|>Q: {row['prompt']}\n<|assistant|>", add_special_tokens=False)
+    # a row's text stays once its ids are cached: a reported sample shows it, with no child more
+    assert checked.renderer.text(row) == f"<|system|>S\n<|user|>Q: {row['prompt']}\n<|assistant|>"
+    assert len(children) == 1
 
 
 def test_a_template_slow_on_every_row_is_stopped_by_the_batchs_budget(tiny_model_path, monkeypatch):
