@@ -3,6 +3,7 @@
 Embedded default (nothing set): SQLite file, filesystem Celery broker and in-memory
 channel layer, all under FLUXRL_DATA_DIR. Production: DATABASE_URL and REDIS_URL.
 """
+import ipaddress
 import os
 import secrets
 import shlex
@@ -11,6 +12,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 
@@ -21,6 +23,12 @@ def env_bool(name: str, default: bool) -> bool:
 
 def env_list(name: str, default: str) -> list[str]:
     return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
+
+
+def env_limit(name: str, default: str, scale: int = 1) -> int | None:
+    """A number (times scale), or None for "none": no limit."""
+    value = os.environ.get(name, default).strip().lower()
+    return None if value in {"", "none"} else int(float(value) * scale)
 
 
 FLUXRL_DATA_DIR = Path(os.environ.get("FLUXRL_DATA_DIR", REPO_DIR / "var")).resolve()
@@ -181,8 +189,8 @@ CELERY_TASK_ROUTES = {"fluxrl.*": {"queue": "cpu"}}
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 # The reaper fails runs whose watcher stopped heart-beating. A process reaps only after a
 # full FLUXRL_RUN_STALE_S of its own contact with the database (runs/dispatch.py): workers
-# reap one window after they start and while they watch a run; this beat entry (`celery -A fluxrl worker -B`, or a
-# `celery -A fluxrl beat` process) covers idle ones. Busy workers take it late: expire it.
+# reap one window after they start and while they watch a run; this beat entry (`celery -A
+# fluxrl worker -B`, or a `celery -A fluxrl beat` process) covers idle ones. Busy workers take it late: expire it.
 CELERY_BEAT_SCHEDULE = {"reap-stale-runs": {"task": "fluxrl.runs.tasks.reap_stale_runs", "schedule": 60.0,
                                             "options": {"expires": 50}}}
 CELERY_BEAT_SCHEDULE_FILENAME = str(FLUXRL_DATA_DIR / "celerybeat-schedule")
@@ -322,15 +330,11 @@ REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"] = {
 # Rates count the peer address (REMOTE_ADDR); X-Forwarded-For is read only behind the proxies
 # named here (fluxrl/api/throttles.py client_address): FLUXRL_TRUSTED_PROXIES, comma-separated
 # addresses/CIDRs, or FLUXRL_NUM_PROXIES, proxies every request passes through.
-FLUXRL_TRUSTED_PROXIES = [p.strip() for p in os.environ.get("FLUXRL_TRUSTED_PROXIES", "").split(",") if p.strip()]
+FLUXRL_TRUSTED_PROXIES = env_list("FLUXRL_TRUSTED_PROXIES", "")
 for _proxy in FLUXRL_TRUSTED_PROXIES:
     try:
-        import ipaddress
-
         ipaddress.ip_network(_proxy, strict=False)
     except ValueError:
-        from django.core.exceptions import ImproperlyConfigured
-
         raise ImproperlyConfigured(f"FLUXRL_TRUSTED_PROXIES: {_proxy!r} is not an address or CIDR") from None
 FLUXRL_NUM_PROXIES = int(os.environ.get("FLUXRL_NUM_PROXIES") or 0)
 MIDDLEWARE = [*MIDDLEWARE, "fluxrl.api.throttles.LoginThrottleMiddleware"]
@@ -338,16 +342,9 @@ MIDDLEWARE = [*MIDDLEWARE, "fluxrl.api.throttles.LoginThrottleMiddleware"]
 # token), and closes with 4404 (membership) or 4401 (token, user) when not.
 FLUXRL_WS_RECHECK_S = float(os.environ.get("FLUXRL_WS_RECHECK_S", "30"))
 
-# --- Quotas (issue 39, item 8): per-team defaults (an admin overrides them per team in the
-# Django admin: quotas.TeamQuota) and per-run ceilings; "none" = no limit. Live runs
-# (queued, starting, running) count towards runs, engines and nodes (fluxrl/quotas/services.py).
-
-
-def env_limit(name: str, default: str, scale: int = 1) -> int | None:
-    value = os.environ.get(name, default).strip().lower()
-    return None if value in {"", "none"} else int(float(value) * scale)
-
-
+# --- Quotas: per-team defaults (an admin overrides them per team in the Django admin:
+# quotas.TeamQuota) and per-run ceilings; "none" = no limit. Live runs (queued, starting,
+# running) count towards runs, engines and nodes (fluxrl/quotas/services.py).
 FLUXRL_QUOTA_RUNS = env_limit("FLUXRL_QUOTA_RUNS", "32")
 FLUXRL_QUOTA_ENGINES = env_limit("FLUXRL_QUOTA_ENGINES", "128")
 FLUXRL_QUOTA_NODES = env_limit("FLUXRL_QUOTA_NODES", "64")  # every live run holds one at least
