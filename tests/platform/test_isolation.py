@@ -437,10 +437,11 @@ def answer_shape(response, url: str) -> tuple:
     """Status and body with the URL's own parameters blanked (they may be echoed)."""
     text = b"".join(response.streaming_content) if response.streaming else response.content
     text = text.decode("utf-8", "replace")
+    # CSRF tokens first: a short id ("65") can occur inside a token and would split it
+    text = re.sub(r"[A-Za-z0-9]{40,}", "<csrf>", text)  # a page's CSRF token differs per response
     for part in sorted(urlsplit(url).path.strip("/").split("/"), key=len, reverse=True):
         if len(part) > 1:
             text = text.replace(part, "<param>")
-    text = re.sub(r"[A-Za-z0-9]{40,}", "<csrf>", text)  # a page's CSRF token differs per response
     return response.status_code, response.get("Content-Type", ""), text
 
 

@@ -422,6 +422,11 @@ def contact_every_s() -> float:
     return max(0.1, min(settings.FLUXRL_HEARTBEAT_S, settings.FLUXRL_RUN_STALE_S / 4))
 
 
+def contact_short_of_window_s() -> float:
+    """How long this process must still keep contact before its reaper may reap (0: it may)."""
+    return max(0.0, settings.FLUXRL_RUN_STALE_S - db_contact.unbroken_s())
+
+
 def check_contact() -> bool:
     """One look at the database (its own connection in a thread), recorded in db_contact."""
     from django.db import connection

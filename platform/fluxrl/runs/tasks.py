@@ -24,8 +24,14 @@ def join_run(run_id: int, node_rank: int) -> str:
 
 
 @shared_task(ignore_result=True)
-def reap_stale_runs() -> list[int]:
-    return dispatch.reap_stale_runs()
+def reap_stale_runs(until_in_contact: bool = False) -> list[int]:
+    reaped = dispatch.reap_stale_runs()
+    short_s = dispatch.contact_short_of_window_s()
+    if until_in_contact and short_s > 0:
+        # the process that took it has not watched the database for a window yet (a pool
+        # child slow to start): it reaped nothing, so try again once it has
+        reap_stale_runs.apply_async(kwargs={"until_in_contact": True}, countdown=short_s + dispatch.contact_every_s())
+    return reaped
 
 
 @worker_process_init.connect
@@ -44,4 +50,5 @@ def reap_when_a_worker_starts(sender=None, **_):
     pool = getattr(sender, "pool", None)
     if pool is None or not type(pool).__module__.endswith("prefork"):
         dispatch.keep_contact()  # solo / threads pools run tasks in this process
-    reap_stale_runs.apply_async(countdown=settings.FLUXRL_RUN_STALE_S + 2 * dispatch.contact_every_s())
+    reap_stale_runs.apply_async(kwargs={"until_in_contact": True},
+                                countdown=settings.FLUXRL_RUN_STALE_S + 2 * dispatch.contact_every_s())

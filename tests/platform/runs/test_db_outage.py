@@ -294,6 +294,28 @@ def test_a_reaper_that_saw_the_database_fail_reaps_only_after_a_window_of_contac
     assert dispatch.reap_stale_runs() == [lost.pk]
 
 
+@pytest.mark.django_db
+def test_the_start_reap_that_lands_before_a_window_of_contact_tries_again_when_the_window_is_complete(
+        team_a, alice, settings, monkeypatch):
+    """A pool child slow to start may take the worker's start-up reap before it has watched
+    the database for a window: it reaps nothing and sends itself again for the rest of the
+    window (once it has had a window, it does not)."""
+    from fluxrl.runs import tasks
+
+    settings.FLUXRL_RUN_STALE_S, settings.FLUXRL_HEARTBEAT_S = 4.0, 1.0
+    monkeypatch.setattr(dispatch, "db_contact", dispatch.DatabaseContact())
+    lost = _stale_running_run(team_a, alice, "lost-at-start")
+    sent = []
+    monkeypatch.setattr(tasks.reap_stale_runs, "apply_async", lambda **kw: sent.append(kw))
+    dispatch.db_contact.assume_contact_for(1.0)
+    assert tasks.reap_stale_runs(until_in_contact=True) == []
+    assert len(sent) == 1 and sent[0]["kwargs"] == {"until_in_contact": True}
+    assert 3.9 <= sent[0]["countdown"] <= 4.05  # 3 s still short of the window, plus one look (1 s)
+    assert tasks.reap_stale_runs() == [] and len(sent) == 1  # beat's reap does not send itself again
+    dispatch.db_contact.assume_contact_for(4.0)
+    assert tasks.reap_stale_runs(until_in_contact=True) == [lost.pk] and len(sent) == 1
+
+
 # -- a fresh process has not seen the database for a window: it does not reap yet ----------------
 
 FRESH_STALE_S = 2.0
