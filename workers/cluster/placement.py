@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["DTYPE_BYTES", "Machine", "MemoryPlan", "ModelSize", "PlacementError", "Plan", "Process", "TrainerMemory",
-           "check_memory", "check_trainer_memory", "check_weight_transport", "detect_machine", "format_cores",
+           "check_memory", "check_trainer_memory", "detect_machine", "format_cores",
            "inherited_mask", "model_size",
            "plan_cpu", "plan_gpu", "plan_placement", "trainer_memory"]
 
@@ -288,9 +288,7 @@ def plan_placement(spec: "RunSpec", machine: Optional[Machine] = None, model: Op
         if wanted:
             name = "resources.gpus" if res.gpus else "resources.gpus_per_node"
             raise PlacementError(f"{name}: the run asks for {wanted} GPU(s), the machine has none")
-        plan = plan_cpu(spec, machine)
-        check_weight_transport(spec, plan, model or model_size(spec.model.path))
-        return plan
+        return plan_cpu(spec, machine)
     plan = plan_gpu(spec, machine)
     model = model or model_size(spec.model.path)
     if model is None:
@@ -302,7 +300,6 @@ def plan_placement(spec: "RunSpec", machine: Optional[Machine] = None, model: Op
         logger.debug("GPU memory not checked: the size of model.path %r is unknown", spec.model.path)
         return plan
     memory = check_memory(spec, plan, machine, model)
-    check_weight_transport(spec, plan, model)
     return replace(plan, memory=memory)
 
 
@@ -427,27 +424,6 @@ def _blocks(cores: list[int], count: int) -> list[tuple[int, ...]]:
 
 
 # -- memory (workers/cluster/memory.py) ----------------------------------------------------
-
-def check_weight_transport(spec: "RunSpec", plan: Plan, model: Optional[ModelSize]) -> None:
-    """``rollout.weight_transport: rpc`` sends the whole state dict to each engine server as
-    one safetensors blob, and the receiving end refuses a blob over FLUXRL_WIRE_MAX_BLOB_MB
-    before allocating it. A model whose weights are over that cap would fail at its first
-    update with every engine gone and no word of why: refused here, with the numbers and
-    the ways out. Engines inside the coordinator (no wire) and unknown sizes pass."""
-    if spec.rollout.weight_transport != "rpc" or not plan.engines or not plan.engine_processes or model is None:
-        return
-    from workers.io.wire import MAX_BLOB_ENV, max_blob_bytes
-
-    dtype = spec.model.dtype
-    size = model.params * DTYPE_BYTES[dtype] + (1 << 20)  # + the safetensors header (names, shapes, offsets)
-    cap = max_blob_bytes()
-    if size > cap:
-        raise PlacementError(
-            f"rollout.weight_transport: rpc sends the model's weights to each engine server as one blob of about "
-            f"{size / 2**30:.2f} GiB ({model.params:,} parameters in {dtype}), over {MAX_BLOB_ENV} "
-            f"({cap / 2**30:.2f} GiB): set rollout.weight_transport collective (a process group, tensor by tensor), "
-            f"a 2-byte model.dtype (bfloat16), or raise {MAX_BLOB_ENV} on every host of the run")
-
 
 def check_memory(spec: "RunSpec", plan: Plan, machine: Machine, model: ModelSize) -> Optional[MemoryPlan]:
     """What each GPU of ``plan`` holds for a model of ``model``'s size; a GPU that cannot

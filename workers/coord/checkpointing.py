@@ -17,7 +17,8 @@ from collections import deque
 from pathlib import Path
 
 from workers.io.checkpoint import CheckpointInfo, IncompleteCheckpoint, require_trainer_shards, save_checkpoint
-from workers.weights.sync import legacy_tensors_checksum, tensors_checksum
+from workers.weights.files import WeightFile, iter_weight_file
+from workers.weights.sync import combine_digests, legacy_tensors_checksum, tensor_digest, tensors_checksum
 
 logger = logging.getLogger(__name__)
 
@@ -185,19 +186,20 @@ class Checkpointer:
         run.trainer_busy_s = state["trainer_busy_s"]
         self.gen_busy_before = state["gen_busy_s"]
 
-    async def note_resume(self, blob: bytes) -> None:
+    async def note_resume(self, weights: WeightFile) -> None:
         """Say where the run resumes, and record that the engines hold the checkpoint's
-        weights (checksums of what each engine loaded) in resume.json."""
-        from safetensors.torch import load as st_load
+        weights (checksums of what each engine loaded) in resume.json. ``weights``: the
+        trainer's, as a file (hashed a tensor at a time)."""
+        from safetensors.torch import load_file
 
         run = self.run
         info = run.resume
-        tensors = st_load(blob)
-        loaded = tensors_checksum(tensors)
+        loaded = await asyncio.to_thread(
+            lambda: combine_digests({name: tensor_digest(t) for name, t in iter_weight_file(weights.path)}))
         engines = [await e.weights_checksum() for e in run.fleet.engines]
         recorded = info.meta.get("weights_checksum")
-        if recorded is None:  # a checkpoint from before per-tensor digests: its own checksum
-            recorded, trainer = info.meta.get("weights_sha256"), legacy_tensors_checksum(tensors)
+        if recorded is None:  # a checkpoint from before per-tensor digests: its own checksum (all in memory)
+            recorded, trainer = info.meta.get("weights_sha256"), legacy_tensors_checksum(load_file(weights.path))
         else:
             trainer = loaded
         record = {"from_step": info.step, "version": run.trainer.version, "checkpoint": str(info.path),

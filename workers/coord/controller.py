@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -43,7 +44,7 @@ from workers.spec import RunSpec
 from workers.tasks.datasets import load_rows
 from workers.train import algorithms
 from workers.train.trainer import TrainSample
-from workers.weights.sync import serialize_state_dict
+from workers.weights.files import trainer_weight_file
 
 __all__ = ["Controller", "Group", "RunResult", "Sample", "TrainerError"]
 
@@ -142,24 +143,26 @@ class Controller:
                 starting.cancel()
                 await asyncio.gather(starting, return_exceptions=True)
             raise
-        # the collective path needs the blob only for the resume check
+        # the collective path needs the file only for the resume check
         rpc_warm = not collective and not beside  # the RPC path's first weights ride on the engines' start
-        blob = serialize_state_dict(self.trainer.state_dict()) if rpc_warm or self.resume is not None else None
-        if beside:
-            await starting
-            if not collective:  # the first weights (and version label), as the collective path sends them
+        with tempfile.TemporaryDirectory(prefix="fluxrl-weights-") as folder:
+            warm = (await asyncio.to_thread(trainer_weight_file, self.trainer, folder, self.trainer.version)
+                    if rpc_warm or self.resume is not None else None)
+            if beside:
+                await starting
+                if not collective:  # the first weights (and version label), as the collective path sends them
+                    await self._send_weights(self.trainer.version)
+            else:
+                self.fleet.add(self.processes.engines(checked))  # in the fleet before they start: close() stops them
+                # the warm weights are the first update: on resume, the checkpoint's weights and version
+                await self.processes.start_engines(self.engines, None if collective else warm,
+                                                   0 if collective else self.trainer.version)
+            if collective:  # the first weights (and version label) come through the group
+                self.broadcaster = await self.processes.open_weight_group(self.engines)
+                self.broadcaster.digest_next = self.resume is not None  # checked by note_resume
                 await self._send_weights(self.trainer.version)
-        else:
-            self.fleet.add(self.processes.engines(checked))  # in the fleet before they start: close() stops them
-            # warm_blob is the first update: on resume, the checkpoint's weights and version
-            await self.processes.start_engines(self.engines, None if collective else blob,
-                                               0 if collective else self.trainer.version)
-        if collective:  # the first weights (and version label) come through the group
-            self.broadcaster = await self.processes.open_weight_group(self.engines)
-            self.broadcaster.digest_next = self.resume is not None  # checked by note_resume
-            await self._send_weights(self.trainer.version)
-        if self.resume is not None:
-            await self.checkpoints.note_resume(blob)
+            if self.resume is not None:
+                await self.checkpoints.note_resume(warm)
 
     async def _load_critic_stage(self) -> Optional[float]:
         """critic.forward stage: the trainer critic's weights into the stage's copy; the seconds it took."""

@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import logging
 import math
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -24,7 +25,7 @@ from workers.coord.scheduling import priority as request_priority
 from workers.rollout.engine import Completion, RolloutEngine, continue_on
 from workers.spec import RunSpec
 from workers.weights.broadcast import RankZeroSender, WeightBroadcaster, WeightBroadcastError
-from workers.weights.sync import serialize_state_dict
+from workers.weights.files import trainer_weight_file
 
 logger = logging.getLogger(__name__)
 
@@ -342,9 +343,10 @@ class Fleet:
     async def send_weights(self, trainer, version: int) -> list:
         """The trainer's weights to every live engine by ``rollout.weight_transport``; the
         timings of the engines that took them."""
-        if self.broadcaster is None:
-            blob = await asyncio.to_thread(serialize_state_dict, trainer.state_dict())
-            results = await asyncio.gather(*(self._update(e, blob, version) for e in list(self.engines)))
+        if self.broadcaster is None:  # a file, sent to each engine in bounded chunks (weights/files.py)
+            with tempfile.TemporaryDirectory(prefix="fluxrl-weights-") as folder:
+                weights = await asyncio.to_thread(trainer_weight_file, trainer, folder, version)
+                results = await asyncio.gather(*(self._update(e, weights, version) for e in list(self.engines)))
             return [t for t in results if t is not None]
         remote = isinstance(self.broadcaster.sender, RankZeroSender)
         # in this process: the full weights (a collective of the ranks under ZeRO-3); with

@@ -20,6 +20,7 @@ from workers.train.reference import ReferenceStage
 from workers.train.value_stage import ValueStage
 from workers.train.trainer import Trainer
 from workers.weights.broadcast import RankZeroSender, WeightBroadcaster
+from workers.weights.files import WeightFile
 
 logger = logging.getLogger(__name__)
 
@@ -28,14 +29,11 @@ def placement(spec: RunSpec):
     """Where every process runs (workers/cluster/placement.py): this machine describes every node."""
     import torch
 
-    from workers.cluster.placement import (Machine, check_weight_transport, detect_machine, model_size, plan_cpu,
-                                           plan_placement)
+    from workers.cluster.placement import Machine, detect_machine, plan_cpu, plan_placement
 
     if torch.cuda.is_available():
         return plan_placement(spec, detect_machine())
-    plan = plan_cpu(spec, Machine(cpu_cores=os.cpu_count() or 1))
-    check_weight_transport(spec, plan, model_size(spec.model.path))
-    return plan
+    return plan_cpu(spec, Machine(cpu_cores=os.cpu_count() or 1))
 
 
 class Processes:
@@ -209,9 +207,10 @@ class Processes:
         be allocating beside it."""
         return self.plan is not None and self.plan.device == "cpu" and self.spec.resources.nodes == 1
 
-    async def start_engines(self, engines: list[RolloutEngine], blob: Optional[bytes], version: int,
+    async def start_engines(self, engines: list[RolloutEngine], blob: "Optional[bytes | WeightFile]", version: int,
                             together: bool = False) -> None:
-        """``blob``: the first weights and their ``version`` (on resume, the checkpoint's)."""
+        """``blob``: the first weights (a file, or bytes) and their ``version`` (on resume,
+        the checkpoint's)."""
         if together:
             await asyncio.gather(*(engine.start(warm_blob=blob, version=version) for engine in engines))
             return

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Optional
 
 from workers.rollout.staleness import VersionTrack
 from workers.tasks.model_folder import check_model_folder
+from workers.weights.files import WeightFile
 
 if TYPE_CHECKING:
     from workers.weights.broadcast import CollectiveWeights
@@ -171,9 +172,9 @@ class RolloutEngine:
         self._pending_stall: Optional[tuple[UpdateTiming, float, dict[str, float]]] = None
 
     # -- lifecycle ---------------------------------------------------------------
-    async def start(self, warm_blob: Optional[bytes] = None, version: int = 0) -> None:
-        """Start the engine; ``warm_blob`` is loaded as its first weight update, labelled
-        ``version`` (a resumed run's checkpoint)."""
+    async def start(self, warm_blob: "bytes | WeightFile | None" = None, version: int = 0) -> None:
+        """Start the engine; ``warm_blob`` (safetensors bytes or a file) is loaded as its
+        first weight update, labelled ``version`` (a resumed run's checkpoint)."""
         if not os.path.isfile(os.path.join(self.model_path, "config.json")):
             raise FileNotFoundError(f"model.path {self.model_path!r} is not a Hugging Face model folder (no config.json)")
         check_model_folder(self.model_path)  # vLLM reads the folder's index and config as transformers does
@@ -196,7 +197,7 @@ class RolloutEngine:
         # The first weight load and the first steps of a process are slow (warm-up): pay them now.
         await self.generate([1, 5], max_tokens=4, temperature=1.0)
         if warm_blob is not None:
-            await self.engine.collective_rpc("fluxrl_load_weights", args=(warm_blob,))
+            await self._load(warm_blob)
         if version:
             await self.engine.engine_core.set_weight_version_async(str(version))
             self.version = version
@@ -471,18 +472,21 @@ class RolloutEngine:
         return await self._call("joining the weight group",
                                 self.engine.collective_rpc("fluxrl_join_weight_group", kwargs=info))
 
-    def _load(self, weights: "bytes | CollectiveWeights"):
+    def _load(self, weights: "bytes | WeightFile | CollectiveWeights"):
+        if isinstance(weights, WeightFile):  # read by vLLM's workers a tensor at a time
+            return self.engine.collective_rpc("fluxrl_load_weight_file", args=(weights.path,))
         if isinstance(weights, (bytes, bytearray, memoryview)):
             return self.engine.collective_rpc("fluxrl_load_weights", args=(weights,))
         return self.engine.collective_rpc("fluxrl_receive_weights", args=(weights.meta,))
 
-    async def update_weights(self, weights: "bytes | CollectiveWeights", version: int) -> UpdateTiming:
+    async def update_weights(self, weights: "bytes | WeightFile | CollectiveWeights", version: int) -> UpdateTiming:
         """Load new weights, labelled ``version``, with the engine's update mode: ``weights``
-        is a safetensors blob (sent through the RPC) or a ``CollectiveWeights`` (the
-        metadata of a broadcast the trainer runs meanwhile: weight_broadcast.py)."""
+        is a safetensors file (files.WeightFile: the RPC path), safetensors bytes, or a
+        ``CollectiveWeights`` (the metadata of a broadcast the trainer runs meanwhile:
+        weight_broadcast.py)."""
         core = self.engine.engine_core
         t0 = time.perf_counter()
-        collective = not isinstance(weights, (bytes, bytearray, memoryview))
+        collective = not isinstance(weights, (bytes, bytearray, memoryview, WeightFile))
         if collective and self.update_mode != "drain":
             await weights.arrive()  # every engine is about to receive: the trainer sends now
         if self.update_mode == "keep" and collective:
@@ -499,7 +503,7 @@ class RolloutEngine:
         elif self.update_mode == "keep":
             _, loaded, _, _ = await self._call("a weight update", asyncio.gather(
                 core.pause_scheduler_async(mode="keep", clear_cache=False),
-                self.engine.collective_rpc("fluxrl_load_weights", args=(weights,)),
+                self._load(weights),
                 core.set_weight_version_async(str(version)),
                 core.resume_scheduler_async(),
             ))

@@ -43,6 +43,7 @@ from workers.io.lifetime import exit_with_parent, launcher_env
 from workers.rollout.engine import (Completion, EngineDied, EngineRPCTimeout, RolloutEngine, SamplingOptions, UpdateTiming,
                       configure_cpu_environment)
 from workers.rollout.staleness import VersionTrack
+from workers.weights.files import WeightFile, WeightSpool, read_chunks
 
 if TYPE_CHECKING:
     from workers.weights.broadcast import CollectiveWeights
@@ -99,7 +100,18 @@ class EngineServerConfig(wire.Message):
 class StartRequest(wire.Message):
     kind: Literal["start"] = "start"
     id: int
-    version: int = 0  # with a blob attached: the warm weights' version (a resumed run)
+    version: int = 0  # with warm weights: their version (a resumed run)
+    weights_stream: Optional[int] = None  # the warm weights: a stream of WeightChunkRequests sent before
+
+
+class WeightChunkRequest(wire.Message):
+    """A piece of a safetensors file (workers/weights/files.py), ``offset`` bytes in, of a
+    file of ``total`` bytes; the blob is the piece. No reply: the update or start that
+    names the stream answers for it (an error in a chunk is raised there)."""
+    kind: Literal["weight_chunk"] = "weight_chunk"
+    id: int  # the stream
+    offset: int = Field(ge=0)
+    total: int = Field(ge=0)
 
 
 class GenerateRequest(wire.Message):
@@ -134,12 +146,14 @@ class HandOffRequest(wire.Message):
 
 
 class UpdateRequest(wire.Message):
-    """New weights labelled ``version``: a safetensors blob attached, or the metadata of a
-    collective broadcast."""
+    """New weights labelled ``version``: a stream of WeightChunkRequests sent before
+    (``weights_stream``), a safetensors blob attached, or the metadata of a collective
+    broadcast."""
     kind: Literal["update"] = "update"
     id: int
     version: int
     collective_meta: Optional[dict] = None
+    weights_stream: Optional[int] = None
 
 
 class GoRequest(wire.Message):
@@ -184,8 +198,8 @@ class ShutdownRequest(wire.Message):
 
 
 EngineRequest = Annotated[
-    Union[StartRequest, GenerateRequest, GroupRequest, HandOffRequest, UpdateRequest, GoRequest, JoinGroupRequest,
-          ChecksumRequest, SleepRequest, WakeRequest, PingRequest, ShutdownRequest],
+    Union[StartRequest, GenerateRequest, GroupRequest, HandOffRequest, UpdateRequest, WeightChunkRequest, GoRequest,
+          JoinGroupRequest, ChecksumRequest, SleepRequest, WakeRequest, PingRequest, ShutdownRequest],
     Field(discriminator="kind"),
 ]
 
@@ -326,6 +340,8 @@ class _Server:
         self.stop = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
         self.go: dict[int, asyncio.Future] = {}
+        # weights sent in chunks land on disk, capped by the model folder's size
+        self.spool = WeightSpool.for_model(config.model_path)
 
     def stats(self) -> EngineStats:
         e = self.engine
@@ -356,6 +372,9 @@ class _Server:
                     if isinstance(request, PingRequest):
                         self.pong()
                         continue
+                    if isinstance(request, WeightChunkRequest):  # in order, off the event loop
+                        self.spool.write(request.id, request.offset, request.total, blob or b"")
+                        continue
                     loop.call_soon_threadsafe(self.dispatch, request, blob)
             except EOFError:  # the client is gone: so is the reason to run
                 pass
@@ -377,6 +396,7 @@ class _Server:
         for task in list(self.tasks):
             task.cancel()
         self.engine.shutdown()
+        self.spool.close()
 
     def dispatch(self, request, blob: Optional[bytes]) -> None:
         if isinstance(request, ShutdownRequest):
@@ -407,7 +427,12 @@ class _Server:
     async def _handle(self, request, blob: Optional[bytes]):
         e = self.engine
         if isinstance(request, StartRequest):
-            await e.start(warm_blob=blob, version=request.version)
+            warm = self.spool.take(request.weights_stream) if request.weights_stream is not None else blob
+            try:
+                await e.start(warm_blob=warm, version=request.version)
+            finally:
+                if isinstance(warm, WeightFile):
+                    self.spool.release(warm)
             self.started = True
             return ReadyReply(id=request.id, pid=os.getpid(), core_pids=e.core_pids(), worker_count=e.worker_count,
                               stats=self.stats())
@@ -429,11 +454,17 @@ class _Server:
         if isinstance(request, UpdateRequest):
             if request.collective_meta is not None:
                 weights = _RemoteWeights(request.collective_meta, lambda: self._arrive(request.id))
+            elif request.weights_stream is not None:
+                weights = self.spool.take(request.weights_stream)
             elif blob is not None:
                 weights = blob
             else:
                 raise ValueError("an update without weights")
-            t = await e.update_weights(weights, request.version)
+            try:
+                t = await e.update_weights(weights, request.version)
+            finally:
+                if isinstance(weights, WeightFile):
+                    self.spool.release(weights)
             return UpdatedReply(id=request.id, version=t.version, sync_ms=t.sync_ms, load_ms=t.load_ms,
                                 stats=self.stats())
         if isinstance(request, HandOffRequest):
@@ -523,14 +554,19 @@ class EngineClient:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     # -- lifecycle ---------------------------------------------------------------------------
-    async def start(self, warm_blob: Optional[bytes] = None, version: int = 0) -> None:
+    async def start(self, warm_blob: "bytes | WeightFile | None" = None, version: int = 0) -> None:
         self._loop = asyncio.get_running_loop()
         if self.address is None:
             self.address, self.server_pid = await asyncio.to_thread(self._launch)
         self.channel = await asyncio.to_thread(wire.connect, wire.parse_address(self.address), REPLIES)
         self._last_heard = time.monotonic()
         threading.Thread(target=self._read, name=f"engine-client-{self.index}", daemon=True).start()
-        ready = await self._request(StartRequest(id=next(_request_ids), version=version), warm_blob, timed=False)
+        if isinstance(warm_blob, WeightFile):
+            stream = await self._send_file(warm_blob)
+            ready = await self._request(StartRequest(id=next(_request_ids), version=version, weights_stream=stream),
+                                        timed=False)
+        else:
+            ready = await self._request(StartRequest(id=next(_request_ids), version=version), warm_blob, timed=False)
         self._core_pids, self.worker_count = list(ready.core_pids), ready.worker_count
         threading.Thread(target=self._beat, name=f"engine-heartbeat-{self.index}", daemon=True).start()
         log.info("rollout engine %d serving at %s (pid %s)", self.index, self.address, self.server_pid)
@@ -650,9 +686,12 @@ class EngineClient:
         self.asleep = "kv_cache" if tags == ["weights"] else None
         return seconds
 
-    async def update_weights(self, weights: "bytes | CollectiveWeights", version: int) -> UpdateTiming:
+    async def update_weights(self, weights: "bytes | WeightFile | CollectiveWeights", version: int) -> UpdateTiming:
         rid = next(_request_ids)
-        if isinstance(weights, (bytes, bytearray, memoryview)):
+        if isinstance(weights, WeightFile):
+            stream = await self._send_file(weights)
+            reply = await self._request(UpdateRequest(id=rid, version=version, weights_stream=stream), timed=False)
+        elif isinstance(weights, (bytes, bytearray, memoryview)):
             reply = await self._request(UpdateRequest(id=rid, version=version), bytes(weights), timed=False)
         else:
             self._weights[rid] = weights
@@ -665,6 +704,23 @@ class EngineClient:
         timing = UpdateTiming(reply.version, reply.sync_ms, reply.load_ms)
         self.updates.append(timing)
         return timing
+
+    async def _send_file(self, weights: WeightFile) -> int:
+        """Send a weight file as a stream of bounded chunks (files.chunk_bytes), off the
+        event loop; its id, for the request that uses it."""
+        stream = next(_request_ids)
+        if self._gone is not None:
+            return stream  # the request that names it fails as every call to a gone server does
+
+        def send() -> None:
+            for offset, data in read_chunks(weights.path):
+                self.channel.send(WeightChunkRequest(id=stream, offset=offset, total=weights.size), data)
+
+        try:
+            await asyncio.to_thread(send)
+        except OSError:
+            self._mark_gone("its connection broke")
+        return stream
 
     async def _request(self, request, blob: Optional[bytes] = None, timed: bool = True):
         """Send, await the reply (its own id), raise its error in this process's terms."""

@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # torch and DeepSpeed load in a rank only after its environme
     import torch
 
     from workers.train.trainer import Trainer, TrainSample
+    from workers.weights.files import WeightFile
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class FinishStepRequest(_Message):
 class StateDictRequest(_Message):
     kind: Literal["state_dict"] = "state_dict"
     model: Literal["policy", "critic"] = "policy"  # critic: for the critic stage (workers/train/value_stage.py)
+    path: Optional[str] = None  # rank 0 writes a safetensors file there (node 0's disk) instead of replying a blob
 
 
 class SaveRequest(_Message):
@@ -426,6 +428,17 @@ class TrainerGroup:
             raise TrainerRankError("the state dict from trainer rank 0 arrived corrupted (checksum mismatch)", 0)
         return tensors
 
+    def write_weight_file(self, path: str) -> Optional["WeightFile"]:
+        """The policy's full tensors as a safetensors file at ``path``, written by global rank
+        0 itself (the coordinator's node: no copy of the model passes through a pipe); None
+        on the other nodes."""
+        from workers.weights.files import WeightFile
+
+        self._call([StateDictRequest(model="policy", path=str(path))] * self.ranks)
+        if self.first_rank != 0:
+            return None
+        return WeightFile(str(path), os.path.getsize(path))
+
     def save(self, path: str) -> None:
         """A complete HF folder, written by global rank 0 (on node 0)."""
         self._call([SaveRequest(path=str(path))] * self.ranks)
@@ -690,7 +703,7 @@ class _Rank:
             t.finish_step(request.sequences, request.rescale, denominator=request.denominator)
             return self._stats([t._acc], t._acc["seconds"], single=True, critic_sums=t.critic_sums)
         elif isinstance(request, StateDictRequest):
-            return self._state(request.model)
+            return self._state(request.model, request.path)
         elif isinstance(request, SaveRequest):
             if self.rank == 0:
                 t.save(request.path)
@@ -776,7 +789,7 @@ class _Rank:
         stats["trainer/step_s"] = seconds
         return StatsReply(rank=self.rank, version=self.trainer.version, stats=stats)
 
-    def _state(self, model: str = "policy") -> StateReply:
+    def _state(self, model: str = "policy", path: Optional[str] = None) -> StateReply:
         t = self.trainer
         read = t.critic_state_dict if model == "critic" else t.state_dict
         stage = self.spec.critic.zero_stage if model == "critic" else self.spec.trainer.zero_stage
@@ -784,9 +797,13 @@ class _Rank:
             if stage == 3:
                 read()  # the gather is a collective: every rank takes part
             return StateReply(rank=self.rank)
+        from workers.weights.files import write_weight_file
         from workers.weights.sync import serialize_state_dict, tensors_checksum
 
         state = read()
+        if path is not None:  # no copy of the model in a message: the file is the coordinator's to send
+            write_weight_file(state, path)  # the engines hash what they load (the resume check)
+            return StateReply(rank=self.rank)
         return StateReply(rank=self.rank, blob=serialize_state_dict(state), checksum=tensors_checksum(state))
 
 

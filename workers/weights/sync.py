@@ -15,18 +15,13 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from workers.weights.files import WeightFile, iter_weight_file, savable_tensors
+
 
 def serialize_state_dict(state: dict[str, torch.Tensor]) -> bytes:
-    """safetensors bytes of a HF state dict. Tensors sharing storage (tied embeddings)
-    are cloned, since safetensors refuses shared tensors."""
-    seen: set[int] = set()
-    tensors = {}
-    for name, t in state.items():
-        t = t.detach().to("cpu")
-        ptr = t.untyped_storage().data_ptr()
-        tensors[name] = t.clone() if ptr in seen else t.contiguous()
-        seen.add(ptr)
-    return st_save(tensors)
+    """safetensors bytes of a HF state dict (files.savable_tensors). Runs send a file
+    instead (files.write_weight_file): no buffer of the whole model."""
+    return st_save(savable_tensors(state))
 
 
 def _host_bytes(t: torch.Tensor):
@@ -70,6 +65,11 @@ class WeightSyncExtension:
     def fluxrl_load_weights(self, blob: bytes, force_reload: bool = False) -> dict:
         t0 = time.perf_counter()
         return self._fluxrl_apply(iter(st_load(blob).items()), force_reload, t0)
+
+    def fluxrl_load_weight_file(self, path: str, force_reload: bool = False) -> dict:
+        """Load a safetensors file of this host (files.WeightFile) one tensor at a time."""
+        t0 = time.perf_counter()
+        return self._fluxrl_apply(iter_weight_file(path), force_reload, t0)
 
     # -- the collective transport (workers/weights/broadcast.py) ------------------------
     def fluxrl_join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
@@ -121,9 +121,10 @@ class WeightSyncExtension:
     def _fluxrl_apply(self, items, force_reload: bool, t0: float, digest: bool = True) -> dict:
         """Load (name, tensor) pairs from ``items``, hashing each one as it passes (host
         tensors always; device ones only when ``digest``: a copy to the host is not free),
-        so the checksum needs no copy of the weights. The first update goes through vLLM's
-        reload with the whole state dict in hand, to decide whether later ones may take
-        the direct path; later ones stream."""
+        so the checksum needs no copy of the weights. Every update streams: the first goes
+        through vLLM's reload, keeping a few rows of each tensor (:func:`_head_rows`) to
+        decide whether later ones may take the direct path (no copy of the model: a model
+        that fills its GPU loads its first update as it loads any)."""
         digests: dict = {}
         hashed = [True]
 
@@ -138,9 +139,15 @@ class WeightSyncExtension:
         self._fluxrl_digests = None  # the old weights' checksum no longer holds, whatever happens
         decided = getattr(self, "_fluxrl_inplace", None)
         if decided is None:
-            tensors = dict(hashing())
-            self._fluxrl_reload(iter(tensors.items()))
-            self._fluxrl_inplace = self._fluxrl_plan(tensors) is not None and self._fluxrl_plan_holds(tensors)
+            heads: dict[str, tuple[torch.Size, torch.Tensor]] = {}
+
+            def sampling(stream):
+                for name, tensor in stream:
+                    heads[name] = (tensor.shape, _head_rows(tensor))
+                    yield name, tensor
+
+            self._fluxrl_reload(sampling(hashing()))
+            self._fluxrl_inplace = self._fluxrl_plan(heads) is not None and self._fluxrl_plan_holds(heads)
             path = "reload"
         elif decided and not force_reload:
             self._fluxrl_load_inplace(hashing())
@@ -159,37 +166,46 @@ class WeightSyncExtension:
         self.reload_weights(weights_iterator=items, is_checkpoint_format=True)
         self._fluxrl_retie_embeddings()
 
-    def _fluxrl_plan_holds(self, tensors: dict[str, torch.Tensor]) -> bool:
+    def _fluxrl_plan_holds(self, heads: dict[str, tuple[torch.Size, torch.Tensor]]) -> bool:
         """Right after vLLM's own loader ran, the direct path would write the same values.
         Not so where the loader transforms a tensor (GPT-2's Conv1D weights are stored
-        transposed, square ones included): those models keep the generic reload."""
+        transposed, square ones included): those models keep the generic reload. Checked
+        on the first rows of every part (``heads``: shape, first rows), where a
+        transposition or permutation of random weights shows, without a copy of the model."""
         try:
             with torch.no_grad():
-                for module, pname, parts in self._fluxrl_plan(tensors):
+                for module, pname, parts in self._fluxrl_plan(heads):
                     param = getattr(module, pname)
-                    new = tensors[parts[0]] if len(parts) == 1 else torch.cat([tensors[p] for p in parts])
-                    new = new.to(param.dtype)
-                    if param.numel() == 0:
-                        # Packed away by the CPU backend: compare what the layer computes
-                        # with what the direct path would make it compute.
-                        width = getattr(module, "input_size_per_partition", getattr(module, "input_size", None))
-                        if new.dim() != 2 or new.shape[1] != width:  # never feed the kernel a wrong shape
+                    shapes = [heads[p][0] for p in parts]
+                    if any(len(sh) == 0 or sh[1:] != shapes[0][1:] for sh in shapes):
+                        return False  # a scalar, or parts that do not stack
+                    rows, offset = sum(shape[0] for shape in shapes), 0
+                    for part, shape in zip(parts, shapes):
+                        head = heads[part][1].to(param.dtype)
+                        if param.numel() == 0:
+                            # Packed away by the CPU backend: compare what the layer computes
+                            # with what the direct path would make it compute.
+                            width = getattr(module, "input_size_per_partition", getattr(module, "input_size", None))
+                            if head.dim() != 2 or head.shape[1] != width:  # never feed the kernel a wrong shape
+                                return False
+                            probe = torch.randn(2, head.shape[1], dtype=param.dtype)
+                            got = module.quant_method.apply(module, probe)
+                            if not torch.allclose(got[:, offset: offset + head.shape[0]], probe @ head.T,
+                                                  atol=1e-4, rtol=1e-4):
+                                return False
+                        elif len(shape) != param.dim() or shape[1:] != param.shape[1:] or rows > param.shape[0] \
+                                or not torch.equal(param[offset: offset + head.shape[0]], head):
                             return False
-                        probe = torch.randn(2, new.shape[1], dtype=param.dtype)
-                        got = module.quant_method.apply(module, probe)
-                        if not torch.allclose(got[:, : new.shape[0]], probe @ new.T, atol=1e-4, rtol=1e-4):
-                            return False
-                    elif new.dim() != param.dim() or new.shape[1:] != param.shape[1:] \
-                            or new.shape[0] > param.shape[0] or not torch.equal(param[: new.shape[0]], new):
-                        return False
+                        offset += shape[0]
         except Exception:  # noqa: BLE001 - anything unexpected: the generic reload is always right
             return False
         return True
 
-    def _fluxrl_plan(self, tensors: dict[str, torch.Tensor]):
+    def _fluxrl_plan(self, tensors):
         """For every vLLM parameter, the HF tensor names it is made of (fused layers such
         as qkv_proj / gate_up_proj concatenate their parts along dim 0, as at tensor
-        parallel size 1). None when some parameter cannot be mapped."""
+        parallel size 1). None when some parameter cannot be mapped. ``tensors``: keyed by
+        the update's names (only membership is asked)."""
         if hasattr(self, "_fluxrl_plan_cache"):
             return self._fluxrl_plan_cache
         model = self.model_runner.get_model()
@@ -299,6 +315,17 @@ class WeightSyncExtension:
         if getattr(self, "_fluxrl_checksum", None) is None and getattr(self, "_fluxrl_digests", None) is not None:
             self._fluxrl_checksum = combine_digests(self._fluxrl_digests)
         return getattr(self, "_fluxrl_checksum", None)
+
+
+HEAD_ROWS = 4  # rows of each tensor the first update keeps to check the direct path
+HEAD_VALUES = 256  # values of a 1-D tensor it keeps
+
+
+def _head_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's first rows (a 1-D one's first values; a scalar itself), copied to the host."""
+    t = tensor.detach()
+    head = t.reshape(()) if t.dim() == 0 else t[: HEAD_VALUES if t.dim() == 1 else HEAD_ROWS]
+    return head.to("cpu", copy=True)
 
 
 def _input_embedding(model):

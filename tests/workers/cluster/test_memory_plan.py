@@ -17,13 +17,6 @@ TWO = Machine(cpu_cores=8, gpus_per_node=2, gpu_memory_gib=80)
 FOUR = Machine(cpu_cores=8, gpus_per_node=4, gpu_memory_gib=80)
 
 
-@pytest.fixture(autouse=True)
-def blobs_of_any_size(monkeypatch):
-    """These tests are about GPU memory; the rpc transport's blob cap, which a 7B model
-    passes, has its own tests (tests/workers/cluster/test_weight_transport.py)."""
-    monkeypatch.setenv("FLUXRL_WIRE_MAX_BLOB_MB", str(1 << 20))
-
-
 def spec(resources, engines=1, mode="sync", rollout=None, path="m", **extra):
     return validate_spec({"name": "t", "model": {"path": path, "dtype": "bfloat16"}, "task": {"dataset": "gen:add"},
                           "rollout": {"engines": engines, **(rollout or {})}, "schedule": {"mode": mode},

@@ -1,0 +1,104 @@
+"""Weights of any size through the RPC path (workers/weights/files.py): a file written once
+per version, chunks never over the wire's blob cap, and a receiving spool that takes a
+stream only whole, in order and within its caps, keeping a failure for the update that
+names the stream and leaving no partial file behind."""
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from workers.weights.files import (SpoolError, WeightSpool, chunk_bytes, iter_weight_file, read_chunks,
+                                   write_weight_file)
+
+
+def state(rows=300, width=1024):
+    torch.manual_seed(0)
+    embed = torch.randn(rows, width)
+    return {"model.embed_tokens.weight": embed, "lm_head.weight": embed, "model.norm.weight": torch.ones(width)}
+
+
+def test_a_weight_file_holds_every_tensor_tied_ones_under_both_names_and_reads_back_one_at_a_time(tmp_path):
+    s = state()
+    weights = write_weight_file(s, str(tmp_path / "w.safetensors"))
+    assert weights.size == os.path.getsize(weights.path) and not os.path.exists(weights.path + ".partial")
+    read = dict(iter_weight_file(weights.path))
+    assert sorted(read) == sorted(s) and all(torch.equal(read[k], s[k]) for k in s)
+
+
+def test_chunks_follow_the_setting_and_never_exceed_the_wires_blob_cap(monkeypatch, tmp_path):
+    monkeypatch.delenv("FLUXRL_WEIGHT_CHUNK_MB", raising=False)
+    monkeypatch.delenv("FLUXRL_WIRE_MAX_BLOB_MB", raising=False)
+    assert chunk_bytes() == 32 << 20
+    monkeypatch.setenv("FLUXRL_WEIGHT_CHUNK_MB", "64")
+    monkeypatch.setenv("FLUXRL_WIRE_MAX_BLOB_MB", "1")
+    assert chunk_bytes() == 1 << 20
+    weights = write_weight_file(state(), str(tmp_path / "w.safetensors"))  # 2 x 1.17 MiB + a norm
+    chunks = list(read_chunks(weights.path))
+    assert len(chunks) == 3 and all(len(data) <= 1 << 20 for _, data in chunks)
+    assert [offset for offset, _ in chunks] == [0, 1 << 20, 2 << 20]
+    assert b"".join(data for _, data in chunks) == open(weights.path, "rb").read()
+
+
+def send(spool, stream, path, size=1 << 20, skip=()):
+    total = os.path.getsize(path)
+    for k, (offset, data) in enumerate(read_chunks(path, size)):
+        if k not in skip:
+            spool.write(stream, offset, total, data)
+
+
+def test_a_spooled_stream_is_the_file_that_was_sent_and_is_gone_once_released(tmp_path):
+    weights = write_weight_file(state(), str(tmp_path / "w.safetensors"))
+    spool = WeightSpool(max_bytes=16 << 20, folder=str(tmp_path))
+    send(spool, 7, weights.path)
+    got = spool.take(7)
+    assert got.size == weights.size and open(got.path, "rb").read() == open(weights.path, "rb").read()
+    assert sorted(load_file(got.path)) == sorted(state())
+    spool.release(got)
+    assert not os.path.exists(got.path)
+    spool.close()
+    assert not os.path.exists(spool.folder)
+
+
+def test_a_lost_chunk_fails_the_stream_naming_the_bytes_and_leaves_no_partial_file(tmp_path):
+    weights = write_weight_file(state(), str(tmp_path / "w.safetensors"))
+    spool = WeightSpool(max_bytes=16 << 20, folder=str(tmp_path))
+    send(spool, 1, weights.path, skip=(1,))
+    with pytest.raises(SpoolError, match=r"a chunk at byte 2097152 of \d+, expected byte 1048576 .*out of order or lost"):
+        spool.take(1)
+    send(spool, 2, weights.path, skip=(2,))  # the last one missing: incomplete
+    with pytest.raises(SpoolError, match=r"weight stream 2: 2097152 of \d+ bytes arrived"):
+        spool.take(2)
+    with pytest.raises(SpoolError, match="no chunk of it arrived"):
+        spool.take(3)
+    assert os.listdir(spool.folder) == []
+
+
+def test_a_stream_over_the_engines_cap_is_refused_at_its_first_chunk_before_a_byte_is_written(tmp_path):
+    spool = WeightSpool(max_bytes=1 << 20, folder=str(tmp_path))
+    spool.write(5, 0, 2 << 20, b"x" * 1024)
+    spool.write(5, 1024, 2 << 20, b"x" * 1024)  # later chunks of a failed stream are dropped
+    assert os.listdir(spool.folder) == []
+    with pytest.raises(SpoolError, match=r"2.0 MiB announced, over the 1.0 MiB this engine takes"):
+        spool.take(5)
+
+
+def test_more_bytes_than_announced_or_too_many_open_streams_fail_the_stream(tmp_path):
+    spool = WeightSpool(max_bytes=1 << 20, folder=str(tmp_path))
+    spool.write(1, 0, 10, b"x" * 11)
+    with pytest.raises(SpoolError, match="more bytes than the 10 announced"):
+        spool.take(1)
+    spool.write(2, 0, 10, b"x")
+    spool.write(3, 0, 10, b"x")
+    spool.write(4, 0, 10, b"x")
+    with pytest.raises(SpoolError, match="2 other streams are still open"):
+        spool.take(4)
+    spool.close()
+
+
+def test_the_engines_cap_is_a_multiple_of_its_model_folders_weights(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "config.json").write_text("{}")
+    spool = WeightSpool.for_model(str(tmp_path))
+    assert spool.max_bytes == 4 * 1000 + (64 << 20)
+    spool.close()

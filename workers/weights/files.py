@@ -1,0 +1,222 @@
+"""Weights of any size through the RPC path: a state dict written once per version as a
+safetensors file, sent to an engine server in bounded chunks, spooled to disk there and
+read by vLLM's workers one tensor at a time.
+
+No step holds the model as one buffer: the trainer's side writes the file tensor by
+tensor (safetensors' own writer), the wire carries chunks of at most
+:func:`chunk_bytes` (``FLUXRL_WEIGHT_CHUNK_MB``, never over the wire's blob cap), the
+engine server appends them to a file of its own (:class:`WeightSpool`, whose size caps
+come from the model folder it serves and the disk's free space), and the engine reads
+tensors from that file lazily (:func:`iter_weight_file`). It used to be one blob: a model
+over ``FLUXRL_WIRE_MAX_BLOB_MB`` (about 1.07 B parameters in float32) failed before step 1.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Optional
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+CHUNK_ENV = "FLUXRL_WEIGHT_CHUNK_MB"
+DEFAULT_CHUNK_MB = 32
+# a received state dict may be the model folder's weights in a wider dtype (bf16 on disk,
+# float32 trained) with a tied head written out: at most this many times the folder's bytes
+SPOOL_SIZE_FACTOR = 4
+SPOOL_SLACK_BYTES = 64 << 20  # safetensors header, buffers
+DISK_MARGIN_BYTES = 256 << 20  # left free on the spool's disk
+
+
+def chunk_bytes() -> int:
+    """Bytes per chunk on the wire: ``FLUXRL_WEIGHT_CHUNK_MB`` (default 32), never over
+    the wire's blob cap (``FLUXRL_WIRE_MAX_BLOB_MB``), at least 64 KiB."""
+    from workers.io.wire import max_blob_bytes
+
+    wanted = int(float(os.environ.get(CHUNK_ENV, DEFAULT_CHUNK_MB)) * (1 << 20))
+    return max(64 << 10, min(wanted, max_blob_bytes()))
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    """A state dict as a safetensors file on this host (its tensors in the trainer's names)."""
+    path: str
+    size: int
+
+
+def write_weight_file(state: dict[str, "torch.Tensor"], path: str) -> WeightFile:
+    """Write ``state`` as a safetensors file at ``path`` (atomically: a reader never sees
+    half a file)."""
+    from safetensors.torch import save_file
+
+    partial = f"{path}.partial"
+    save_file(savable_tensors(state), partial)
+    os.replace(partial, path)
+    return WeightFile(path, os.path.getsize(path))
+
+
+def trainer_weight_file(trainer, folder: str, version: int) -> "WeightFile":
+    """The trainer's policy weights as a file in ``folder``: written by the trainer's rank
+    0 itself where the trainer has ranks (``write_weight_file``), else from its state dict."""
+    path = os.path.join(folder, f"weights-v{version}.safetensors")
+    writer = getattr(trainer, "write_weight_file", None)
+    if writer is not None:
+        return writer(path)
+    return write_weight_file(trainer.state_dict(), path)
+
+
+def savable_tensors(state: dict[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:
+    """A HF state dict as safetensors takes it: on the host, contiguous, and tensors that
+    share storage (a tied embedding and head) cloned, since safetensors refuses shared
+    ones and the engine's loader expects both names."""
+    seen: set[int] = set()
+    tensors = {}
+    for name, t in state.items():
+        t = t.detach().to("cpu")
+        ptr = t.untyped_storage().data_ptr()
+        tensors[name] = t.clone() if ptr in seen else t.contiguous()
+        seen.add(ptr)
+    return tensors
+
+
+def iter_weight_file(path: str) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """(name, tensor) pairs read one at a time from a safetensors file (memory-mapped: only
+    the tensor in hand is in memory)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name)
+
+
+def read_chunks(path: str, size: Optional[int] = None) -> Iterator[tuple[int, bytes]]:
+    """(offset, bytes) of a file in chunks of :func:`chunk_bytes`."""
+    size = chunk_bytes() if size is None else size
+    with open(path, "rb") as fh:
+        offset = 0
+        while True:
+            data = fh.read(size)
+            if not data:
+                return
+            yield offset, data
+            offset += len(data)
+
+
+def model_folder_weight_bytes(model_path: str) -> int:
+    """The bytes of a model folder's weight files (what its state dict is made of)."""
+    total = 0
+    for name in os.listdir(model_path):
+        if name.endswith((".safetensors", ".bin", ".pt", ".pth")):
+            total += os.path.getsize(os.path.join(model_path, name))
+    return total
+
+
+class SpoolError(RuntimeError):
+    pass
+
+
+class WeightSpool:
+    """The receiving end: chunks of one stream appended to a file of its own, in a private
+    folder (0700). A stream must come in order and whole; its announced total is capped
+    (``max_bytes``: from the model folder served) and must fit on the disk. A failure is
+    kept and raised when the stream is taken (the reader that writes chunks must not die
+    of a sender's mistake), and the partial file is removed at once."""
+
+    MAX_OPEN = 2  # streams being received at once (one update, one start)
+
+    def __init__(self, max_bytes: int, folder: Optional[str] = None):
+        self.max_bytes = max_bytes
+        self.folder = tempfile.mkdtemp(prefix="fluxrl-weights-", dir=folder)
+        self._lock = threading.Lock()
+        self._open: dict[int, dict] = {}  # stream -> {"fh", "path", "total", "written", "error"}
+
+    @classmethod
+    def for_model(cls, model_path: str) -> "WeightSpool":
+        return cls(SPOOL_SIZE_FACTOR * model_folder_weight_bytes(model_path) + SPOOL_SLACK_BYTES)
+
+    def write(self, stream: int, offset: int, total: int, data: bytes) -> None:
+        with self._lock:
+            entry = self._open.get(stream)
+            if entry is None:
+                entry = self._begin(stream, offset, total)
+            if entry["error"] is not None:
+                return
+            try:
+                if offset != entry["written"] or total != entry["total"]:
+                    raise SpoolError(f"weight stream {stream}: a chunk at byte {offset} of {total}, expected byte "
+                                     f"{entry['written']} of {entry['total']} (chunks out of order or lost)")
+                if entry["written"] + len(data) > entry["total"]:
+                    raise SpoolError(f"weight stream {stream}: more bytes than the {entry['total']} announced")
+                entry["fh"].write(data)
+                entry["written"] += len(data)
+                if entry["written"] == entry["total"]:
+                    entry["fh"].close()
+            except (OSError, SpoolError) as exc:
+                self._fail(entry, exc)
+
+    def _begin(self, stream: int, offset: int, total: int) -> dict:
+        entry = {"fh": None, "path": os.path.join(self.folder, f"stream-{stream}.safetensors"), "total": total,
+                 "written": 0, "error": None}
+        self._open[stream] = entry
+        try:
+            if len(self._open) > self.MAX_OPEN:
+                raise SpoolError(f"weight stream {stream}: {len(self._open) - 1} other streams are still open "
+                                 f"(at most {self.MAX_OPEN})")
+            if offset != 0:
+                raise SpoolError(f"weight stream {stream} began at byte {offset}, not 0")
+            if total > self.max_bytes:
+                raise SpoolError(f"weight stream {stream}: {total / 2**20:.1f} MiB announced, over the "
+                                 f"{self.max_bytes / 2**20:.1f} MiB this engine takes ({SPOOL_SIZE_FACTOR}x its "
+                                 "model folder's weights)")
+            free = shutil.disk_usage(self.folder).free
+            if total + DISK_MARGIN_BYTES > free:
+                raise SpoolError(f"weight stream {stream}: {total / 2**20:.1f} MiB do not fit in the "
+                                 f"{free / 2**20:.1f} MiB free under {self.folder} (set TMPDIR to a larger disk)")
+            entry["fh"] = open(entry["path"], "wb")  # noqa: SIM115 - closed when complete or failed
+        except (OSError, SpoolError) as exc:
+            self._fail(entry, exc)
+        return entry
+
+    def _fail(self, entry: dict, exc: BaseException) -> None:
+        entry["error"] = str(exc)
+        log.warning("%s", exc)
+        if entry["fh"] is not None:
+            entry["fh"].close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(entry["path"])
+
+    def take(self, stream: int) -> WeightFile:
+        """The complete file of ``stream`` (the caller removes it with :meth:`release`);
+        raises SpoolError for a failed or incomplete stream."""
+        with self._lock:
+            entry = self._open.pop(stream, None)
+        if entry is None:
+            raise SpoolError(f"weight stream {stream}: no chunk of it arrived")
+        if entry["error"] is None and entry["written"] != entry["total"]:
+            entry["error"] = f"weight stream {stream}: {entry['written']} of {entry['total']} bytes arrived"
+            self._fail(entry, SpoolError(entry["error"]))
+        if entry["error"] is not None:
+            raise SpoolError(entry["error"])
+        return WeightFile(entry["path"], entry["total"])
+
+    @staticmethod
+    def release(weights: WeightFile) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(weights.path)
+
+    def close(self) -> None:
+        with self._lock:
+            for entry in self._open.values():
+                if entry["fh"] is not None:
+                    entry["fh"].close()
+            self._open.clear()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
