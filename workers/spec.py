@@ -246,6 +246,11 @@ class AlgorithmSpec(_Strict):
     lr_floor: float = Field(0.0, ge=0, le=1, description="the decayed lr's last value, as a share of lr")
     clip: float = Field(0.2, gt=0)
     kl_coef: float = Field(0.0, ge=0)
+    kl_penalty: Literal["loss", "reward"] = Field(
+        "loss", description="where the KL to the reference goes (kl_coef > 0): loss = a penalty term added to the "
+        "policy loss (kl_estimator); reward = InstructGPT's per-token reward −kl_coef·(log π_old − log π_ref), "
+        "π_old the behaviour policy that sampled the token, added to the sequence's reward (on its last token) "
+        "before GAE, so the critic learns it and the loss has no KL term. reward needs advantage gae")
     kl_estimator: Literal["k2", "k3"] = Field("k2", description="the KL(π‖π_ref) penalty's per-token form "
                                               "(kl_coef > 0): k2 = ½(log π − log π_ref)², whose gradient is "
                                               "that of KL(π‖π_ref); k3 = GRPO's estimator, whose gradient as a "
@@ -274,6 +279,21 @@ class AlgorithmSpec(_Strict):
     gamma: float = Field(1.0, ge=0, le=1, description="gae: the discount per token")
     lam: float = Field(0.95, ge=0, le=1, description="gae: the bias/variance trade-off of GAE (1 = Monte Carlo "
                        "returns minus the value, 0 = one-step TD)")
+    whiten_advantages: bool = Field(
+        True, description="gae: whiten the per-token advantages, (A − mean) / (std + 1e-8), the mean and the "
+        "(population) std over all the generated tokens of the step's batch, across data-parallel ranks, as verl, "
+        "OpenRLHF and TRL do (a critic that starts at 0 and rewards in [0, 1] otherwise make every early "
+        "advantage >= 0); the critic's returns stay raw. With schedule.stream_train the step's batch is not "
+        "known when its first losses are taken: each arriving prompt group is whitened over its own tokens "
+        "(across ranks). advantage group ignores it (GRPO centres each prompt group already; adv_std_norm "
+        "scales it)")
+
+    @model_validator(mode="after")
+    def _kl_in_the_reward_needs_gae(self):
+        if self.kl_penalty == "reward" and self.advantage != "gae":
+            raise ValueError("algorithm.kl_penalty 'reward' adds the KL to the per-token rewards of GAE: it needs "
+                             "algorithm.advantage 'gae' (group advantages have one reward per sequence)")
+        return self
 
 
 class RolloutSpec(_Strict):

@@ -79,6 +79,41 @@ def terminal_rewards(reward: float, tokens: int) -> list[float]:
     return [0.0] * (tokens - 1) + [float(reward)] if tokens > 0 else []
 
 
+def kl_rewards(reward: float, logp_old: Sequence[float], logp_ref: Sequence[float], kl_coef: float) -> list[float]:
+    """Per-token rewards with the KL to the reference in them (InstructGPT; OpenRLHF's PPO):
+    r_t = −kl_coef·(log π_old(y_t) − log π_ref(y_t)), the sequence's ``reward`` added on the
+    last token. π_old is the policy that sampled the tokens, so the sum over the completion
+    is an estimate of −kl_coef·KL(π_old‖π_ref) (the k1 estimator), which GAE then credits
+    token by token."""
+    if len(logp_old) != len(logp_ref):
+        raise ValueError(f"{len(logp_old)} log-probs but {len(logp_ref)} reference log-probs")
+    out = [-kl_coef * (float(o) - float(r)) for o, r in zip(logp_old, logp_ref)]
+    if out:
+        out[-1] += float(reward)
+    return out
+
+
+WHITEN_EPS = 1e-8
+
+
+def whiten_moments(n: float, total: float, total_sq: float) -> tuple[float, float]:
+    """The mean and the population standard deviation of values from their count, sum and
+    sum of squares (sums, so data-parallel ranks can add theirs up first); (0, 0) for none."""
+    if n <= 0:
+        return 0.0, 0.0
+    mean = total / n
+    return mean, max(total_sq / n - mean * mean, 0.0) ** 0.5
+
+
+def whiten(advantages: Sequence[Sequence[float]], mean: float, std: float,
+           eps: float = WHITEN_EPS) -> list[list[float]]:
+    """Each sequence's per-token advantages whitened, (A − mean) / (std + eps), with the
+    ``mean`` and ``std`` of all the tokens they are whitened over (``whiten_moments``: of a
+    whole batch, not each sequence's own). Sequences are ragged lists of their generated
+    tokens only, so padding never enters the statistics."""
+    return [[(float(a) - mean) / (std + eps) for a in seq] for seq in advantages]
+
+
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                clip: float, denominator: float) -> tuple[torch.Tensor, float]:
     """PPO's clipped value loss: ½·max((V − R)², (V_clip − R)²) per token, where V_clip stays

@@ -29,7 +29,7 @@ from workers.train import algorithms
 from workers.train.batching import generated_columns, pad_sequences
 from workers.train.pipeline import Hyper, bubble_share, micro_batches
 from workers.train.pipeline_group import Optim, PipelineGroup
-from workers.train.trainer import TrainSample, step_denominator, with_critic_targets
+from workers.train.trainer import TrainSample, step_denominator, whiten_targets, with_critic_targets
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,9 @@ class PipelineTrainer:
         for i, s in enumerate(batch):
             if s.values is not None:
                 out[i] = with_critic_targets(s, list(s.values), algo)
-        return out, algorithms.critic_sums([s.values for s in out], [s.returns for s in out],
-                                           [s.token_advantages for s in out])
+        sums = algorithms.critic_sums([s.values for s in out], [s.returns for s in out],
+                                      [s.token_advantages for s in out])
+        return whiten_targets(out, sums, algo), sums  # whitened over the whole batch (one process)
 
     def train_step(self, batch: list[TrainSample]) -> dict[str, float]:
         """One optimiser step of the actor and the critic on the whole batch."""

@@ -10,6 +10,7 @@ batch (AReaL): only then does π_θ drift from π_prox, and the clip bind.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -69,12 +70,43 @@ def minibatch_parts(n: int, minibatches: int, ppo_epochs: int, seed: int, versio
     return parts
 
 
+def kl_in_reward(algo) -> bool:
+    """algorithm.kl_penalty 'reward' with a KL to pay: the per-token rewards carry it, the loss does not."""
+    return algo.kl_coef > 0 and algo.kl_penalty == "reward"
+
+
 def with_critic_targets(sample: TrainSample, values: list[float], algo) -> TrainSample:
     """``sample`` with the critic's ``values`` and, from them and its reward (on its last
-    token), GAE's per-token advantages and the returns the critic trains towards."""
-    adv, ret = algorithms.gae(algorithms.terminal_rewards(sample.reward, len(sample.token_ids)), values,
-                              algo.gamma, algo.lam)
+    token; with algorithm.kl_penalty 'reward' also −kl_coef·(log π_old − log π_ref) on every
+    token, π_old the behaviour policy), GAE's per-token advantages (raw: ``whiten_targets``
+    whitens them over the batch) and the returns the critic trains towards."""
+    if kl_in_reward(algo):
+        if sample.ref_logprobs is None:
+            raise RuntimeError("algorithm.kl_penalty 'reward': a sample reached GAE without its reference log-probs")
+        rewards = algorithms.kl_rewards(sample.reward, sample.behav_logprobs, sample.ref_logprobs, algo.kl_coef)
+    else:
+        rewards = algorithms.terminal_rewards(sample.reward, len(sample.token_ids))
+    adv, ret = algorithms.gae(rewards, values, algo.gamma, algo.lam)
     return dataclasses.replace(sample, values=values, returns=ret, token_advantages=adv)
+
+
+def whiten_targets(batch: list[TrainSample], sums: dict[str, float], algo, all_reduce=None) -> list[TrainSample]:
+    """algorithm.whiten_advantages: the samples' GAE advantages whitened over every generated
+    token of them, (A − mean) / (std + 1e-8); the returns (the critic's targets) stay raw.
+    ``sums``: ``critic_sums`` of ``batch`` (its raw advantages' count, sum and sum of squares).
+    ``all_reduce``: adds up (in place) a float64 tensor of those three over the data-parallel
+    ranks, each of which holds its share of the batch, so all whiten with the whole batch's
+    statistics."""
+    if not algo.whiten_advantages:
+        return batch
+    moments = [sums["n"], sums["a"], sums["a2"]]
+    if all_reduce is not None:
+        t = torch.tensor(moments, dtype=torch.float64)
+        all_reduce(t)
+        moments = t.tolist()
+    mean, std = algorithms.whiten_moments(*moments)
+    adv = algorithms.whiten([s.token_advantages for s in batch], mean, std)
+    return [dataclasses.replace(s, token_advantages=a) for s, a in zip(batch, adv)]
 
 
 class PrecisionError(ValueError):
@@ -200,6 +232,65 @@ def _init_world(backend: str) -> None:
         kwargs["device_id"] = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=default_pg_timeout,
                             **kwargs)
+
+
+# -- where a streamed step's summed gradients are divided (DeepSpeed 0.19 internals) ----------
+# finish_step(rescale=True) divides gradients that were summed over the step by a denominator
+# known only at its end. Where they are by then depends on the optimizer class DeepSpeed picked
+# (engine.py _do_optimizer_sanity_check / _configure_optimizer for deepspeed_config's configs):
+#   - ZeRO 0, any dtype (fp32 parameters; bf16/fp16 under autocast, fp16 with torch's
+#     GradScaler): the torch optimizer itself, the gradients in ``p.grad``;
+#   - ZeRO 1 bf16, ``BF16_Optimizer``: its own fp32 accumulation buffers
+#     (``fp32_groups_gradients_flat``); ``p.grad`` holds only the last backward's bf16 gradient;
+#   - ZeRO 1/2 (``DeepSpeedZeroOptimizer``) and 3 (``DeepSpeedZeroOptimizer_Stage3``), fp32, bf16
+#     and fp16: partitions reduced by DeepSpeed's hooks, which ``step`` divides by its loss
+#     scaler's ``cur_scale`` (``unscale_and_clip_grads``, the clip's norm and the reported grad
+#     norm taken in the same scaled units).
+# DeepSpeed has no "divide the gradients" call: ``deepspeed.utils.safe_set_full_grad`` writes
+# ``p.grad`` where there is one (BF16_Optimizer keeps its fp32 sums beside it) and all-reduces
+# each parameter; ``override_loss_scale`` turns the optimizer's dynamic fp16 loss scaling off for
+# good (``custom_loss_scaler``: later losses scaled by the override, never by the scaler again).
+
+
+def _gradients_to_divide(engine) -> Optional[list[torch.Tensor]]:
+    """The tensors holding ``engine``'s summed gradients, or None where its optimizer divides
+    them itself (a ZeRO 1-3 optimizer with a loss scaler: ``_loss_scale_times``)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    optimizer = engine.optimizer
+    if isinstance(optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
+        return None
+    if isinstance(optimizer, BF16_Optimizer):
+        return list(optimizer.fp32_groups_gradients_flat)  # the views of each parameter's too
+    return [p.grad for p in engine.module.parameters() if p.grad is not None]
+
+
+@contextlib.contextmanager
+def _loss_scale_times(optimizer, factor: float):
+    """A ZeRO 1-3 optimizer's loss scale multiplied by ``factor`` over one ``step``, which
+    then divides the gradients by ``factor`` as well as by the scale the backward passes
+    used: the whole-batch step's gradients, clip and grad norm. Afterwards its scaler holds
+    what the whole-batch step leaves: the unmultiplied scale times the scaler's own change
+    in the step (x2 after ``scale_window`` steps without overflow, /2 on an overflow past
+    its hysteresis, x1 otherwise: powers of two, so exact), no lower than its ``min_scale``;
+    its counters (iterations, last overflow, hysteresis) never saw the factor. The static
+    scaler of fp32 and bf16 (scale 1) does not change in a step."""
+    scaler = optimizer.loss_scaler
+    before = scaler.cur_scale
+    scaler.cur_scale = scaled = before * factor
+    try:
+        yield
+    finally:
+        lowered = scaler.cur_scale < scaled
+        after = before * (scaler.cur_scale / scaled)
+        if scaler.dynamic:
+            after = max(after, scaler.min_scale)
+        scaler.cur_scale = after
+    if lowered and before == scaler.min_scale and getattr(scaler, "raise_error_at_min_scale", True):
+        # what the whole-batch step's update_scale raises (loss_scaler.py), its scale at the floor
+        raise Exception("Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.")
 
 
 class Trainer:
@@ -360,6 +451,8 @@ class Trainer:
         ``min_micro_batches``: forwards to run at least, the same number on every rank (ZeRO-3
         gathers the critic's parameters in each)."""
         algo = self.spec.algorithm
+        if kl_in_reward(algo) and self.reference is not None:  # the rewards need log π_ref before GAE
+            batch = self._with_reference_logprobs(batch)
         out = list(batch)
 
         def targets(i: int, v: list[float]) -> None:
@@ -381,8 +474,34 @@ class Trainer:
                 targets(i, values[row, generated_columns(len(s.prompt_ids), len(s.token_ids))].tolist())
         for _ in range(len(micro), min_micro_batches):
             self.critic.values(*self._idle_ids())
-        return out, algorithms.critic_sums([s.values for s in out], [s.returns for s in out],
-                                           [s.token_advantages for s in out])
+        sums = algorithms.critic_sums([s.values for s in out], [s.returns for s in out],
+                                      [s.token_advantages for s in out])
+        return whiten_targets(out, sums, algo, self._all_reduce_sum), sums
+
+    def _all_reduce_sum(self, t: torch.Tensor) -> None:
+        """``t`` summed over the data-parallel ranks, in place (nothing to do on one). Every
+        rank calls ``critic_targets`` for each step (ranks.py ``_train``) and for each streamed
+        part (``accumulate``, even with an empty share), so the collective always meets."""
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            on = t.to(self.engine.device)
+            torch.distributed.all_reduce(on, op=torch.distributed.ReduceOp.SUM)
+            t.copy_(on.cpu())
+
+    def _with_reference_logprobs(self, batch: list[TrainSample]) -> list[TrainSample]:
+        """``batch`` with log π_ref on the samples that do not bring it (the trainer's
+        reference, a no-grad forward packed like training; algorithm.kl_penalty 'reward')."""
+        out = list(batch)
+        need = [i for i, s in enumerate(batch) if s.ref_logprobs is None]
+        lengths = [len(batch[i].prompt_ids) + len(batch[i].token_ids) for i in need]
+        with torch.no_grad():
+            for mb in algorithms.pack_first_fit_decreasing(lengths, self.spec.trainer.micro_batch_tokens):
+                part = [batch[need[k]] for k in mb]
+                ids, att, _, _, _, _ = self._tensors(part, self.engine.device)
+                ref, _ = self._logprobs(self.reference, ids, att)
+                for row, (k, s) in enumerate(zip(mb, part)):
+                    cols = generated_columns(len(s.prompt_ids), len(s.token_ids))
+                    out[need[k]] = dataclasses.replace(s, ref_logprobs=ref[row, cols].float().cpu().tolist())
+        return out
 
     def _autocast(self):
         """The training forward's precision for forwards outside the engine (π_prox, the
@@ -500,10 +619,12 @@ class Trainer:
         gradients over ranks, so each rank's share of the sum is scaled up before), and
         ``min_micro_batches`` the most any rank packs (idle passes fill up the rest)."""
         algo, t0, acc = self.spec.algorithm, time.perf_counter(), self._acc
-        if self.critic is not None and batch and batch[0].token_advantages is None:
+        if self.critic is not None and (batch[0].token_advantages is None if batch else not last):
             # a streamed step (schedule.stream_train): the critic values each part as it arrives,
             # with its weights from the step's start (it steps only in finish_step), while the
-            # rest still generates
+            # rest still generates. algorithm.whiten_advantages: the step's batch is not known
+            # yet, so the part is whitened over its own tokens (over all ranks' shares of it: a
+            # rank with an empty share, last false, still meets the others' all-reduce).
             batch, sums = self.critic_targets(batch)
             self.critic_sums = sums if self.critic_sums is None else {k: self.critic_sums[k] + v
                                                                       for k, v in sums.items()}
@@ -530,7 +651,7 @@ class Trainer:
             else:
                 out = algorithms.reinforce_tis_loss(logp, behav, adv, mask, algo.behav_weight_cap, denominator)
             loss = out.loss
-            if algo.kl_coef > 0:
+            if algo.kl_coef > 0 and algo.kl_penalty == "loss":  # ('reward': the advantages carry it)
                 if part[0].ref_logprobs is not None:  # from the inference stage
                     ref = self._per_token(part, mask.shape[1], "ref_logprobs").to(self.engine.device)
                 elif self.reference is not None:
@@ -562,37 +683,35 @@ class Trainer:
         acc["seqs"] += len(batch)
         acc["seconds"] += time.perf_counter() - t0
 
-    def _divide_streamed_gradients(self, denominator: float) -> list:
-        """A streamed step's gradients (sums until now) divided by its denominator, at
-        every ZeRO stage; returns the engines whose optimizer will divide them in its step.
+    def _divide_streamed_gradients(self, denominator: float, steps: contextlib.ExitStack) -> None:
+        """A streamed step's gradients (sums until now) divided by its denominator, for every
+        optimizer class DeepSpeed uses (see ``_gradients_to_divide``), the policy's and the
+        critic's; ``steps`` holds, until both have stepped, what their optimizers divide in it.
 
-        - ZeRO-0: the gradients are whole in ``p.grad``: divided there, then reduced over
-          the data-parallel ranks.
-        - ZeRO-1/2/3: DeepSpeed's hooks move gradients into partitions as they are made,
-          and its end-of-accumulation reduction runs in the backward that is marked the
-          boundary, which none of the streamed ones was (the last was not known to be
-          last). So one backward of zero loss (``_idle_pass``) is marked the boundary,
-          then the optimizer's loss scale is set to the denominator: its ``step`` divides
-          the gradients by the loss scale before clipping (``unscale_and_clip_grads``),
-          exactly as it unscales fp16 losses. ``finish_step`` sets it back to 1."""
+        - ZeRO-0 (``p.grad``) and ZeRO-1 bf16 (BF16_Optimizer's fp32 sums): divided where they
+          are, then reduced over the data-parallel ranks.
+        - ZeRO-1/2/3 otherwise: DeepSpeed's hooks move gradients into partitions as they are
+          made, and its end-of-accumulation reduction runs in the backward that is marked the
+          boundary, which none of the streamed ones was (the last was not known to be last).
+          So one backward of zero loss (``_idle_pass``) is marked the boundary, then the
+          optimizer's loss scale is multiplied by the denominator for its ``step``, which
+          divides the gradients by it before clipping, as it unscales fp16 losses
+          (``_loss_scale_times``: the dynamic fp16 scaler is left as a whole-batch step leaves it)."""
         parts = [(self.engine, lambda: self.engine.backward(self._idle_pass(self.engine)))]
         if self.critic is not None:
             parts.append((self.critic.engine, lambda: self.critic.idle_pass(*self._idle_ids(), boundary=True)))
-        scaled = []
         for engine, idle_pass in parts:
             engine.set_gradient_accumulation_boundary(True)
-            if hasattr(engine.optimizer, "override_loss_scale"):  # a ZeRO optimizer
+            gradients = _gradients_to_divide(engine)
+            if gradients is None:  # a ZeRO optimizer that unscales in its step
                 idle_pass()
-                engine.optimizer.override_loss_scale(float(denominator))
-                scaled.append(engine)
+                steps.enter_context(_loss_scale_times(engine.optimizer, float(denominator)))
                 continue
             with torch.no_grad():
-                for p in engine.module.parameters():
-                    if p.grad is not None:
-                        p.grad.div_(denominator)
+                for grad in gradients:
+                    grad.div_(denominator)
             if torch.distributed.get_world_size() > 1:
                 engine.allreduce_gradients()
-        return scaled
 
     def _optimizer_step(self) -> dict:
         self.engine.step()
@@ -606,18 +725,15 @@ class Trainer:
         this trainer's own tokens or ``sequences``)."""
         acc, t0 = self._acc, time.perf_counter()
         how = self.spec.algorithm.normalize
-        if rescale:  # streamed step: losses were sums, divide by the now-known denominator
-            if denominator is None:
-                denominator = max(1.0, float(acc["tokens"]) if how == "tokens" else float(sequences))
-            scaled = self._divide_streamed_gradients(denominator)
-            acc["loss"] /= denominator
-            acc["kl"] /= denominator
-            acc["value_loss"] /= denominator
-        try:
+        with contextlib.ExitStack() as steps:
+            if rescale:  # streamed step: losses were sums, divide by the now-known denominator
+                if denominator is None:
+                    denominator = max(1.0, float(acc["tokens"]) if how == "tokens" else float(sequences))
+                self._divide_streamed_gradients(denominator, steps)
+                acc["loss"] /= denominator
+                acc["kl"] /= denominator
+                acc["value_loss"] /= denominator
             self._optimizer_step()
-        finally:
-            for engine in scaled if rescale else []:
-                engine.optimizer.override_loss_scale(1.0)
         self.version += 1
         acc["seconds"] += time.perf_counter() - t0
         tokens = max(acc["tokens"], 1)

@@ -30,7 +30,8 @@ def _on_policy(trainer: Trainer, rewards: list[float]) -> list[TrainSample]:
 
 
 def test_the_critic_starts_from_the_policys_trunk_with_a_zero_value_head(tiny_model_path):
-    trainer = Trainer(_spec(), tiny_model_path, threads=1)
+    # the raw GAE advantages (whitened ones: tests/workers/train/test_advantage_whitening.py)
+    trainer = Trainer(_spec(whiten_advantages=False), tiny_model_path, threads=1)
     policy = trainer.engine.module.state_dict()
     critic = trainer.critic.engine.module.state_dict()
     trunk = {k.removeprefix("trunk."): v for k, v in critic.items() if k.startswith("trunk.")}
@@ -45,7 +46,7 @@ def test_the_critic_starts_from_the_policys_trunk_with_a_zero_value_head(tiny_mo
 
 
 def test_the_policy_loss_takes_the_critics_per_token_advantages(tiny_model_path):
-    trainer = Trainer(_spec(minibatches=1), tiny_model_path, threads=1)
+    trainer = Trainer(_spec(minibatches=1, whiten_advantages=False), tiny_model_path, threads=1)
     stats = trainer.train_step(_on_policy(trainer, [1.0, 0.0, 2.0]))
     # on-policy, one step: ratio 1 and weight 1, so the loss is minus the tokens' mean advantage
     assert stats["loss/policy"] == pytest.approx(-(1.875 + 0.0 + 3.75) / 12, rel=1e-5)
@@ -85,7 +86,9 @@ def test_a_streamed_gae_step_equals_the_step_on_the_whole_batch(tiny_model_path,
     ZeRO-2 through the optimizers' loss scale)."""
     # rewards of 1e-9 and a critic lr of 1e-8 keep Adam's steps linear in the gradients (a wrong
     # denominator then shows in the weights: tests/workers/train/test_trainer_ranks.py's docstring)
-    spec = validate_spec({**_spec(minibatches=1).to_dict(), "schedule": {"mode": "sync", "stream_train": True},
+    # whitening off: a streamed step whitens each arriving part over its own tokens, not the batch's
+    spec = validate_spec({**_spec(minibatches=1, whiten_advantages=False).to_dict(),
+                          "schedule": {"mode": "sync", "stream_train": True},
                           "critic": {"lr": 1e-8, "zero_stage": stage}, "trainer": {"zero_stage": stage}})
     whole = Trainer(spec, tiny_model_path, threads=1)
     batch = _on_policy(whole, [1e-9, 0.0, 2e-9, 1e-9, 0.0])

@@ -169,7 +169,9 @@ def test_two_ranks_train_policy_and_critic_as_one_process_does(stage, tiny_model
     critic values its samples, the statistics add up over ranks, and the critic's gradients
     are scaled like the policy's. Rewards of 1e-9 keep both Adam steps linear in the
     gradient (see the module docstring): the second step's values show the first update."""
-    raw = _raw_spec(advantage="gae", trainer={"zero_stage": stage})
+    # whitening off: whitened advantages are O(1) and Adam's steps sign-like, not linear
+    # (whitening over ranks: tests/workers/train/test_advantage_whitening.py)
+    raw = _raw_spec(advantage="gae", whiten_advantages=False, trainer={"zero_stage": stage})
     # critic lr 1e-8: its linear step moves the values by ~1e-8, the returns' scale, so the
     # second step's advantages stay tiny and the policy's step linear too
     spec = validate_spec({**raw, "critic": {"zero_stage": stage, "lr": 1e-8}})
