@@ -3,6 +3,7 @@ and the worker processes. Validated here and nowhere else; unknown fields are re
 by name (pydantic ``extra="forbid"``)."""
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, Literal, Optional
 
 import yaml
@@ -28,7 +29,26 @@ class _Strict(BaseModel):
 
 class ModelSpec(_Strict):
     path: str = Field(description="local HF model folder (or hub id on a cluster)")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the precision it trains and generates in; auto: bfloat16 where the run's GPUs have "
+        "it, float32 on the CPU (decided on the machine that runs it: model_dtype)")
+
+
+def model_dtype(spec: "RunSpec", on_gpu: Optional[bool] = None) -> str:
+    """``model.dtype`` with ``auto`` decided: bfloat16 on a GPU that has it, float32 on the
+    CPU. ``on_gpu``: for a plan made for GPUs (the planner), else this machine's devices."""
+    if spec.model.dtype != "auto":
+        return spec.model.dtype
+    if on_gpu is None:
+        return _auto_dtype()
+    return "bfloat16" if on_gpu else "float32"
+
+
+@functools.cache
+def _auto_dtype() -> str:
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
 
 
 class TaskSpec(_Strict):
@@ -528,7 +548,8 @@ class RunSpec(_Strict):
              "training; without a critic use the DeepSpeed trainer)"),
             (self.trainer.zero_stage != 0 or self.critic.zero_stage != 0, "trainer.zero_stage and "
              "critic.zero_stage 0 (its stages are not DeepSpeed engines)"),
-            (self.model.dtype != "float32", "model.dtype float32 (its stages train in fp32)"),
+            (self.model.dtype not in ("auto", "float32"), "model.dtype float32 (its stages train in fp32 on the "
+             "CPU)"),
             (self.algorithm.minibatches > 1 or self.algorithm.ppo_epochs > 1, "algorithm.minibatches and "
              "ppo_epochs 1 (one optimiser step per batch)"),
             (self.schedule.stream_train, "schedule.stream_train off"),

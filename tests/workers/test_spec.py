@@ -69,3 +69,17 @@ def test_the_cli_only_examples_are_valid_specs():
                          ids=lambda p: p.name)
 def test_every_example_spec_is_valid(example):
     assert validate_spec(example.read_text()).name
+
+
+def test_model_dtype_auto_is_float32_on_the_cpu_bfloat16_for_a_gpu_plan_and_an_explicit_one_is_kept():
+    from workers.spec import model_dtype
+
+    auto = validate_spec({"name": "t", "model": {"path": "m"}, "task": {"dataset": "gen:add"}})
+    assert auto.model.dtype == "auto"
+    import torch
+
+    assert model_dtype(auto) == ("bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+                                 else "float32")
+    assert (model_dtype(auto, on_gpu=True), model_dtype(auto, on_gpu=False)) == ("bfloat16", "float32")
+    fp16 = validate_spec({"name": "t", "model": {"path": "m", "dtype": "float16"}, "task": {"dataset": "gen:add"}})
+    assert model_dtype(fp16, on_gpu=False) == model_dtype(fp16) == "float16"

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from workers.tasks.model_folder import check_model_folder
+from workers.spec import model_dtype
 from workers.weights.broadcast import BUCKET_BYTES
 
 if TYPE_CHECKING:
@@ -286,7 +287,7 @@ def plan_memory(spec: "RunSpec", plan, gpu_memory_gib: float, model: ModelSize) 
     """What each GPU of ``plan`` (a GPU ``workers.cluster.placement.Plan``, not imported: the
     planner imports this module) holds on GPUs of ``gpu_memory_gib``; see the module's
     docstring for each item."""
-    dtype, stage, ranks = spec.model.dtype, spec.trainer.zero_stage, len(plan.trainers)
+    dtype, stage, ranks = model_dtype(spec, on_gpu=True), spec.trainer.zero_stage, len(plan.trainers)
     lp = DTYPE_BYTES[dtype]
     model_gib = model.params * lp / GIB  # what the engines hold and receive: the weights in the model's dtype
     trainer = trainer_memory(model.params, dtype, stage, ranks)

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Literal, Mapping, Optional
 
 from workers.cluster.memory import (DTYPE_BYTES, MemoryPlan, ModelSize, TrainerMemory, model_size, plan_memory,
                                     trainer_memory)
+from workers.spec import model_dtype
 
 if TYPE_CHECKING:
     from workers.spec import RunSpec
@@ -442,4 +443,4 @@ def check_trainer_memory(spec: "RunSpec", plan: Plan, machine: Machine, params: 
     """A trainer rank's memory for a model of ``params`` parameters; a GPU plan that does
     not fit is refused (:func:`check_memory`, which counts everything on each GPU)."""
     check_memory(spec, plan, machine, ModelSize(params))
-    return trainer_memory(params, spec.model.dtype, spec.trainer.zero_stage, len(plan.trainers))
+    return trainer_memory(params, model_dtype(spec, on_gpu=plan.device == "gpu"), spec.trainer.zero_stage, len(plan.trainers))

@@ -17,6 +17,7 @@ from collections import deque
 from pathlib import Path
 
 from workers.io.checkpoint import CheckpointInfo, IncompleteCheckpoint, require_trainer_shards, save_checkpoint
+from workers.spec import model_dtype
 from workers.weights.files import WeightFile, iter_weight_file
 from workers.weights.sync import combine_digests, legacy_tensors_checksum, tensor_digest, tensors_checksum
 
@@ -149,7 +150,7 @@ class Checkpointer:
     def trainer_world(self) -> tuple[int, int, bool]:
         """(data-parallel ranks, ZeRO stage, bf16): what names the trainer's checkpoint files."""
         spec = self.run.spec
-        return getattr(self.run.trainer, "world", 1), spec.trainer.zero_stage, spec.model.dtype == "bfloat16"
+        return getattr(self.run.trainer, "world", 1), spec.trainer.zero_stage, model_dtype(spec) == "bfloat16"
 
     def restore(self, info: CheckpointInfo) -> None:
         """Trainer (weights, optimiser, version) and controller state from a checkpoint."""

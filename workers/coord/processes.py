@@ -15,7 +15,7 @@ from workers.cluster.placement import PlacementError
 from workers.rewards.service import RewardService
 from workers.rollout.engine import RolloutEngine, SamplingOptions, configure_cpu_environment
 from workers.rollout.server import EngineClient, EngineServerConfig
-from workers.spec import RunSpec
+from workers.spec import RunSpec, model_dtype
 from workers.train.reference import ReferenceStage
 from workers.train.value_stage import ValueStage
 from workers.train.trainer import Trainer
@@ -172,7 +172,7 @@ class Processes:
         spec, ro = self.spec, self.spec.rollout
         return EngineServerConfig(
             model_path=spec.model.path, index=process.index, update_mode=ro.update_mode,
-            max_model_len=checked.max_model_len, max_num_seqs=self.max_num_seqs(process.index), dtype=spec.model.dtype,
+            max_model_len=checked.max_model_len, max_num_seqs=self.max_num_seqs(process.index), dtype=model_dtype(spec),
             seed=spec.seed + process.index, rpc_timeout_s=ro.rpc_timeout_s, top_p=ro.top_p, top_k=ro.top_k,
             stop=list(ro.stop), stop_token_ids=list(checked.stop_ids), kv_cache_gb=ro.kv_cache_gb,
             gpu_memory_utilization=process.gpu_memory_utilization, host=host, env=self.plan.env(process),
@@ -191,7 +191,7 @@ class Processes:
         return [
             RolloutEngine(spec.model.path, index=i, update_mode=spec.rollout.update_mode, sampling=sampling,
                           max_model_len=checked.max_model_len, max_num_seqs=self.max_num_seqs(i),
-                          dtype=spec.model.dtype, seed=spec.seed + i, rpc_timeout_s=spec.rollout.rpc_timeout_s,
+                          dtype=model_dtype(spec), seed=spec.seed + i, rpc_timeout_s=spec.rollout.rpc_timeout_s,
                           gpu_memory_utilization=p.gpu_memory_utilization,
                           cpu_single_process=bool(ro.cpu_single_process), enforce_eager=ro.enforce_eager,
                           priority_scheduling=spec.schedule.dispatch == "skew_aware")

@@ -20,6 +20,7 @@ import logging
 import sys
 
 from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, serve
+from workers.spec import model_dtype
 from workers.tasks.model_folder import check_model_folder
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class ReferenceScorer:
 
 def scorer_config(spec, model_path: str, pad_id: int) -> dict:
     ro = spec.rollout
-    return {"path": model_path, "dtype": spec.model.dtype, "zero_stage": spec.trainer.zero_stage,
+    return {"path": model_path, "dtype": model_dtype(spec), "zero_stage": spec.trainer.zero_stage,
             "temperature": ro.temperature, "top_k": ro.top_k, "top_p": ro.top_p, "pad_id": pad_id,
             "threads": spec.inference.threads}
 

@@ -21,7 +21,7 @@ import torch
 
 from workers.train import algorithms
 from workers.train.batching import completion_mask, generated_columns, pad_sequences, per_token
-from workers.spec import RunSpec
+from workers.spec import RunSpec, model_dtype
 from workers.tasks.model_folder import check_model_folder
 
 
@@ -143,7 +143,7 @@ def deepspeed_config(spec: RunSpec, *, fp16_supported: bool = True, device: str 
 
     ``zero_stage``: another engine's stage (the critic's, workers/train/critic.py).
     """
-    algo, dtype = spec.algorithm, spec.model.dtype
+    algo, dtype = spec.algorithm, model_dtype(spec)
     stage = spec.trainer.zero_stage if zero_stage is None else zero_stage
     config: dict = {
         "train_micro_batch_size_per_gpu": 1,
@@ -320,7 +320,7 @@ class Trainer:
         # DeepSpeed's bf16/fp16 modes the engine casts the parameters itself and makes its fp32
         # master copy from the cast ones (engine.py _configure_distributed_model), so loading
         # them in fp32 first would buy nothing but twice the host memory: the spec's dtype.
-        load = torch.float32 if self.autocast_dtype is not None else getattr(torch, spec.model.dtype)
+        load = torch.float32 if self.autocast_dtype is not None else getattr(torch, model_dtype(spec))
         model = AutoModelForCausalLM.from_pretrained(check_model_folder(model_path), dtype=load)
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.reference = None
@@ -393,7 +393,7 @@ class Trainer:
 
             with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
                 cfg = json.load(fh)
-            cfg["dtype"] = self.spec.model.dtype
+            cfg["dtype"] = model_dtype(self.spec)
             with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as fh:
                 json.dump(cfg, fh, indent=2, sort_keys=True)
         for name in os.listdir(self.model_path):

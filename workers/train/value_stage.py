@@ -31,6 +31,7 @@ import tempfile
 import time
 
 from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, serve
+from workers.spec import model_dtype
 from workers.tasks.model_folder import check_model_folder
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class ValueScorer:
 
 
 def scorer_config(spec, model_path: str, pad_id: int) -> dict:
-    return {"path": model_path, "dtype": spec.model.dtype, "zero_stage": spec.trainer.zero_stage,
+    return {"path": model_path, "dtype": model_dtype(spec), "zero_stage": spec.trainer.zero_stage,
             "pad_id": pad_id, "threads": spec.inference.threads}
 
 

@@ -184,3 +184,13 @@ def test_model_size_counts_parameters_on_the_meta_device(tmp_path):
     run = spec({"gpus": 1, "colocate": True}, path=_tiny_llama(tmp_path / "run"))
     assert plan_placement(run, ONE).memory.gpus[0].items[0].what == "weights"
     assert plan_placement(spec({}, mode="async", path=str(tmp_path / "run")), Machine(cpu_cores=2)).memory is None
+
+
+def test_model_dtype_auto_is_planned_as_bfloat16_on_gpus_and_is_the_default():
+    auto = validate_spec({"name": "t", "model": {"path": "m"}, "task": {"dataset": "gen:add"},
+                          "schedule": {"mode": "sync"}, "resources": {"queue": "gpu", **COLOCATED_ZERO3},
+                          "trainer": {"zero_stage": 3}})
+    assert auto.model.dtype == "auto"
+    planned = plan_placement(auto, TWO, SEVEN_B).memory
+    bf16 = plan_placement(spec(COLOCATED_ZERO3, trainer={"zero_stage": 3}), TWO, SEVEN_B).memory
+    assert [round(g.total_gib, 2) for g in planned.gpus] == [round(g.total_gib, 2) for g in bf16.gpus]
