@@ -717,7 +717,15 @@ class Trainer:
         self.engine.step()
         if self.critic is not None:
             self.critic.step()
+        self._release_cached_memory()
         return self._acc
+
+    def _release_cached_memory(self) -> None:
+        """Colocated plans: the engines wake into this GPU after the step, and the blocks
+        this process's caching allocator keeps (activations, logits, gradient buckets) are
+        not free to them: hand them back to the driver first."""
+        if self.spec.resources.colocate and torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def finish_step(self, sequences: int, rescale: bool = False,
                     denominator: Optional[float] = None) -> dict[str, float]:
