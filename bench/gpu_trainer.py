@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from workers.cluster.memory import model_size, trainer_memory  # noqa: E402
+from workers.cluster.memory import model_size, trainer_rank_peak_gib  # noqa: E402
 from workers.spec import validate_spec  # noqa: E402
 from workers.models.tinymodel import encode, ensure_tiny_model  # noqa: E402
 from workers.train.trainer import TrainSample  # noqa: E402
@@ -173,7 +173,7 @@ def run_stage(model: str, stage: int, ranks: int, steps: int, dtype: Optional[st
     row = {"stage": stage, "ranks": ranks, "dtype": dtype, "backend": "nccl" if gpu else "gloo",
            "params_M": round(size.params / 1e6, 1) if size else None,
            # the planner's figure for a rank (workers/cluster/memory.py), against the peak measured below
-           "planned_gib": round(trainer_memory(size.params, dtype, stage, ranks).total_gib, 2) if size else None}
+           "planned_gib": round(trainer_rank_peak_gib(spec, size, ranks, dtype), 2) if size else None}
     t0 = time.perf_counter()
     with PeakGpuMemory() as peak, TrainerGroup(spec, model, ranks, None if gpu else 1, 0,
                                                cuda_devices=devices) as group:

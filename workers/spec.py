@@ -412,6 +412,9 @@ class PipelineSpec(_Strict):
 class TrainerSpec(_Strict):
     zero_stage: Literal[0, 1, 2, 3] = 0
     micro_batch_tokens: int = Field(4096, ge=16)
+    gradient_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
+                                         "backward instead of keeping them (Hugging Face's gradient "
+                                         "checkpointing): less memory, about one forward more per step")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
     pipeline: PipelineSpec = PipelineSpec()
 

@@ -39,9 +39,18 @@ all, transients included, and the reference; the engines hold nothing), and betw
 two *updating* (the engines' weights awake, their KV cache still asleep, the receive
 buffers; the trainer's persistent states and, under ZeRO-3, its gathered weights).
 
-Not counted (they come on top): activations, CUDA contexts, DeepSpeed's communication
-buckets, the trainer's send buckets (a few x 32 MiB), what a sleeping engine keeps (its
-CUDA context and graphs).
+Also per trainer rank: its **CUDA context and runtime buffers** (cuBLAS, NCCL, DeepSpeed's
+buckets: ``RUNTIME_GIB``, measured), the **critic** (``algorithm.advantage: gae``: a second
+model with its own DeepSpeed engine at ``critic.zero_stage``), and, as the largest transient
+beside the optimizer step's and ZeRO-3's gather, a **micro-batch's activations and its
+logits at the full vocabulary** (:func:`forward_memory`; ``trainer.micro_batch_tokens``,
+``trainer.gradient_checkpointing``). Checked against the peaks measured on an H200 (README,
+"On a GPU"; ``tests/workers/cluster/test_memory_plan.py``): within 25% of each.
+
+Not counted (they come on top): the critic's own activations (its forward and backward
+come after the policy's), the trainer's send buckets (a few x 32 MiB), what a sleeping
+engine keeps (its CUDA context and graphs). vLLM's sampling buffers and activations are
+inside its share (it profiles them at start-up).
 """
 from __future__ import annotations
 
@@ -61,6 +70,18 @@ logger = logging.getLogger(__name__)
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ADAM_TEMPORARY_BYTES = 4  # per parameter updated: torch's multi-tensor AdamW's sqrt(v)
+ZERO3_SUB_GROUP = 10**9  # DeepSpeed's stage3 sub_group_size default: the parameters one step call updates
+# A trainer process's CUDA context, cuBLAS workspace, NCCL and DeepSpeed's own buffers, by
+# ZeRO stage: the peaks measured on one H200 (PyTorch 2.11, DeepSpeed 0.19.8) with the tiny
+# model, whose own states are 0.01 GiB (README, "On a GPU"; ZeRO 1 taken as 2's).
+RUNTIME_GIB = {0: 1.4, 1: 2.3, 2: 2.3, 3: 2.7}
+# Values a decoder layer keeps per token for the backward, in units of the hidden size h and
+# the MLP's width i: the attention block's inputs, q, k, v and output (about 8 h with grouped
+# K/V heads), the gated MLP's gate, up and product (3 i); SDPA/flash attention keeps no
+# token x token matrix. Korthikanti et al. (2022) count 34 bytes a token x h for a 16-bit
+# layer with a 4h MLP, the same order (8 h + 12 h = 20 h values, 40 bytes).
+ACTIVATION_VALUES = (8, 3)  # (x h, x i)
 
 
 # -- the model ------------------------------------------------------------------------------
@@ -69,10 +90,16 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 class ModelSize:
     """What the planner needs of a model. ``kv_values_per_token``: K and V entries one
     token puts in the KV cache over all layers (2 x layers x KV heads x head size), when
-    the config says; an upper bound for models that compress or window their cache."""
+    the config says; an upper bound for models that compress or window their cache. The
+    shape (``hidden``, ``intermediate``, ``layers``, ``vocab``), when known, sizes a
+    micro-batch's activations and logits."""
     params: int
     kv_values_per_token: Optional[int] = None
     largest: Optional[int] = None  # the largest tensor's elements (the embedding, as a rule)
+    hidden: Optional[int] = None
+    intermediate: Optional[int] = None
+    layers: Optional[int] = None
+    vocab: Optional[int] = None
 
 
 def model_size(path: str) -> Optional[ModelSize]:
@@ -96,7 +123,18 @@ def model_size(path: str) -> Optional[ModelSize]:
         logger.warning("model %s: parameter count unknown (%s: %s); GPU memory is not checked",
                        path, type(exc).__name__, exc)
         return None
-    return ModelSize(params, _kv_values_per_token(config), largest)
+    return ModelSize(params, _kv_values_per_token(config), largest, **_shape(config))
+
+
+def _shape(config) -> dict:
+    config = getattr(config, "text_config", None) or config
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) \
+        or (4 * hidden if isinstance(hidden, int) else None)
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    vocab = getattr(config, "vocab_size", None)
+    shape = {"hidden": hidden, "intermediate": intermediate, "layers": layers, "vocab": vocab}
+    return {k: v if isinstance(v, int) else None for k, v in shape.items()}
 
 
 def _kv_values_per_token(config) -> Optional[int]:
@@ -133,7 +171,7 @@ class TrainerMemory:
     weights_gib: float
     gradients_gib: float
     optimizer_gib: float  # fp32 master weights (if any) + Adam's two moments
-    step_gib: float = 0.0
+    step_gib: float = 0.0  # the flattened fp32 gradients (if any) + AdamW's temporaries
     gather_gib: float = 0.0
     cast_gib: float = 0.0
     master: bool = True  # an fp32 master copy is part of optimizer_gib
@@ -142,7 +180,7 @@ class TrainerMemory:
     @property
     def transient(self) -> tuple[str, float]:
         """(what, GiB) of the largest transient."""
-        return max((("fp32 gradients at the optimizer step", self.step_gib),
+        return max((("fp32 gradients and AdamW's temporaries at the optimizer step", self.step_gib),
                     ("weights gathered for a weight sync (ZeRO-3)", self.gather_gib),
                     ("low-precision weight copies for the backward (autocast)", self.cast_gib)),
                    key=lambda t: t[1])
@@ -178,6 +216,11 @@ def trainer_memory(params: int, dtype: str, zero_stage: int, ranks: int) -> Trai
       in fp32), master 4 / n, moments 8 / n, step 4 / n (per sub-group: an upper bound),
       gather lp.
 
+    At every stage the step adds AdamW's temporaries: torch's multi-tensor AdamW computes
+    ``sqrt(v)`` into new tensors, 4 bytes a parameter it updates at once (4; 4 / n of a
+    ZeRO-1/2 partition; at ZeRO-3 at most a sub-group of 1e9; measured on this CPU: 3.99
+    bytes a parameter above the resident memory before the step).
+
     The KL reference: 4 (fp32, autocast) or lp (mixed) per parameter, unpartitioned.
     """
     lp = DTYPE_BYTES[dtype]
@@ -199,9 +242,58 @@ def trainer_memory(params: int, dtype: str, zero_stage: int, ranks: int) -> Trai
         step = 0 if stage == 1 and dtype == "bfloat16" else 4 / n
         gather = lp if stage >= 3 else 0
         reference = lp
+    # ZeRO-3 steps sub-group by sub-group (DeepSpeed's sub_group_size, 1e9 parameters)
+    updated = params / n if stage >= 1 else params
+    if stage >= 3:
+        updated = min(updated, ZERO3_SUB_GROUP)
+    step += ADAM_TEMPORARY_BYTES * updated / params if params else 0.0
     gib = params / GIB
     return TrainerMemory(weights * gib, gradients * gib, (master + moments) * gib, step * gib, gather * gib,
                          cast * gib, master > 0, reference * gib)
+
+
+def forward_memory(model: ModelSize, tokens: int, dtype: str, zero_stage: int,
+                   checkpointing: bool = False) -> tuple[float, float]:
+    """(activations, logits) in GiB of one micro-batch of ``tokens`` (padded) tokens in the
+    trainer's forward and backward; (0, 0) when the model's shape is unknown.
+
+    - Activations: ``ACTIVATION_VALUES`` per token and layer, in the dtype the forward
+      computes in (lp under autocast and DeepSpeed's bf16/fp16 modes, 4 in fp32); with
+      ``trainer.gradient_checkpointing`` only each layer's input (h values) and one layer's
+      full set.
+    - Logits at the full vocabulary: the model's output (lp, or 4 in fp32), then in fp32 its
+      ``.float()`` copy, the log-softmax and its gradient (12 bytes): ``tokens x vocab``
+      each. For Qwen2.5's 151,936-token vocabulary and 4,096 tokens that is 8.7 GiB in bf16,
+      more than the 0.5 B model's weights and Adam states together.
+    """
+    if not (model.hidden and model.layers and model.vocab):
+        return 0.0, 0.0
+    act = 4 if trainer_precision(dtype, zero_stage) == "fp32" else DTYPE_BYTES[dtype]
+    per_layer = ACTIVATION_VALUES[0] * model.hidden + ACTIVATION_VALUES[1] * (model.intermediate or 4 * model.hidden)
+    if checkpointing:
+        values = model.layers * model.hidden + per_layer
+    else:
+        values = model.layers * per_layer
+    activations = tokens * values * act / GIB
+    logits = tokens * model.vocab * (act + 12) / GIB
+    return activations, logits
+
+
+def trainer_rank_peak_gib(spec: "RunSpec", model: ModelSize, ranks: int, dtype: Optional[str] = None) -> float:
+    """A trainer rank's planned peak, GiB: its runtime buffers, states, the critic's, the KL
+    reference and the largest transient (the step's, ZeRO-3's gather, or a micro-batch's
+    forward), as :func:`plan_memory` lays them on its GPU while it trains."""
+    dtype = dtype or model_dtype(spec, on_gpu=True)
+    stage = spec.trainer.zero_stage
+    mem = trainer_memory(model.params, dtype, stage, ranks)
+    activations, logits = forward_memory(model, spec.trainer.micro_batch_tokens, dtype, stage,
+                                         spec.trainer.gradient_checkpointing)
+    critic = (trainer_memory(model.params, dtype, spec.critic.zero_stage, ranks)
+              if spec.algorithm.advantage == "gae" else None)
+    return (RUNTIME_GIB[stage] + mem.weights_gib + mem.gradients_gib + mem.optimizer_gib
+            + (critic.weights_gib + critic.gradients_gib + critic.optimizer_gib if critic else 0.0)
+            + (mem.reference_gib if spec.algorithm.kl_coef > 0 else 0.0)
+            + max(mem.transient_gib, mem.cast_gib + activations + logits))
 
 
 # -- a whole plan ---------------------------------------------------------------------------
@@ -291,6 +383,13 @@ def plan_memory(spec: "RunSpec", plan, gpu_memory_gib: float, model: ModelSize) 
     lp = DTYPE_BYTES[dtype]
     model_gib = model.params * lp / GIB  # what the engines hold and receive: the weights in the model's dtype
     trainer = trainer_memory(model.params, dtype, stage, ranks)
+    critic = (trainer_memory(model.params, dtype, spec.critic.zero_stage, ranks)
+              if spec.algorithm.advantage == "gae" else None)  # the trainer trains it, wherever it values
+    activations, logits = forward_memory(model, spec.trainer.micro_batch_tokens, dtype, stage,
+                                         spec.trainer.gradient_checkpointing)
+    forward_gib = trainer.cast_gib + activations + logits
+    forward_what = (f"a micro-batch's activations {activations:.1f} and full-vocabulary logits {logits:.1f}"
+                    + (f", autocast's weight copies {trainer.cast_gib:.1f}" if trainer.cast_gib else ""))
     reference = spec.algorithm.kl_coef > 0
     collective = spec.rollout.weight_transport == "collective"
     receive_gib = 2 * max(BUCKET_BYTES, (model.largest or 0) * lp) / GIB
@@ -305,15 +404,21 @@ def plan_memory(spec: "RunSpec", plan, gpu_memory_gib: float, model: ModelSize) 
             for gpu in p.gpus:
                 items = loads[phase].setdefault((p.node, gpu), [])
                 if p.role == "trainer":
-                    items += [Item(owner, "weights", trainer.weights_gib, "trainer"),
+                    items += [Item(owner, "CUDA context and runtime buffers (measured)", RUNTIME_GIB[stage], "runtime"),
+                              Item(owner, "weights", trainer.weights_gib, "trainer"),
                               Item(owner, "gradients", trainer.gradients_gib, "trainer"),
                               Item(owner, "fp32 master weights and Adam states" if trainer.master else "Adam states",
                                    trainer.optimizer_gib, "trainer")]
+                    if critic is not None:
+                        items.append(Item(owner, "critic's weights, gradients and optimizer states",
+                                          critic.weights_gib + critic.gradients_gib + critic.optimizer_gib, "critic"))
                     what, gib = trainer.transient
+                    if forward_gib > gib:
+                        what, gib = forward_what, forward_gib
                     if phase == "updating":  # ZeRO-3 gathers the full weights to send them
                         what, gib = "weights gathered for a weight sync (ZeRO-3)", trainer.gather_gib
                     if gib and phase != "generating":
-                        items.append(Item(owner, what, gib, "trainer"))
+                        items.append(Item(owner, what, gib, "forward" if what == forward_what else "trainer"))
                     if reference:
                         items.append(Item(owner, "KL reference model", trainer.reference_gib, "reference"))
                 elif phase == "updating":  # the weights awake, the KV cache still asleep
@@ -337,6 +442,9 @@ def plan_memory(spec: "RunSpec", plan, gpu_memory_gib: float, model: ModelSize) 
     zero_hint = (f"raise trainer.zero_stage (now {stage}) or resources.trainer_ranks (now {ranks})" if stage < 3
                  else f"raise resources.trainer_ranks (now {ranks}, ZeRO-3)")
     hints = (("trainer", zero_hint),
+             ("forward", f"lower trainer.micro_batch_tokens (now {spec.trainer.micro_batch_tokens})"
+                         + ("" if spec.trainer.gradient_checkpointing else " or set trainer.gradient_checkpointing")),
+             ("critic", f"raise critic.zero_stage (now {spec.critic.zero_stage})"),
              ("reference", "set algorithm.kl_coef 0 (its reference model is a full copy on every trainer GPU)"),
              ("engine", "lower resources.gpu_memory_utilization" + (", or set resources.colocate false"
                                                                       if plan.colocate else "")),

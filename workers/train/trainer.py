@@ -322,6 +322,8 @@ class Trainer:
         # them in fp32 first would buy nothing but twice the host memory: the spec's dtype.
         load = torch.float32 if self.autocast_dtype is not None else getattr(torch, model_dtype(spec))
         model = AutoModelForCausalLM.from_pretrained(check_model_folder(model_path), dtype=load)
+        if spec.trainer.gradient_checkpointing:  # the planner counts activations accordingly (cluster/memory.py)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.reference = None
         if algo.kl_coef > 0 and algo.kl_reference == "trainer":  # (stage: the samples bring log π_ref)
@@ -610,6 +612,12 @@ class Trainer:
         # Dropout off in every RL forward: the gradient forward must compute the same
         # function as π_prox's and the engine's, or the ratios carry dropout noise.
         self.engine.module.eval()
+        if self.spec.trainer.gradient_checkpointing:
+            # Hugging Face checkpoints a decoder layer only while that layer is training: set
+            # the flag on the layers alone, their dropout (their children's flags) stays off
+            for module in self.engine.module.modules():
+                if getattr(module, "gradient_checkpointing", False):
+                    module.training = True
 
     def accumulate(self, batch: list[TrainSample], denominator: float = 1.0, last: bool = False,
                    grad_scale: float = 1.0, min_micro_batches: int = 0) -> None:

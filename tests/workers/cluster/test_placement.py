@@ -250,22 +250,24 @@ def test_tensor_parallel_on_the_cpu_splits_an_engines_cores_among_its_shards():
 
 def test_trainer_memory_by_zero_stage():
     params = 2**30  # so bytes per parameter read as GiB
-    assert trainer_memory(params, "float32", 0, 8).total_gib == 16
-    # ZeRO 0 trains bfloat16 under autocast: fp32 4 + 4 + 8, and the forward's bf16 weight copies 2
-    assert trainer_memory(params, "bfloat16", 0, 8).total_gib == 18
+    # fp32: 4 + 4 + 8, and AdamW's temporaries at the step, 4
+    assert trainer_memory(params, "float32", 0, 8).total_gib == 20
+    # ZeRO 0 trains bfloat16 under autocast: fp32 4 + 4 + 8; AdamW's 4 outgrow the forward's bf16 weight copies 2
+    assert trainer_memory(params, "bfloat16", 0, 8).total_gib == 20
     mem = trainer_memory(params, "bfloat16", 3, 4)
     # gradients accumulate in fp32 (data_types.grad_accum_dtype)
     assert (mem.weights_gib, mem.gradients_gib, mem.optimizer_gib) == (0.5, 1.0, 3.0)
-    # fp32 gradient partition at the step 1.0, the full weights gathered for a weight sync 2.0: the larger counts
-    assert (mem.step_gib, mem.gather_gib, mem.total_gib) == (1.0, 2.0, 6.5)
-    assert trainer_memory(params, "bfloat16", 1, 4).total_gib == 2 + (2 + 4) + 3
+    # fp32 gradient partition and AdamW's temporaries at the step 1.0 + 1.0, the full weights gathered for a
+    # weight sync 2.0: the larger counts
+    assert (mem.step_gib, mem.gather_gib, mem.total_gib) == (2.0, 2.0, 6.5)
+    assert trainer_memory(params, "bfloat16", 1, 4).total_gib == 2 + (2 + 4) + 3 + 1
 
 
 def test_check_trainer_memory_refuses_what_does_not_fit():
     machine = Machine(cpu_cores=8, gpus_per_node=8, gpu_memory_gib=80)
     big = spec({"queue": "gpu", "trainer_ranks": 4}, model={"path": "m", "dtype": "bfloat16"})
-    with pytest.raises(PlacementError, match=r"^resources: GPU 0 of node 0 needs 117.3 GiB, it has 80.0: trainer rank "
-                                             r"0 weights 26.1, .* To fit: raise trainer.zero_stage \(now 0\) or "
+    with pytest.raises(PlacementError, match=r"^resources: GPU 0 of node 0 needs 131.8 GiB, it has 80.0: trainer rank "
+                                             r"0 CUDA context and runtime buffers \(measured\) 1.4, weights 26.1, .* To fit: raise trainer.zero_stage \(now 0\) or "
                                              r"resources.trainer_ranks \(now 4\)$"):
         check_trainer_memory(big, plan_placement(big, machine), machine, params=7 * 10**9)
     sharded = spec({"queue": "gpu", "trainer_ranks": 4}, model={"path": "m", "dtype": "bfloat16"},
@@ -275,7 +277,7 @@ def test_check_trainer_memory_refuses_what_does_not_fit():
     colocated = spec({"queue": "gpu", "trainer_ranks": 4, "colocate": True}, mode="sync",
                      model={"path": "m", "dtype": "bfloat16"}, trainer={"zero_stage": 3})
     # while the engine generates: the trainer's states beside its share (the step's transients come when it sleeps)
-    with pytest.raises(PlacementError, match=r"^resources: GPU 0 of node 0 needs 98.7 GiB while the engines generate, "
+    with pytest.raises(PlacementError, match=r"^resources: GPU 0 of node 0 needs 101.4 GiB while the engines generate, "
                                              r"it has 80.0: .*; engine 0 vLLM share \(gpu_memory_utilization 0.5\) "
                                              r"40.0\. The largest is engine 0's vLLM share"):
         check_trainer_memory(colocated, plan_placement(colocated, machine, ModelSize(10**8)), machine, 14 * 10**9)
