@@ -178,6 +178,30 @@ def cmd_run(args) -> int:
     return 130 if stopped else 0
 
 
+def cmd_plan(args) -> int:
+    from workers.cluster.placement import Machine, ModelSize, PlacementError, detect_machine, model_size, \
+        plan_placement
+    from workers.spec import SpecError, load_spec_file
+    from workers.models.preflight import resolve_model_path
+
+    try:
+        spec = load_spec_file(args.spec)
+    except SpecError as exc:
+        print(f"invalid run spec: {exc}", file=sys.stderr)
+        return 2
+    here = detect_machine()
+    machine = Machine(cpu_cores=args.cpu_cores or here.cpu_cores,
+                      gpus_per_node=here.gpus_per_node if args.gpus is None else args.gpus,
+                      gpu_memory_gib=here.gpu_memory_gib if args.gpus is None else args.gpu_memory_gib)
+    try:
+        model = ModelSize(args.params) if args.params else model_size(resolve_model_path(spec.model.path))
+        print(plan_placement(spec, machine, model).describe())
+    except (PlacementError, ValueError, OSError) as exc:
+        print(f"does not fit: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m workers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -199,6 +223,14 @@ def main(argv=None) -> int:
     rm.add_argument("--ship", action="store_true", help="(maintainers) copy the result into workers/assets/tiny-rm")
     v = sub.add_parser("validate", help="validate a run spec")
     v.add_argument("spec")
+    pl = sub.add_parser("plan", help="where a spec's processes would run and, on GPUs, what each GPU would hold, on "
+                        "a machine you describe (default: this one); nothing starts. Exit 2 if it does not fit")
+    pl.add_argument("spec")
+    pl.add_argument("--gpus", type=int, default=None, help="GPUs per node (default: this machine's)")
+    pl.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of each GPU (with --gpus)")
+    pl.add_argument("--cpu-cores", type=int, default=None, help="CPU cores per node (default: this machine's)")
+    pl.add_argument("--params", type=int, default=None, help="the model's parameters, where model.path is not a "
+                    "local folder (a hub id); its shape is then unknown (no activations or logits counted)")
     e = sub.add_parser("evaluate", help="held-out accuracy of a model folder with plain HF greedy generation "
                        "(no vLLM), using the spec's dataset, prompt format and reward")
     e.add_argument("model", help="a model folder, e.g. RUN_DIR/final_model")
@@ -291,6 +323,8 @@ def main(argv=None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         return 0
+    if args.cmd == "plan":
+        return cmd_plan(args)
     if args.cmd == "validate":
         from workers.spec import SpecError, load_spec_file
 

@@ -263,7 +263,7 @@ def forward_memory(model: ModelSize, tokens: int, dtype: str, zero_stage: int,
       full set.
     - Logits at the full vocabulary: the model's output (lp, or 4 in fp32), then in fp32 its
       ``.float()`` copy, the log-softmax and its gradient (12 bytes): ``tokens x vocab``
-      each. For Qwen2.5's 151,936-token vocabulary and 4,096 tokens that is 8.7 GiB in bf16,
+      each. For Qwen2.5's 151,936-token vocabulary and 4,096 tokens that is 8.1 GiB in bf16,
       more than the 0.5 B model's weights and Adam states together.
     """
     if not (model.hidden and model.layers and model.vocab):
@@ -388,8 +388,8 @@ def plan_memory(spec: "RunSpec", plan, gpu_memory_gib: float, model: ModelSize) 
     activations, logits = forward_memory(model, spec.trainer.micro_batch_tokens, dtype, stage,
                                          spec.trainer.gradient_checkpointing)
     forward_gib = trainer.cast_gib + activations + logits
-    forward_what = (f"a micro-batch's activations {activations:.1f} and full-vocabulary logits {logits:.1f}"
-                    + (f", autocast's weight copies {trainer.cast_gib:.1f}" if trainer.cast_gib else ""))
+    forward_what = (f"a micro-batch's forward (activations {activations:.1f}, full-vocabulary logits {logits:.1f}"
+                    + (f", autocast's weight copies {trainer.cast_gib:.1f}" if trainer.cast_gib else "") + ")")
     reference = spec.algorithm.kl_coef > 0
     collective = spec.rollout.weight_transport == "collective"
     receive_gib = 2 * max(BUCKET_BYTES, (model.largest or 0) * lp) / GIB

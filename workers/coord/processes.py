@@ -61,6 +61,9 @@ class Processes:
         environment."""
         self.rewards = RewardService(self.spec.reward)
         self.plan = plan = place()
+        described = plan.describe()  # before anything starts: where each process runs, what each GPU holds
+        logger.info("placement: %s", described)
+        (self.out / "plan.txt").write_text(described + "\n", encoding="utf-8")
         if plan.device == "gpu" and self.spec.algorithm.kl_reference == "stage":
             raise PlacementError("algorithm.kl_reference 'stage': the inference stage's worker runs on the CPU and "
                                  "is not placed on a GPU yet; on GPUs leave the reference in the trainer ('trainer')")
