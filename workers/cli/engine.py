@@ -168,6 +168,7 @@ def cmd_run(args) -> int:
         "final_model": result.final_model,
         "idle_generation": round(result.idle_generation, 3), "idle_training": round(result.idle_training, 3),
         "skipped_prompts": result.skipped_prompts,
+        "memory_peak_gib": result.memory_peak_gib,  # per process on this node (VmHWM)
     }
     (out / "result.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
@@ -216,6 +217,9 @@ def main(argv=None) -> int:
     m.add_argument("--steps", type=int, default=None, help="warm-start steps (default: the recipe's)")
     m.add_argument("--dataset", default=None, help="also write a chat JSONL dataset of the same task here")
     m.add_argument("--rows", type=int, default=2000, help="rows of --dataset")
+    m.add_argument("--shape", default=None, choices=["qwen2.5-0.5b", "qwen2.5-1.5b"],
+                   help="qwen2 only: that published model's exact configuration (vocabulary 151,936) with random "
+                        "weights and the zoo qwen2's tokenizer, to measure size (it learns nothing); needs --out")
     rm = sub.add_parser("build-reward-model", help="install the tiny reward model (reward.model.path builtin:tiny-rm), "
                         "or --rebuild it from its recipe; prints its folder")
     rm.add_argument("--root", default=None, help="model cache (default: $FLUXRL_MODEL_CACHE or ~/.cache/fluxrl/models)")
@@ -297,6 +301,15 @@ def main(argv=None) -> int:
         if args.ship:
             ship(folder)
         print(folder)
+        return 0
+    if args.cmd == "build-model" and args.shape:
+        from workers.models.modelzoo import ensure_zoo_model
+        from workers.models.realsize import build_shaped_model
+
+        if args.arch != "qwen2" or not args.out:
+            print("--shape builds a qwen2 model and needs --out", file=sys.stderr)
+            return 2
+        print(build_shaped_model(args.shape, args.out, ensure_zoo_model("qwen2", progress=True)))
         return 0
     if args.cmd == "build-model":
         from workers.models.modelzoo import MANIFEST as ZOO_MANIFEST, build_zoo_model, ensure_zoo_model, write_chat_dataset

@@ -32,7 +32,7 @@ from workers.coord.checkpointing import Checkpointer
 from workers.coord.generation import EVALUATING, Fleet, Group, Sample
 from workers.coord.length_ranker import LengthRanker
 from workers.coord.processes import Processes, placement
-from workers.coord.step_metrics import RunResult, StepMetrics
+from workers.coord.step_metrics import RunResult, StepMetrics, peak_resident_gib
 from workers.coord.sync_schedule import SyncSchedule
 from workers.io.checkpoint import CheckpointInfo
 from workers.io.report import Reporter
@@ -182,6 +182,19 @@ class Controller:
         """The run fails with ``error`` (the first one wins): the schedule stops, run() raises it."""
         self._failure = self._failure or error
         self.stop.set()
+
+    def _memory_peaks(self) -> dict[str, float]:
+        """Each process of the run on this node, by role, and its peak resident memory so far."""
+        pids = {"coordinator": os.getpid()}
+        for rank, pid in enumerate(getattr(self.trainer, "pids", None) or []):
+            pids[f"trainer rank {rank}"] = pid
+        for engine in self.engines:
+            if getattr(engine, "server_pid", None):
+                pids[f"engine {engine.index} server"] = engine.server_pid
+            for k, pid in enumerate(engine.core_pids()):
+                pids[f"engine {engine.index} vLLM core" + (f" {k}" if k else "")] = pid
+        peaks = {name: peak_resident_gib(pid) for name, pid in pids.items()}
+        return {name: round(gib, 2) for name, gib in peaks.items() if gib is not None}
 
     async def close(self) -> None:
         self.processes.close(self.engines + self._dead, self.broadcaster)
@@ -362,6 +375,7 @@ class Controller:
             final = self.out / "final_model"
             await asyncio.to_thread(self.trainer.save, str(final))
             self.result.final_model = str(final)
+            self.result.memory_peak_gib = self._memory_peaks()
             return self.result
         finally:
             await self.close()

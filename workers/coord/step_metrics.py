@@ -32,10 +32,23 @@ class RunResult:
     skipped_prompts: int = 0  # training + held-out prompts longer than max_model_len allows
     idle_generation: float = 0.0  # share of wall time no request was running (mean over engines)
     idle_training: float = 0.0  # share of wall time the trainer was not computing
+    memory_peak_gib: dict[str, float] = field(default_factory=dict)  # each process's peak resident memory
 
     @property
     def samples_per_s(self) -> float:
         return self.trained_samples / self.seconds if self.seconds else 0.0
+
+
+def peak_resident_gib(pid: int) -> Optional[float]:
+    """A live process's peak resident memory (Linux ``VmHWM``), GiB; None where unreadable."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def percentile(values: list[float], q: float) -> float:

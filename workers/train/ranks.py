@@ -691,7 +691,8 @@ class _Rank:
                 return DoneReply(rank=self.rank, version=t.version)
             return self.weights.handle(request)
         if isinstance(request, PrepareWeightsRequest):
-            state = t.state_dict()  # a collective under ZeRO-3: every rank takes part
+            # a collective under ZeRO-3: every rank takes part, the sender (rank 0) keeps the copy
+            state = t.state_dict(keep=self.weights is not None)
             if self.weights is None:
                 return DoneReply(rank=self.rank, version=t.version)
             return self.weights.prepare(state, request)
@@ -709,7 +710,7 @@ class _Rank:
             if self.rank == 0:
                 t.save(request.path)
             elif self.spec.trainer.zero_stage == 3:
-                t.state_dict()  # rank 0's save gathers the shards: a collective
+                t.state_dict(keep=False)  # rank 0's save gathers the shards: a collective
         elif isinstance(request, SaveStateRequest):
             t.save_state(request.folder)
         elif isinstance(request, LoadStateRequest):
@@ -796,7 +797,7 @@ class _Rank:
         stage = self.spec.critic.zero_stage if model == "critic" else self.spec.trainer.zero_stage
         if self.rank != 0:
             if stage == 3:
-                read()  # the gather is a collective: every rank takes part
+                read(keep=False)  # the gather is a collective: every rank takes part, rank 0 keeps the copy
             return StateReply(rank=self.rank)
         from workers.weights.files import write_weight_file
         from workers.weights.sync import serialize_state_dict, tensors_checksum

@@ -109,6 +109,32 @@ def whiten_targets(batch: list[TrainSample], sums: dict[str, float], algo, all_r
     return [dataclasses.replace(s, token_advantages=a) for s, a in zip(batch, adv)]
 
 
+def _gathered_state_dict(module: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
+    """A ZeRO-3 module's full state dict on the CPU, gathered one module's own parameters
+    at a time and released before the next (a device holds one layer's full weights at
+    once, not the model's: ZeRO-3 for a model larger than one GPU). A collective: every rank
+    calls it, in the same order; ``keep`` False takes part and copies nothing. A tied
+    parameter is copied once, its names sharing the copy."""
+    import deepspeed
+
+    out: dict[str, torch.Tensor] = {}
+    copies: dict[int, torch.Tensor] = {}
+    for prefix, sub in module.named_modules():
+        own = list(sub.named_parameters(recurse=False))
+        if not own:
+            continue
+        with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
+            if keep:
+                for name, p in own:
+                    if id(p) not in copies:
+                        copies[id(p)] = p.detach().to("cpu", copy=True)
+                    out[f"{prefix}.{name}" if prefix else name] = copies[id(p)]
+    if not keep:
+        return {}
+    state = module.state_dict()  # names, order and buffers (never partitioned)
+    return {k: out[k] if k in out else v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
 class PrecisionError(ValueError):
     """A model.dtype this device cannot train, with what to use instead."""
 
@@ -357,31 +383,27 @@ class Trainer:
         self.temperature = max(spec.rollout.temperature, 1e-5)
 
     # -- weights -----------------------------------------------------------------
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]:
         """Full tensors, on the CPU, whatever the ZeRO stage: under ZeRO-3 each rank holds
         only its shard (the module's parameters are empty placeholders), so they are
-        gathered first. Every rank must call this (the gather is a collective)."""
+        gathered first, module by module (:func:`_gathered_state_dict`). Every rank must
+        call this (the gather is a collective); ``keep`` False: take part, keep nothing
+        (the ranks whose copy nobody reads)."""
         module = self.engine.module
         if self.spec.trainer.zero_stage == 3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+            return _gathered_state_dict(module, keep)
         if self.autocast_dtype is not None:
             # fp32 parameters under autocast: what leaves is in model.dtype, as the engines load it
             return {k: v.detach().to("cpu", self.autocast_dtype if v.dtype == torch.float32 else v.dtype)
                     for k, v in module.state_dict().items()}
         return {k: v.detach().cpu() for k, v in module.state_dict().items()}
 
-    def critic_state_dict(self) -> dict[str, torch.Tensor]:
+    def critic_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]:
         """The critic's full tensors on the CPU, in the dtype it trains in (the critic stage's
         copy computes what this one would). Every rank must call this under ZeRO-3."""
         module = self.critic.engine.module
         if self.spec.critic.zero_stage == 3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+            return _gathered_state_dict(module, keep)
         return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
     def save(self, path: str) -> None:
