@@ -1,6 +1,6 @@
 """A real-shaped model end to end (issue 40): Qwen2.5-0.5B's exact configuration (494 M
 parameters, vocabulary 151,936; random weights) trained for 3 steps by vLLM and DeepSpeed
-on this CPU from examples/real-size.yaml, its weights going to the engine server in
+on this CPU from examples/own-model/real-size.yaml, its weights going to the engine server in
 bounded chunks. Not in the default run (minutes, most of a 24 GB machine):
 ``pytest -m scale``."""
 import json
@@ -24,7 +24,7 @@ def test_the_real_size_example_trains_three_steps_and_reports_each_processs_peak
     config = json.loads((model / "config.json").read_text())
     assert (config["vocab_size"], config["hidden_size"], config["num_hidden_layers"]) == (151936, 896, 24)
     assert json.loads((model / "fluxrl_shape.json").read_text())["params"] == 494_032_768
-    spec = yaml.safe_load((REPO / "examples" / "real-size.yaml").read_text())
+    spec = yaml.safe_load((REPO / "examples" / "own-model" / "real-size.yaml").read_text())
     spec["model"]["path"] = str(model)
     spec["task"]["dataset"] = str(write_chat_dataset(tmp_path / "chat.jsonl", 200, seed=7, two_digit=True))
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
