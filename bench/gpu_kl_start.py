@@ -10,7 +10,7 @@ not.
     .venv/bin/python bench/gpu_kl_start.py        # cuda when there is one, else the CPU
 
 Prints k2 = ½·mean(r²) and max |r| per case (r: the log-prob difference); exit 0 only if
-every case is exactly 0. Measured on one H200: every case 0 (README, "On a GPU").
+every case is exactly 0. Measured on one H200: every case 0 (docs/benchmarks.md, "On a GPU").
 """
 from __future__ import annotations
 

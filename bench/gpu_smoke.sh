@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU smoke test (issue 27 item 6): the one script to run the day a GPU is available.
+# The GPU smoke test: the one script to run the day a GPU is available.
 #
 #   bench/gpu_smoke.sh [OUT_DIR]          # default OUT_DIR: /tmp/fluxrl-gpu-smoke
 #

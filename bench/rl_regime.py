@@ -10,7 +10,7 @@ DeepSpeed, so they separate "the regime" from "the engine":
 RL only reinforces answers it samples. A prompt answered wrongly by greedy decoding can
 only be flipped if sampling sometimes gets it right; ``frontier`` counts those prompts.
 ``grpo`` prints sampled reward and held-out greedy accuracy as it trains; the engine
-(``python -m workers run``) reproduces its curves (README, "What RL does"). Its step,
+(``python -m workers run``) reproduces its curves (docs/results.md). Its step,
 ``grpo_step``, is also the plain baseline of bench/vs_plain.py.
 """
 from __future__ import annotations

@@ -4,9 +4,9 @@ planned by ``workers.cluster.placement.plan_placement`` as a run would be, with 
 defaults (``model.dtype`` auto: bfloat16 on GPUs; ``trainer.micro_batch_tokens`` 4096),
 with and without ``trainer.gradient_checkpointing``. Pure arithmetic: no GPU needed, and
 the figures are the planner's, checked against peaks measured on an H200 only for a
-0.36 B model (README, "On a GPU").
+0.36 B model (docs/benchmarks.md, "On a GPU").
 
-    .venv/bin/python bench/sizes.py            # the README's table
+    .venv/bin/python bench/sizes.py            # the table in docs/models.md
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ BASE = {
     "task": {"dataset": "gen:chain?max_value=10&max_terms=12", "size": 4000, "eval_size": 200},
     "reward": {"function": "numeric_match"},
     # lr 1e-4 stays under the warm start's final SFT rate: RL keeps held-out accuracy instead of
-    # knocking the model out of its minimum (README, "What RL does")
+    # knocking the model out of its minimum (docs/results.md)
     "algorithm": {"loss": "ppo", "group_size": 8, "lr": 1.0e-4},
     "rollout": {"engines": 1, "max_tokens": 48, "temperature": 1.0},
     "schedule": {"batch_prompts": 8, "max_staleness": 2},

@@ -1,7 +1,9 @@
 """The project stands on its own: every design note a comment cites is in the repository,
 with the section it names; every markdown file named anywhere exists; nothing cites the
 old DESIGN.md kept outside the repository; the README's and docs' links point at files
-that exist."""
+that exist. Pages the documentation site writes at build time (docs/hooks/fluxrl_docs.py:
+the spec and API references, the guides index) count as files of docs/."""
+import importlib.util
 import re
 import subprocess
 from pathlib import Path
@@ -13,6 +15,21 @@ MENTION = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w-][\w.-]*\.md)\b")  # a mark
 SELF_CITATION = re.compile(r"§(\d+)")  # left once citations of other files are removed: this note's own
 URL = re.compile(r"\w+://\S+")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def generated_docs() -> set[Path]:
+    """What the site's build hook adds to docs/ (tests/test_docs_site.py checks it is made)."""
+    hook = importlib.util.spec_from_file_location("fluxrl_docs_hook", ROOT / "docs" / "hooks" / "fluxrl_docs.py")
+    module = importlib.util.module_from_spec(hook)
+    hook.loader.exec_module(module)
+    return {(ROOT / "docs" / name).resolve() for name in module.generated_pages()}
+
+
+GENERATED = generated_docs()
+
+
+def exists(path: Path) -> bool:
+    return path.exists() or path.resolve() in GENERATED
 
 
 def tracked_text_files() -> list[Path]:
@@ -48,7 +65,9 @@ def test_every_mentioned_markdown_file_exists():
             if path.resolve() == this and "DESIGN.md" in line:
                 continue  # the name this file forbids (next test)
             for name in MENTION.findall(URL.sub("", line)):
-                if not ((ROOT / name).is_file() or (path.parent / name).is_file()):
+                site_file = path.name == "mkdocs.yml" or path.is_relative_to(ROOT / "docs")  # names pages from docs/
+                if not (exists(ROOT / name) or exists(path.parent / name)
+                        or (site_file and exists(ROOT / "docs" / name))):
                     missing.append(f"{path.relative_to(ROOT)}:{number} mentions {name}, which is not in the repository")
     assert not missing, "\n".join(missing)
 
@@ -79,7 +98,7 @@ def test_relative_links_in_the_readme_and_docs_point_at_files():
         for target in LINK.findall(doc.read_text()):
             if "://" in target or target.startswith("mailto:"):
                 continue
-            if not (doc.parent / target).exists():
+            if not exists(doc.parent / target):
                 broken.append(f"{doc.relative_to(ROOT)} -> {target}")
     assert not broken, broken
 

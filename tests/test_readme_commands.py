@@ -1,8 +1,9 @@
-"""Every command in the README's fenced shell blocks is either run here, against a live
-server, or named in NOT_RUN with the reason: a documented command cannot rot unnoticed.
+"""Every command in the fenced shell blocks of the README and of the documentation pages
+(docs/*.md) is either run here, against a live server, or named in NOT_RUN with the reason:
+a documented command cannot rot unnoticed.
 
-The commands are read from README.md when the tests run (not copied here), so an edit
-of the README is tested as written. The `curl` and `fluxrl` commands are run with bash,
+The commands are read from README.md, then docs/*.md, when the tests run (not copied here),
+so an edit of either is tested as written. The `curl` and `fluxrl` commands are run with bash,
 in README order, against a real daphne (tests/browser/liveserver.py: HTTP and
 websockets, its own database and data folder, a Celery broker in that folder that no
 worker reads, so a submitted run is queued and never trained). What the commands leave
@@ -41,6 +42,8 @@ import requests
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+# The README, then the documentation site's own pages (the guides are tested by their features).
+DOCUMENTS = [README, *sorted((REPO / "docs").glob("*.md"))]
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
 COMMAND_TIMEOUT_S = 90
 
@@ -89,7 +92,8 @@ API_RUN_ID = re.compile(r"/api/runs/(\d+)/(\w*)")
 class Command:
     text: str       # the command, continuation lines joined, comment removed
     comment: str    # the comment after it, if any
-    line: int       # where it starts in README.md
+    line: int       # where it starts in its document
+    source: str = "README.md"  # the document, relative to the repository
 
     @property
     def program(self) -> str:
@@ -97,7 +101,7 @@ class Command:
         return words[0] if words else ""
 
     def __str__(self) -> str:
-        return f"README.md:{self.line}: {self.text}"
+        return f"{self.source}:{self.line}: {self.text}"
 
 
 def split_comment(line: str) -> tuple[str, str]:
@@ -113,7 +117,7 @@ def split_comment(line: str) -> tuple[str, str]:
     return line.rstrip(), ""
 
 
-def readme_commands(text: str) -> list[Command]:
+def readme_commands(text: str, source: str = "README.md") -> list[Command]:
     """The commands of every fenced bash/sh/shell/console block, in order."""
     commands, language, pending, start = [], None, "", 0
     for number, raw in enumerate(text.splitlines(), 1):
@@ -135,7 +139,7 @@ def readme_commands(text: str) -> list[Command]:
         command, comment = split_comment((pending + line.strip()) if pending else line.strip())
         pending = ""
         if command:
-            commands.append(Command(command, comment, start))
+            commands.append(Command(command, comment, start, source))
     return commands
 
 
@@ -145,13 +149,14 @@ def not_run_reason(command: Command) -> str | None:
 
 @pytest.fixture(scope="module")
 def commands() -> list[Command]:
-    return readme_commands(README.read_text(encoding="utf-8"))
+    return [command for document in DOCUMENTS
+            for command in readme_commands(document.read_text(encoding="utf-8"), str(document.relative_to(REPO)))]
 
 
 def test_every_readme_command_is_run_or_deliberately_skipped(commands):
     unclassified = [str(c) for c in commands if c.program not in RUN_PROGRAMS and not_run_reason(c) is None]
     assert not unclassified, (
-        "README commands that are neither run by this test (curl, fluxrl) nor listed in NOT_RUN "
+        "README and docs commands that are neither run by this test (curl, fluxrl) nor listed in NOT_RUN "
         "with a reason (tests/test_readme_commands.py):\n  " + "\n  ".join(unclassified))
     run_here = [c for c in commands if c.program in RUN_PROGRAMS]
     # The parser still finds what the README is known to document.
@@ -395,5 +400,5 @@ def test_readme_curl_and_fluxrl_commands_work_against_a_live_server(session, com
             failures.append(f"{command}\n  {problem}")
     print("\n".join(report))
     assert not failures, (
-        f"{len(failures)} of {len(to_run)} README commands do not work as written "
-        "(fix README.md, or this test if it fills in a placeholder wrongly):\n\n" + "\n\n".join(failures))
+        f"{len(failures)} of {len(to_run)} README and docs commands do not work as written "
+        "(fix the document, or this test if it fills in a placeholder wrongly):\n\n" + "\n\n".join(failures))

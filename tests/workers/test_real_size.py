@@ -1,4 +1,4 @@
-"""A real-shaped model end to end (issue 40): Qwen2.5-0.5B's exact configuration (494 M
+"""A real-shaped model end to end: Qwen2.5-0.5B's exact configuration (494 M
 parameters, vocabulary 151,936; random weights) trained for 3 steps by vLLM and DeepSpeed
 on this CPU from examples/own-model/real-size.yaml, its weights going to the engine server in
 bounded chunks. Not in the default run (minutes, most of a 24 GB machine):

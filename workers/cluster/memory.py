@@ -44,7 +44,7 @@ buckets: ``RUNTIME_GIB``, measured), the **critic** (``algorithm.advantage: gae`
 model with its own DeepSpeed engine at ``critic.zero_stage``), and, as the largest transient
 beside the optimizer step's and ZeRO-3's gather, a **micro-batch's activations and its
 logits at the full vocabulary** (:func:`forward_memory`; ``trainer.micro_batch_tokens``,
-``trainer.gradient_checkpointing``). Checked against the peaks measured on an H200 (README,
+``trainer.gradient_checkpointing``). Checked against the peaks measured on an H200 (docs/benchmarks.md,
 "On a GPU"; ``tests/workers/cluster/test_memory_plan.py``): within 25% of each.
 
 Not counted (they come on top): the critic's own activations (its forward and backward
@@ -74,7 +74,7 @@ ADAM_TEMPORARY_BYTES = 4  # per parameter updated: torch's multi-tensor AdamW's 
 ZERO3_SUB_GROUP = 10**9  # DeepSpeed's stage3 sub_group_size default: the parameters one step call updates
 # A trainer process's CUDA context, cuBLAS workspace, NCCL and DeepSpeed's own buffers, by
 # ZeRO stage: the peaks measured on one H200 (PyTorch 2.11, DeepSpeed 0.19.8) with the tiny
-# model, whose own states are 0.01 GiB (README, "On a GPU"; ZeRO 1 taken as 2's).
+# model, whose own states are 0.01 GiB (docs/benchmarks.md, "On a GPU"; ZeRO 1 taken as 2's).
 RUNTIME_GIB = {0: 1.4, 1: 2.3, 2: 2.3, 3: 2.7}
 # Values a decoder layer keeps per token for the backward, in units of the hidden size h and
 # the MLP's width i: the attention block's inputs, q, k, v and output (about 8 h with grouped

@@ -8,7 +8,7 @@ Its training texts are prompt + completion, as the reward model reads them in a 
 temperature 1, labelled right or wrong by the exact answer (the mistakes RL will meet),
 half are the exact answer or a near miss (off by 1, 2, 9, 10, 11 or a random amount),
 balanced. Its held-out accuracy, on prompts and samples drawn apart from the training
-ones, is recorded in the manifest and stated in the README.
+ones, is recorded in the manifest and stated in docs/engine.md.
 
 Like the tiny policy, the default recipe's weights ship with the project
 (``workers/assets/tiny-rm``): the same recipe trained on another CPU gives another model.

@@ -6,7 +6,7 @@ vLLM and DeepSpeed load like any other model.
 The default recipe's weights ship with the project (``workers/assets/tiny``, 2.6 MB,
 with their recipe and SHA-256): trained on one CPU, the same recipe gives another model
 on another CPU model (float rounding differs between kernels), and a warm start that
-moves with the CPU would make the README's figures true on one machine only.
+moves with the CPU would make the documented figures true on one machine only.
 ``ensure_tiny_model`` installs the shipped copy into the cache after checking its
 checksum; ``python -m workers bootstrap --rebuild`` retrains the recipe instead.
 """
@@ -45,7 +45,7 @@ DEFAULT_RECIPE = {
     # That leaves RL a frontier: prompts the model answers right only some of the time.
     # Run to the end of a short schedule, the model was a lookup table of 1-digit sums
     # (every prompt with a 2-digit operand P(correct) < 0.05) and no RL could move it;
-    # annealed to lr 0, it was knocked down by any update (README, "What RL does").
+    # annealed to lr 0, it was knocked down by any update (docs/results.md).
     # Of the snapshots at 1200, 1500 and 1800 steps, 250 steps of the demo's RL raised
     # held-out greedy accuracy by +0.03, +0.075 and +0.02 (bench/learning_control.py):
     # 1500 leaves RL the widest frontier.
@@ -173,7 +173,7 @@ def greedy_accuracy(model, rows: list[dict], max_new: int = 48, batch: int = 100
 
 
 # The demo's held-out set (examples/add-async.yaml): 400 2-digit additions, answers of at
-# most 8 tokens. Every build records its greedy accuracy there, the README's starting point.
+# most 8 tokens. Every build records its greedy accuracy there, the documented starting point.
 DEMO_EVAL = {"dataset": "gen:add?max_digits=2", "size": 4000, "eval_size": 400, "seed": 0, "max_tokens": 8}
 
 
@@ -240,7 +240,7 @@ def cache_is_good(out: Path, recipe: dict, shipped: dict | None) -> bool:
     if manifest.get("recipe") != recipe:
         return False
     # A cache trained on this machine from the shipped recipe is a different model from
-    # the one the README measures: use the shipped one unless it was rebuilt on purpose.
+    # the one the docs measure: use the shipped one unless it was rebuilt on purpose.
     if shipped and shipped.get("recipe") == recipe and manifest.get("source") != "rebuilt":
         return manifest.get("sha256") == shipped.get("sha256")
     return True

@@ -1,4 +1,4 @@
-"""Archive bombs against POST /api/models/ (issue 39, item 4): an archive is decompressed
+"""Archive bombs against POST /api/models/: an archive is decompressed
 only as its name says, each member's declared size counts toward the upload's limit as
 its header is read (before any of its bytes are read or skipped), and JSON metadata is
 capped before it is parsed. A refused upload costs little CPU and leaves nothing."""

@@ -115,7 +115,7 @@ def test_a_run_names_its_teams_models_pinned_at_submission_and_no_other_team_can
     assert by_path.status_code == 400 and "spec.model.path" in by_path.json()["error"]["fields"]
 
 
-# --- the folder as a loader reads it (issue 39, item 1) ---------------------------------
+# --- the folder as a loader reads it ---------------------------------------------------
 
 VICTIM = "../../../../runs/1/out/final_model/model.safetensors"  # another team's run, relative to the stored folder
 

@@ -1,4 +1,4 @@
-"""Per-team quotas (issue 39, item 8): live runs, engines and nodes across them, stored
+"""Per-team quotas: live runs, engines and nodes across them, stored
 bytes and files; deployment defaults (FLUXRL_QUOTA_*) that an admin overrides per team
 (TeamQuota), and per-run ceilings checked with the spec. Refusals name what is used and
 what is allowed, and leave nothing behind."""

@@ -176,7 +176,7 @@ def test_who_may_preview(api_a, run_a, worker_client, client_for, alice, assert_
     assert api_a.post(URL, body).status_code == 200
 
 
-# --- bounded work: generator parameters, the concurrency slot, the deadline (issue 39, item 5) ---
+# --- bounded work: generator parameters, the concurrency slot, the deadline ---
 
 
 @pytest.mark.parametrize("dataset,bound", [
@@ -246,7 +246,7 @@ def test_past_its_deadline_a_preview_is_503_and_its_generation_is_stopped(api_a,
                 and p.status() != psutil.STATUS_ZOMBIE]
 
 
-# --- an uploaded tokenizer's chat template, against the live web server (issue 39, item 2) ---
+# --- an uploaded tokenizer's chat template, against the live web server ---
 
 BOMBS = {  # each would take the web process' memory or a core if rendered there
     "memory": "{{ 'x' * 300000000 }}",

@@ -101,7 +101,7 @@ def test_demo_spec_trains_within_the_staleness_bound_reports_metrics_and_raises_
     assert {"coordinator", "engine 0 server", "engine 0 vLLM core"} <= set(peaks), peaks
     assert all(0.05 < gib < 20 for gib in peaks.values()), peaks
     assert (tmp_path / "out" / "plan.txt").read_text().startswith("cpu plan: 1 node(s)")
-    # The shipped model's held-out greedy accuracy, as the README states it (+-2 prompts:
+    # The shipped model's held-out greedy accuracy, as the docs state it (+-2 prompts:
     # float rounding may flip a near-tie on another CPU).
     assert result["accuracy_before"] == pytest.approx(shipped_manifest()["demo_accuracy"], abs=0.0051), result
     assert result["accuracy_after"] >= result["accuracy_before"] + DEMO_MIN_GAIN, result

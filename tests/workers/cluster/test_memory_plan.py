@@ -9,7 +9,7 @@ from workers.cluster.memory import ModelSize, model_size, trainer_memory
 from workers.cluster.placement import Machine, PlacementError, plan_placement
 from workers.spec import validate_spec
 
-pytestmark = pytest.mark.distributed  # the planner's refusals are part of `pytest -m distributed` (issue 27)
+pytestmark = pytest.mark.distributed  # the planner's refusals are part of `pytest -m distributed`
 
 SEVEN_B = ModelSize(7 * 10**9)
 ONE = Machine(cpu_cores=8, gpus_per_node=1, gpu_memory_gib=80)
@@ -208,7 +208,7 @@ def test_model_dtype_auto_is_planned_as_bfloat16_on_gpus_and_is_the_default():
     assert [round(g.total_gib, 2) for g in planned.gpus] == [round(g.total_gib, 2) for g in bf16.gpus]
 
 
-# Peaks measured on one H200 (README, "On a GPU"; bench/results/gpu_h200.txt): bench/gpu_trainer.py on a
+# Peaks measured on one H200 (docs/benchmarks.md, "On a GPU"; bench/results/gpu_h200.txt): bench/gpu_trainer.py on a
 # 0.36 B-parameter model of Qwen2.5-0.5B's shape with a 2048-token vocabulary, one rank, bf16, kl_coef 0.05
 # (the reference on the rank), micro_batch_tokens 256.
 MEASURED_H200_PEAK_GIB = {0: 11.35, 2: 10.91, 3: 14.43}

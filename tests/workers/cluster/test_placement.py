@@ -42,7 +42,7 @@ def test_one_node_of_8_gpus_4_trainer_ranks_and_2_engines_of_tp2():
     assert "engine 1: node 0, cores 27-31 (5 threads), CUDA_VISIBLE_DEVICES=6,7" in plan.describe()
 
 
-@pytest.mark.distributed  # issue 27: `pytest -m distributed` covers the launch plan
+@pytest.mark.distributed  # `pytest -m distributed` covers the launch plan
 def test_engines_are_processes_of_their_own_by_default_and_on_gpus_always():
     gpus = Machine(cpu_cores=8, gpus_per_node=2, gpu_memory_gib=80)
     assert plan_placement(spec({"queue": "gpu"}), gpus).engine_processes
@@ -232,7 +232,7 @@ def test_gpus_asked_of_a_machine_without_any():
     assert plan_cpu(spec({"gpus": 2}), Machine(cpu_cores=2)).device == "cpu"
 
 
-@pytest.mark.distributed  # issue 27: `pytest -m distributed` covers the launch plan
+@pytest.mark.distributed  # `pytest -m distributed` covers the launch plan
 def test_tensor_parallel_on_the_cpu_splits_an_engines_cores_among_its_shards():
     eight = Machine(cpu_cores=8)
     plan = plan_placement(spec({"tensor_parallel": 2}, engines=2), eight)  # async: cores 0-3 generate

@@ -1,4 +1,4 @@
-"""Weights of any size on every path (issue 40): with the wire's blob cap at 1 MiB, below
+"""Weights of any size on every path: with the wire's blob cap at 1 MiB, below
 the tiny model's weights, a run trains on both transports, and after every update the
 engines hold the trainer's weights checksum for checksum. The RPC path sends the file in
 chunks of at most 1 MiB to engine servers (it used to send one blob, which the cap

@@ -1,5 +1,5 @@
 """The load-time check every loader runs before transformers or vLLM opens a model folder
-(workers/tasks/model_folder.py, issue 39 item 1): a folder whose shard index, config or
+(workers/tasks/model_folder.py): a folder whose shard index, config or
 links reach outside it is refused before any weight is read, whoever stored it and
 whenever; a clean folder (and a Hugging Face cache snapshot) loads as before."""
 import asyncio

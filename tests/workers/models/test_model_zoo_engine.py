@@ -10,7 +10,7 @@ the run is short: what depends on the architecture (tokenizer, template, stop id
 weight layout vLLM loads an update into, GPT-2's transposed Conv1D included) is checked
 exactly there, while a rise of a few hundredths after 150 steps is a noisy figure (GPT-2
 gave +0.066 and +0.023 in two runs of the same recipe). ``FLUXRL_ZOO_RL_ALL=1`` runs all
-three for 150 steps with the rise asserted (the README's table)."""
+three for 150 steps with the rise asserted (the table in docs/models.md)."""
 import asyncio
 import json
 import os
@@ -26,7 +26,7 @@ from workers.tasks.datasets import load_rows
 
 ALL = os.environ.get("FLUXRL_ZOO_RL_ALL") == "1"
 # Qwen2's held-out sampled reward rose +0.101 in 40 steps, +0.152 in 80 and +0.146 in 150 (one run
-# each, 2026-11-26): the rise is there early, so the default run takes 50 steps, ALL the README's 150.
+# each, 2026-11-26): the rise is there early, so the default run takes 50 steps, ALL the 150 of docs/models.md.
 RL_STEPS = 150 if ALL else 50
 SHORT_STEPS = 12
 ARCHS = {"qwen2": RL_STEPS, "llama": RL_STEPS if ALL else SHORT_STEPS, "gpt2": RL_STEPS if ALL else SHORT_STEPS}

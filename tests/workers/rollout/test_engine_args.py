@@ -1,4 +1,4 @@
-"""rollout.enforce_eager (issue 27 item 7b): eager on the CPU, CUDA graphs on GPUs unless the
+"""rollout.enforce_eager: eager on the CPU, CUDA graphs on GPUs unless the
 spec says otherwise, and what reaches vLLM's AsyncEngineArgs, in-process and through an
 engine server's configuration (building the arguments starts no engine)."""
 import pytest

@@ -1,4 +1,4 @@
-"""Colocated GPU plans (issue 27 item 2): engines start in vLLM's sleep mode and sleep through
+"""Colocated GPU plans: engines start in vLLM's sleep mode and sleep through
 each trainer step. What this CPU machine can check: the setting reaches vLLM's
 AsyncEngineArgs, in-process and through an engine server's configuration and the wire;
 vLLM itself refuses sleep mode on the CPU, which is why the planner refuses colocation

@@ -1,6 +1,6 @@
 """Colocated plans: after each optimizer step the trainer hands its caching allocator's
 free blocks back to the driver, so the engines that wake into the same GPU find them
-(issue 40: vLLM's wake failed on memory the trainer's allocator still cached). Elsewhere
+(vLLM's wake failed on memory the trainer's allocator still cached). Elsewhere
 the cache is kept (emptying it costs the next step its allocations)."""
 from types import SimpleNamespace
 

@@ -1,4 +1,4 @@
-"""Precision that is right or refused (issue 27 item 5): the DeepSpeed config each
+"""Precision that is right or refused: the DeepSpeed config each
 model.dtype x ZeRO stage trains under (read back through DeepSpeed's own config parser),
 the refusal of fp16 where the accelerator has none, and real steps on the CPU under bf16
 (and fp16, with DeepSpeed's CPU accelerator told it has fp16: torch's CPU kernels run it)

@@ -1,6 +1,6 @@
 """A streamed step (stream training: losses summed as the batch arrives, the gradients
 divided by the denominator in ``finish_step(rescale=True)``) is the whole-batch step in
-bf16 and fp16 at every ZeRO stage (issue 40, item 3), each precision on the optimizer
+bf16 and fp16 at every ZeRO stage, each precision on the optimizer
 class DeepSpeed 0.19 picks for it:
 
 - ZeRO 0, bf16/fp16: torch autocast over fp32 parameters (fp16 with torch's GradScaler);
