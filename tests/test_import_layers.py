@@ -36,7 +36,7 @@ WORKER_LAYERS = [
 # Domain modules never import those upper layers.
 PLATFORM_LAYERS = [
     ["fluxrl.errors", "fluxrl.validation", "fluxrl.safe_yaml", "fluxrl.settings", "fluxrl.celery"],
-    ["fluxrl.versioned"],
+    ["fluxrl.versioned", "fluxrl.archives"],
     ["fluxrl.accounts"],
     ["fluxrl.quotas"],
     ["fluxrl.datasets", "fluxrl.modelstore"],

@@ -254,6 +254,14 @@ if HAS_SIDECAR:  # no internet: serve Swagger UI / Redoc from our own static fil
 
 # --- FluxRL limits ---
 FLUXRL_MAX_UPLOAD_BYTES = int(float(os.environ.get("FLUXRL_MAX_UPLOAD_MB", "64")) * 1024 * 1024)
+# The normalized rows a dataset version stores (what a Parquet/Arrow file or a datasets folder
+# expands to), checked as they are written: compressed columns can be far larger than the upload.
+FLUXRL_MAX_DATASET_BYTES = int(float(os.environ.get("FLUXRL_MAX_DATASET_MB", "1024")) * 1024 * 1024)
+# Where an operator puts Hugging Face datasets folders (save_to_disk) that teams may import by
+# path: each team sees only FLUXRL_DATASET_IMPORT_ROOT/<team slug>/. Unset: import by path is off
+# (a team can still upload the folder as an archive).
+FLUXRL_DATASET_IMPORT_ROOT = (Path(os.environ["FLUXRL_DATASET_IMPORT_ROOT"]).resolve()
+                              if os.environ.get("FLUXRL_DATASET_IMPORT_ROOT") else None)
 # A model folder's archive and its unpacked files (POST /api/models/): each at most this (the
 # web server holds an upload while it arrives: larger models belong in FLUXRL_MODEL_ROOTS).
 FLUXRL_MAX_MODEL_BYTES = int(float(os.environ.get("FLUXRL_MAX_MODEL_MB", "1024")) * 1024 * 1024)
@@ -313,7 +321,7 @@ if FLUXRL_TRY_QUEUE and not REDIS_URL:
 # (the embedded default, one host): the Django secret.
 FLUXRL_CLUSTER_KEY_SECRET = os.environ.get("FLUXRL_CLUSTER_KEY_SECRET", "") or SECRET_KEY
 
-# --- Request limits (helper "limits", issue 25): body cap, rates, websocket re-checks ---
+# --- Request limits: body cap, rates, websocket re-checks ---
 # Request bodies above this are refused (413) by fluxrl/asgi.py before Django reads them;
 # above FLUXRL_MAX_UPLOAD_MB by default, so a dataset upload's multipart overhead fits.
 FLUXRL_MAX_BODY_BYTES = int(float(os.environ.get("FLUXRL_MAX_BODY_MB", str(FLUXRL_MAX_UPLOAD_BYTES / 2**20 + 1)))

@@ -52,6 +52,7 @@ class LiveServer:
     def __init__(self, workdir: Path):
         self.workdir = Path(workdir)
         self.data_dir = self.workdir / "data"
+        self.import_root = self.workdir / "imports"  # FLUXRL_DATASET_IMPORT_ROOT: datasets folders to import
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = None
@@ -65,6 +66,7 @@ class LiveServer:
         # inside the data folder, so no Celery worker elsewhere on the machine takes these runs.
         env.update(FLUXRL_DATA_DIR=str(self.data_dir), PYTHONPATH=f"{REPO / 'platform'}{os.pathsep}{REPO}",
                    DJANGO_SETTINGS_MODULE="fluxrl.settings", FLUXRL_WS_STATUS_POLL_S="1", PYTHONUNBUFFERED="1")
+        env["FLUXRL_DATASET_IMPORT_ROOT"] = str(self.import_root)
         if os.environ.get("DATABASE_URL", "").startswith("postgres"):
             self.database = f"fluxrl_browser_{uuid.uuid4().hex[:10]}"
             env["DATABASE_URL"] = with_database(os.environ["DATABASE_URL"], self.database)

@@ -60,18 +60,18 @@ def test_upload_a_dataset_with_errors_shown_inline_then_preview_it(page, screens
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\nnot json\n')
     form = page.locator("#upload-form")
-    form.get_by_label("File (JSONL or CSV)").set_input_files(str(bad))
+    form.get_by_label("File", exact=True).set_input_files(str(bad))
     form.get_by_label("Dataset name").fill("sums")
     form.get_by_role("button", name="Upload").click()
     error = form.locator('[data-error-for="file"]')
     expect(error).to_contain_text("line 2: missing field 'answer'")
     expect(error).to_contain_text("line 3: not valid JSON")
-    expect(form.get_by_label("File (JSONL or CSV)")).to_have_attribute("aria-invalid", "true")
+    expect(form.get_by_label("File", exact=True)).to_have_attribute("aria-invalid", "true")
     screenshot(page, "02-dataset-upload-error")
 
     good = tmp_path / "sums.csv"
     good.write_text("question,solution,level\n" + "".join(f"{a}+{a + 1}=,{2 * a + 1},easy\n" for a in range(30)))
-    form.get_by_label("File (JSONL or CSV)").set_input_files(str(good))
+    form.get_by_label("File", exact=True).set_input_files(str(good))
     form.get_by_label("Prompt field").fill("question")
     form.get_by_label("Answer field").fill("solution")
     form.get_by_role("button", name="Upload").click()

@@ -68,13 +68,28 @@ def keep_test_connection():
     request_finished.connect(close_old_connections)
 
 
+def saved_folder(folder) -> None:
+    """A folder as DatasetDict.save_to_disk writes it: a train split, its rows an Arrow stream."""
+    import pyarrow as pa
+
+    (folder / "train").mkdir(parents=True)
+    (folder / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    table = pa.table({"question": ["1+1="], "answer": ["2"]})
+    with pa.ipc.new_stream(str(folder / "train" / "data-00000-of-00001.arrow"), table.schema) as writer:
+        writer.write_table(table)
+    (folder / "train" / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+
+
 @pytest.fixture
-def fuzz_world(team_a, alice, bob, settings, monkeypatch, keep_test_connection):
-    """A team with a dataset, a reward function, a running run with samples, metrics and
-    a checkpoint; the keys of alice (who fuzzes) and of the run, and path values."""
+def fuzz_world(team_a, alice, bob, settings, monkeypatch, keep_test_connection, tmp_path):
+    """A team with a dataset, a datasets folder to import, a reward function, a running run
+    with samples, metrics and a checkpoint; the keys of alice (who fuzzes) and of the run,
+    and path values."""
     settings.FLUXRL_REWARD_TRY_MAX_TIMEOUT_S = 0.3  # user code in the sandbox: keep each example short
     settings.FLUXRL_REWARD_TRY_MAX_ROWS = 3
     monkeypatch.setattr(datasets, "MAX_GENERATED_ROWS", 500)
+    settings.FLUXRL_DATASET_IMPORT_ROOT = tmp_path / "imports"
+    saved_folder(settings.FLUXRL_DATASET_IMPORT_ROOT / team_a.slug / "gsm8k")  # the import endpoint's example
     dataset = datasets.generate_version(team_a, alice, "add", "add", n=20, seed=1)
     reward = create_function(team_a, alice, "exact", "def reward(prompt, completion, **f):\n    return 1.0\n")
     stored = modelstore.upload_version(team_a, alice, "rm", tiny_rm_upload())

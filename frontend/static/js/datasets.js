@@ -7,9 +7,23 @@ if (upload) {
   onSubmit(upload, async () => {
     const form = new FormData(upload);
     if (!form.get("format")) form.delete("format");
+    if (!form.get("split")) form.delete("split");
     form.set("team", upload.dataset.team);
     const version = await api("/api/datasets/", { method: "POST", form });
     toast(`Stored ${version.ref} (${version.row_count} rows).`);
+    window.location.assign(`/datasets/${version.dataset}/?version=${version.version}`);
+  });
+}
+
+// A save_to_disk folder on the server, under the team's import folder.
+const importForm = document.getElementById("import-form");
+if (importForm) {
+  onSubmit(importForm, async () => {
+    const f = importForm.elements;
+    const body = { team: importForm.dataset.team, path: f.path.value, name: f.name.value, split: f.split.value,
+                   prompt_field: f.prompt_field.value, answer_field: f.answer_field.value, description: f.description.value };
+    const version = await api("/api/datasets/import/", { method: "POST", json: body });
+    toast(`Imported ${version.ref} (${version.row_count} rows).`);
     window.location.assign(`/datasets/${version.dataset}/?version=${version.version}`);
   });
 }

@@ -21,12 +21,13 @@ from django.views.decorators.http import require_GET, require_POST
 
 from fluxrl.accounts.services import visible_teams
 from fluxrl.datasets.models import Dataset
-from fluxrl.datasets.services import generator_catalog, read_rows
+from fluxrl.datasets.services import generator_catalog, import_folders, read_rows
 from fluxrl.errors import NotFound
 from fluxrl.metrics.services import last_steps
 from fluxrl.modelstore.models import StoredModelVersion
 from fluxrl.rewards.models import RewardFunction
 from fluxrl.rewards.services import builtin_catalog, sandbox_state
+from fluxrl.runs import exports
 from fluxrl.runs.api.serializers import SampleSerializer
 from fluxrl.runs.models import MAX_STEP, Run
 
@@ -137,6 +138,7 @@ def run_detail(request, team, pk):
     return render_page(request, run.team, "dashboard/run.html", {
         "run": run, "facts": services.run_facts(run), "timeline": services.timeline(run), "page_data": data,
         "preload": preload if first else None,
+        "exports": exports.exportable(run),  # the weights to download (runs/exports.py)
         "spec_yaml": yaml.safe_dump(services.display_spec(run), sort_keys=False, allow_unicode=True),
     }, "runs")
 
@@ -198,6 +200,7 @@ def datasets(request, team):
     return render_page(request, team, "dashboard/datasets.html", {
         "datasets": found.order_by("name"),
         "generators": [{**g, "params_json": json.dumps(g["params"])} for g in generator_catalog()],
+        "imports": import_folders(team),
     }, "datasets")
 
 
@@ -228,6 +231,7 @@ def dataset_detail(request, team, pk):
     return render_page(request, dataset.team, "dashboard/dataset.html", {
         "dataset": dataset, "versions": versions, "version": version, "columns": columns,
         "rows": [[row.get(column, "") for column in columns] for row in rows],
+        "imports": import_folders(dataset.team),
     }, "datasets")
 
 

@@ -11,12 +11,17 @@ class Dataset(NamedTeamObject):
 
 
 class DatasetVersion(ImmutableVersion):
-    """One upload (or generation): normalized JSONL rows {"prompt", "answer", ...extra},
-    written once under FLUXRL_DATA_DIR and never changed; `sha256` is of that file."""
+    """One upload, import or generation: normalized JSONL rows {"prompt", "answer", ...extra},
+    written once under FLUXRL_DATA_DIR and never changed; `sha256` is of that file. Whatever
+    the source format (JSONL, CSV, Parquet, Arrow, a Hugging Face save_to_disk folder), a run
+    reads the same normalized file."""
 
     class Source(models.TextChoices):
         JSONL = "jsonl"
         CSV = "csv"
+        PARQUET = "parquet"
+        ARROW = "arrow"
+        HF_DATASET = "hf_dataset", "Hugging Face datasets folder"
         GENERATOR = "generator"
 
     dataset = models.ForeignKey(Dataset, on_delete=models.CASCADE, related_name="versions")
@@ -26,7 +31,8 @@ class DatasetVersion(ImmutableVersion):
     row_count = models.PositiveIntegerField()
     columns = models.JSONField(default=list)
     source = models.CharField(max_length=10, choices=Source.choices)
-    source_name = models.CharField(max_length=200, blank=True, help_text="uploaded file name, sanitized")
+    source_name = models.CharField(max_length=200, blank=True,
+                                   help_text="uploaded file name, sanitized, or the imported folder and split")
     source_fields = models.JSONField(default=dict, help_text="source column names of prompt and answer")
     generator = models.JSONField(null=True, blank=True, help_text="{name, n, seed, params} for built-in data")
 

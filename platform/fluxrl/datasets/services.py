@@ -1,5 +1,15 @@
-"""Datasets: validate uploads (JSONL/CSV) or generate built-in data, and store each as
-an immutable, checksummed JSONL version under FLUXRL_DATA_DIR/datasets/."""
+"""Datasets: validate uploads (JSONL, CSV, Parquet, Arrow, a save_to_disk folder as an
+archive), import save_to_disk folders from the operator's import root, or generate built-in
+data; store each as an immutable, checksummed JSONL version under FLUXRL_DATA_DIR/datasets/.
+
+Import by path reads only FLUXRL_DATASET_IMPORT_ROOT/<team slug>/: a relative path of plain
+names, resolved (symlinks included) and refused if it leads outside that folder; inside
+the dataset folder no symlink is followed. A remote user uploads the same folder as a
+.zip/.tar archive instead, read member by member by fluxrl.archives, as model folders are (no
+absolute or climbing names, no links, sizes checked before bytes are read).
+
+Parquet and Arrow files and save_to_disk folders are read a batch at a time (columnar.py)
+and their rows written to a staging file as they come, so no file sits in memory whole."""
 from __future__ import annotations
 
 import csv
@@ -10,23 +20,33 @@ import itertools
 import json
 import math
 import os
+import re
+import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from django.conf import settings
 from django.db import transaction
 
-from fluxrl.errors import NotFound, TooLarge, field_error
+from fluxrl.archives import ARCHIVE_SUFFIXES, clean_name, members, read_chunk
+from fluxrl.errors import InvalidInput, NotFound, TooLarge, field_error
 from fluxrl.quotas.services import check_storage
 from fluxrl.validation import contains_nul, safe_upload_name
 from fluxrl.versioned import check_name, find_version, next_version_number
 from workers.tasks.datasets import GENERATORS, DatasetError, check_messages, generate
 
+from . import columnar
 from .models import Dataset, DatasetVersion
 
 MAX_REPORTED_ROW_ERRORS = 5
 MAX_GENERATED_ROWS = 200_000
-FORMAT_BY_SUFFIX = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv"}
+FORMAT_BY_SUFFIX = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv",
+                    ".parquet": "parquet", ".pq": "parquet",
+                    ".arrow": "arrow", ".arrows": "arrow", ".feather": "arrow", ".ipc": "arrow"}
+MAX_ARCHIVE_FILES = 1024  # save_to_disk writes shards of 500 MB: a few files per split
+FORMATS = ("jsonl", "csv", "parquet", "arrow", "hf_dataset")
+TEXT_FORMATS = ("jsonl", "csv")
 
 
 class RowProblem(ValueError):
@@ -37,9 +57,12 @@ class RowProblem(ValueError):
 
 
 def detect_format(file_name: str, explicit: str | None) -> str:
-    fmt = explicit or FORMAT_BY_SUFFIX.get(Path(file_name).suffix.lower())
-    if fmt not in ("jsonl", "csv"):
-        raise field_error("format", "cannot tell the format from the file name: give format=jsonl or format=csv")
+    lower = str(file_name).lower()
+    fmt = explicit or FORMAT_BY_SUFFIX.get(Path(lower).suffix) or (
+        "hf_dataset" if lower.endswith(ARCHIVE_SUFFIXES) else None)
+    if fmt not in FORMATS:
+        raise field_error("format", "cannot tell the format from the file name: give format= one of "
+                          f"{', '.join(FORMATS)}")
     return fmt
 
 
@@ -50,13 +73,30 @@ TEXT_CONTENT_TYPES = {"application/json", "application/x-ndjson", "application/n
                       "application/vnd.ms-excel", "application/octet-stream", ""}
 
 
-def check_content_type(content_type: str | None) -> None:
+# The binary formats are recognized by their content (magic bytes, footers), and clients
+# label them loosely (octet-stream, nothing, even text/plain): only media are refused unread.
+NOT_DATA_CONTENT_TYPES = ("image/", "audio/", "video/", "font/", "application/pdf")
+
+
+def check_content_type(content_type: str | None, fmt: str = "jsonl") -> None:
     kind = str(content_type or "").split(";")[0].strip().lower()
-    if not (kind.startswith("text/") or kind in TEXT_CONTENT_TYPES):
-        raise field_error("file", f"content type '{kind}' is not a text file: upload JSONL or CSV as UTF-8 text")
+    if fmt in TEXT_FORMATS:
+        if not (kind.startswith("text/") or kind in TEXT_CONTENT_TYPES):
+            raise field_error("file", f"content type '{kind}' is not a text file: upload JSONL or CSV as UTF-8 text")
+    elif kind.startswith(NOT_DATA_CONTENT_TYPES):
+        raise field_error("file", f"content type '{kind}' does not fit the format {fmt}")
+
+
+# The first bytes of the binary formats, to say what a file is when it is sent as text.
+MAGIC = ((b"PAR1", "a Parquet file: name it .parquet or give format=parquet"),
+         (b"ARROW1", "an Arrow IPC file: name it .arrow or give format=arrow"),
+         (b"PK\x03\x04", "a zip archive: name it .zip (a save_to_disk folder) or give format=hf_dataset"))
 
 
 def decode_utf8(data: bytes) -> str:
+    for magic, what in MAGIC:
+        if data.startswith(magic):
+            raise field_error("file", f"this is {what}, not UTF-8 text")
     nul = data.find(b"\x00")
     if nul >= 0:  # UTF-8 text never has one; binaries and UTF-16 text do
         line = data.count(b"\n", 0, nul) + 1
@@ -157,49 +197,293 @@ def parse_upload(data: bytes, fmt: str, prompt_field: str, answer_field: str) ->
     return rows
 
 
+# --- rows from the columnar formats -------------------------------------------------------
+
+
+def checked_rows(raw, prompt_field: str, answer_field: str):
+    """Normalized rows of (label, raw row) pairs; the first bad rows are reported together
+    at the end (nothing is stored: the caller's staging is dropped)."""
+    problems = []
+    for label, obj in raw:
+        try:
+            row = normalize_row(obj, prompt_field, answer_field)
+        except RowProblem as exc:
+            problems.append(f"{label}: {exc}")
+            continue
+        if not problems:
+            yield row
+    if problems:
+        more = len(problems) - MAX_REPORTED_ROW_ERRORS
+        text = "; ".join(problems[:MAX_REPORTED_ROW_ERRORS]) + (f"; and {more} more bad rows" if more > 0 else "")
+        raise field_error("file", text)
+
+
+@contextmanager
+def _reported_on(field: str):
+    """Problems with the rows reported on ``field`` (an import request has no file)."""
+    try:
+        yield
+    except InvalidInput as exc:
+        if set(exc.fields) != {"file"}:
+            raise
+        raise field_error(field, exc.fields["file"]) from None
+
+
+def max_dataset_bytes() -> int:
+    return settings.FLUXRL_MAX_DATASET_BYTES
+
+
+# --- save_to_disk folders: the import root and uploaded archives ---------------------------
+
+IMPORT_PATH_PART = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._ -]*")  # no leading dot: no '..', nothing hidden
+MAX_IMPORT_FOLDERS = 200
+FOLDER_MARKERS = ("state.json", "dataset_dict.json")
+
+
+def team_import_folder(team) -> Path:
+    root = settings.FLUXRL_DATASET_IMPORT_ROOT
+    if not root:
+        raise field_error("path", "importing a folder by path is off on this server (FLUXRL_DATASET_IMPORT_ROOT is "
+                          "not set): upload the folder as a .zip or .tar archive instead")
+    return Path(root) / team.slug
+
+
+def resolve_import_path(team, path: str) -> Path:
+    """The folder ``path`` names under the team's import folder, symlinks resolved; refused
+    if it is not a relative path of plain names or if it leads outside that folder."""
+    team_root = team_import_folder(team)
+    text = str(path or "").strip().strip("/")
+    parts = [part for part in text.split("/") if part not in ("", ".")]
+    if str(path or "").startswith(("/", "\\")) or "\\" in text or not parts or \
+            not all(IMPORT_PATH_PART.fullmatch(part) for part in parts):
+        raise field_error("path", f"{str(path)[:200]!r}: give a path relative to your team's import folder, of "
+                          "letters, digits, '.', '_', '-' and spaces, with no part starting with '.' (no '..')")
+    if not team_root.is_dir():
+        raise field_error("path", f"your team has no import folder yet: the operator creates <import root>/{team.slug}/")
+    try:
+        found = team_root.joinpath(*parts).resolve(strict=True)
+    except (OSError, RuntimeError):  # missing, or a symlink loop
+        raise field_error("path", f"no folder {text!r} in your team's import folder") from None
+    if not found.is_relative_to(team_root.resolve()):
+        raise field_error("path", f"{text!r} leads outside your team's import folder (through a symlink): refused")
+    if not found.is_dir():
+        raise field_error("path", f"{text!r} is a file: name the folder save_to_disk wrote")
+    return found
+
+
+def import_folders(team) -> dict:
+    """What the team may import: the save_to_disk folders under its import folder (a few
+    levels deep, symlinks not followed), each with its splits."""
+    root = settings.FLUXRL_DATASET_IMPORT_ROOT
+    found = []
+    team_root = Path(root) / team.slug if root else None
+    if team_root and team_root.is_dir():
+        for folder, subfolders, files in os.walk(team_root):
+            depth = len(Path(folder).relative_to(team_root).parts)
+            subfolders[:] = sorted(d for d in subfolders if not d.startswith(".")) if depth < 4 else []
+            if any(marker in files for marker in FOLDER_MARKERS) and depth > 0:
+                subfolders[:] = []  # a dataset's own split folders are not datasets to list
+                splits = []
+                if "dataset_dict.json" in files:
+                    try:
+                        splits = columnar.split_names(Path(folder))
+                    except InvalidInput:
+                        continue
+                found.append({"path": Path(folder).relative_to(team_root).as_posix(), "splits": splits})
+                if len(found) >= MAX_IMPORT_FOLDERS:
+                    break
+    return {"enabled": bool(root), "folders": found}
+
+
+class _ArchiveBudget:
+    """What an archive's members declare, checked header by header (fluxrl.archives)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.declared, self.entries = limit, 0, 0
+
+    def header(self, name: str, size: int) -> None:
+        if self.entries >= MAX_ARCHIVE_FILES:  # folders count too: a bomb of empty members stops here
+            raise field_error("file", f"the archive holds more than {MAX_ARCHIVE_FILES} files")
+        self.entries += 1
+        self.declared += max(0, size)
+        if self.declared > self.limit:
+            raise TooLarge(f"The archive's files take more than {self.limit} bytes (at {name!r}); the limit is "
+                           f"{self.limit} bytes (FLUXRL_MAX_DATASET_MB).", fields={"file": "too large"})
+
+
+def _skipped_member(name: str) -> bool:
+    """Files an archiver adds beside the folder (macOS Finder's resource forks and .DS_Store)."""
+    return name.startswith("__MACOSX/") or name.rsplit("/", 1)[-1] == ".DS_Store"
+
+
+def unpack_dataset_archive(archive: Path, display: str, into: Path) -> Path:
+    """Write the archive's .arrow and .json files into ``into`` (never a link, a climbing or
+    hidden name, or more than the dataset limit) and return the save_to_disk folder in it:
+    ``into`` itself or its one top folder."""
+    budget = _ArchiveBudget(max_dataset_bytes())
+    for name, size, opener in members(archive, display, budget, "dataset", MAX_ARCHIVE_FILES):
+        if _skipped_member(name):
+            continue
+        stored = "/".join(clean_name(name))
+        if not stored.endswith((".arrow", ".json")):
+            raise field_error("file", f"{name}: not a file of a save_to_disk folder (.arrow data, .json metadata)")
+        if stored.endswith(".json") and size > columnar.MAX_JSON_BYTES:
+            raise field_error("file", f"{name} is {size} bytes: not a datasets metadata file")
+        target = into / stored
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            out = open(target, "xb")
+        except OSError:  # the same name twice, or "a" and "a/b"
+            raise field_error("file", f"{name}: clashes with another file of the archive") from None
+        written = 0
+        with opener() as src, out:
+            while chunk := read_chunk(src, name):
+                written += len(chunk)
+                if written > size:  # a header that lied about the size
+                    raise field_error("file", f"{name}: more bytes than its header says")
+                out.write(chunk)
+    if any((into / marker).is_file() for marker in FOLDER_MARKERS):
+        return into
+    tops = list(into.iterdir())
+    if len(tops) == 1 and tops[0].is_dir() and any((tops[0] / m).is_file() for m in FOLDER_MARKERS):
+        return tops[0]
+    raise field_error("file", "the archive holds no save_to_disk folder: state.json or dataset_dict.json must be at "
+                      "its top or in its one top folder")
+
+
+def _source_label(name: str, split: str) -> str:
+    return (f"{name} [{split}]" if split else name)[:200]
+
+
+def _folder_rows(folder: Path, split: str, prompt_field: str, answer_field: str, field: str):
+    """(rows, split used) of a save_to_disk folder, its split chosen if it holds a DatasetDict."""
+    chosen, split = columnar.split_folder(folder, split, field)
+    raw = columnar.saved_dataset_rows(chosen, prompt_field, answer_field, field)
+    return checked_rows(raw, prompt_field, answer_field), split
+
+
+def import_folder(team, user, name: str, path: str, *, split: str = "", prompt_field="prompt",
+                  answer_field="answer", description: str = "") -> DatasetVersion:
+    """Import a save_to_disk folder from the team's import folder as a new version."""
+    check_name(name)
+    folder = resolve_import_path(team, path)
+    shown = folder.relative_to(team_import_folder(team).resolve()).as_posix()
+    with _reported_on("path"):
+        rows, split = _folder_rows(folder, split, prompt_field, answer_field, "path")
+        return add_version(team, user, name, rows, description, source=DatasetVersion.Source.HF_DATASET,
+                           source_name=_source_label(shown, split),
+                           source_fields={"prompt": prompt_field, "answer": answer_field})
+
+
 # --- storing versions ------------------------------------------------------------------
 
 
-def write_immutable(path: Path, body: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".upload-")
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(body)
-    os.chmod(tmp, 0o444)
-    os.replace(tmp, path)  # readers never see a half-written file
+def datasets_dir() -> Path:
+    folder = Path(settings.FLUXRL_DATA_DIR) / "datasets"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _stage(rows) -> tuple[Path, str, int, int, list]:
+    """Write rows as JSONL to a hidden file beside the versions, one at a time (a columnar
+    file's rows never all sit in memory): (path, sha256, bytes, rows, columns). Over the
+    dataset limit, or on any error, nothing is left."""
+    limit = max_dataset_bytes()
+    fd, tmp = tempfile.mkstemp(dir=datasets_dir(), prefix=".staging-")
+    digest, size, count, columns = hashlib.sha256(), 0, 0, {}
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            for row in rows:
+                line = (json.dumps(row, ensure_ascii=False) + "\n").encode()
+                size += len(line)
+                if size > limit:
+                    raise TooLarge(f"The rows take more than {limit} bytes as JSONL (at row {count + 1}); the limit "
+                                   f"is {limit} bytes (FLUXRL_MAX_DATASET_MB).", fields={"file": "too large"})
+                digest.update(line)
+                fh.write(line)
+                count += 1
+                columns.update(dict.fromkeys(row))
+        os.chmod(tmp, 0o444)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return Path(tmp), digest.hexdigest(), size, count, list(columns)
+
+
+def add_version(team, user, name: str, rows, description: str = "", **meta) -> DatasetVersion:
+    """Store rows (any iterable of normalized dicts) as the next version of the team's
+    dataset `name` (created if new)."""
+    check_name(name)
+    staged, sha256, size, count, columns = _stage(rows)
+    try:
+        if not count:
+            raise field_error("file", "there are no rows")
+        return _commit(team, user, name, staged, sha256, size, count, columns, description, meta)
+    finally:
+        staged.unlink(missing_ok=True)  # moved into place, or refused
 
 
 @transaction.atomic
-def add_version(team, user, name: str, rows: list[dict], description: str = "", **meta) -> DatasetVersion:
-    """Store rows as the next version of the team's dataset `name` (created if new)."""
-    check_name(name)
-    body = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode()
-    check_storage(team, len(body), 1)  # the team's quota; locks the team until the version is stored
+def _commit(team, user, name, staged: Path, sha256, size, count, columns, description, meta) -> DatasetVersion:
+    check_storage(team, size, 1)  # the team's quota; locks the team until the version is stored
     dataset, _ = Dataset.objects.get_or_create(team=team, name=name, defaults={"created_by": user, "description": description})
     dataset = Dataset.objects.select_for_update().get(pk=dataset.pk)  # serializes version numbers
     number = next_version_number(dataset)
-    sha256 = hashlib.sha256(body).hexdigest()
     relative = Path("datasets") / str(team.id) / str(dataset.id) / f"v{number}-{sha256[:12]}.jsonl"
-    write_immutable(Path(settings.FLUXRL_DATA_DIR) / relative, body)
+    final = Path(settings.FLUXRL_DATA_DIR) / relative
+    final.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(staged, final)  # readers never see a half-written file
     return DatasetVersion.objects.create(
-        dataset=dataset, version=number, file=str(relative), sha256=sha256, size_bytes=len(body),
-        row_count=len(rows), columns=list(dict.fromkeys(key for row in rows for key in row)),
-        created_by=user, **meta,
+        dataset=dataset, version=number, file=str(relative), sha256=sha256, size_bytes=size,
+        row_count=count, columns=columns, created_by=user, **meta,
     )
 
 
 def upload_version(team, user, name: str, upload, *, prompt_field="prompt", answer_field="answer",
-                   fmt: str | None = None, description: str = "") -> DatasetVersion:
-    """Validate an uploaded JSONL/CSV file (a Django UploadedFile) and store it as a new version."""
+                   fmt: str | None = None, split: str = "", description: str = "") -> DatasetVersion:
+    """Validate an uploaded file (a Django UploadedFile: JSONL, CSV, Parquet, Arrow, or a
+    save_to_disk folder as an archive) and store it as a new version."""
     check_name(name)
     limit = settings.FLUXRL_MAX_UPLOAD_BYTES
     if upload.size > limit:
         raise TooLarge(f"The file is {upload.size} bytes; the limit is {limit} bytes.", fields={"file": "too large"})
-    check_content_type(getattr(upload, "content_type", ""))
     fmt = detect_format(upload.name, fmt)
-    rows = parse_upload(upload.read(), fmt, prompt_field, answer_field)
-    return add_version(team, user, name, rows, description, source=fmt, source_name=safe_upload_name(upload.name),
-                       source_fields={"prompt": prompt_field, "answer": answer_field})
+    check_content_type(getattr(upload, "content_type", ""), fmt)
+    if split and fmt != "hf_dataset":
+        raise field_error("split", "only a save_to_disk folder (a .zip or .tar archive) has splits")
+    display = safe_upload_name(upload.name)
+    meta = {"source": fmt, "source_name": display, "source_fields": {"prompt": prompt_field, "answer": answer_field}}
+    if fmt in TEXT_FORMATS:
+        rows = parse_upload(upload.read(), fmt, prompt_field, answer_field)
+    elif fmt == "parquet":
+        upload.seek(0)
+        rows = checked_rows(columnar.parquet_rows(upload.file, prompt_field, answer_field, max_dataset_bytes()),
+                            prompt_field, answer_field)
+    elif fmt == "arrow":
+        upload.seek(0)
+        rows = checked_rows(columnar.arrow_rows(upload.file, prompt_field, answer_field), prompt_field, answer_field)
+    else:
+        return _upload_folder_archive(team, user, name, upload, display, split, description, meta)
+    return add_version(team, user, name, rows, description, **meta)
+
+
+def _upload_folder_archive(team, user, name, upload, display, split, description, meta) -> DatasetVersion:
+    if not display.lower().endswith(ARCHIVE_SUFFIXES):
+        raise field_error("file", f"{display}: upload a save_to_disk folder as a .zip, .tar or .tar.gz archive")
+    staging = Path(tempfile.mkdtemp(dir=datasets_dir(), prefix=".import-"))
+    try:
+        archive = staging / "archive"
+        with open(archive, "wb") as fh:
+            for chunk in upload.chunks():
+                fh.write(chunk)
+        (staging / "folder").mkdir()
+        folder = unpack_dataset_archive(archive, display, staging / "folder")
+        archive.unlink()
+        rows, split = _folder_rows(folder, split, meta["source_fields"]["prompt"], meta["source_fields"]["answer"],
+                                   "file")
+        return add_version(team, user, name, rows, description, **{**meta, "source_name": _source_label(display, split)})
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def generator_catalog() -> list[dict]:

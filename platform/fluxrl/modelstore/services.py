@@ -21,15 +21,15 @@ import json
 import os
 import re
 import shutil
-import tarfile
 import tempfile
-import zipfile
-import zlib
 from pathlib import Path
 
 from django.conf import settings
 from django.db import transaction
 
+from fluxrl.archives import ARCHIVE_SUFFIXES, members
+from fluxrl.archives import clean_name as _clean_name
+from fluxrl.archives import read_chunk as _read
 from fluxrl.errors import TooLarge, field_error
 from fluxrl.quotas.services import check_storage
 from fluxrl.validation import safe_upload_name
@@ -45,7 +45,6 @@ PICKLED = {".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".h5", ".msgpack",
 KIND_BY_HEAD = {"ForCausalLM": StoredModelVersion.Kind.CAUSAL_LM,
                 "LMHeadModel": StoredModelVersion.Kind.CAUSAL_LM,  # GPT-2's name for it
                 "ForSequenceClassification": StoredModelVersion.Kind.SEQUENCE_CLASSIFICATION}
-ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
 INDEX_NAME = "model.safetensors.index.json"  # the one shard index; its shards are the archive's own files
 # Keys (anywhere in a folder's JSON) that make transformers or vLLM read other weights or run code.
 REFUSED_KEYS = {
@@ -75,18 +74,6 @@ def _refuse(message: str):
 
 
 # --- reading an archive ----------------------------------------------------------------
-#
-# An archive is read header by header and member by member, each member written as soon as
-# its header is checked: a member's declared size counts toward the upload's byte limit
-# before any of its bytes is read or skipped (skipping a compressed member decompresses it),
-# and the compression is the one the file's name declares (tarfile's "r:*" would also open
-# bz2 and xz, whose members cost far more to skip than to send).
-
-TAR_MODES = {".tar.gz": ("r:gz", "a gzip-compressed tar archive"), ".tgz": ("r:gz", "a gzip-compressed tar archive"),
-             ".tar": ("r:", "an uncompressed tar archive")}
-META_HEADER_BYTES = 64 * 1024  # a pax or GNU long-name header: a long name, never megabytes
-DEFLATE_MAX_RATIO = 1032  # the most deflate expands: a zip entry declaring more lies about its size
-
 
 def max_json_bytes() -> int:
     return settings.FLUXRL_MAX_MODEL_JSON_BYTES
@@ -108,116 +95,8 @@ class _Budget:
                            f"{self.limit} bytes (FLUXRL_MAX_MODEL_MB).", fields={"file": "too large"})
 
 
-def _refuse_sparse(self, *args, **kwargs):
-    raise _refuse(f"{self.name}: a sparse file (a model folder has none)")
-
-
-class _CheckedTarInfo(tarfile.TarInfo):
-    """tarfile's header parsing, except that the headers whose data tarfile reads into memory
-    itself (pax records, GNU long names, sparse maps) are bounded first."""
-
-    def _proc_gnulong(self, tarfile):
-        self._bounded()
-        return super()._proc_gnulong(tarfile)
-
-    def _proc_pax(self, tarfile):
-        self._bounded()
-        return super()._proc_pax(tarfile)
-
-    def _bounded(self):
-        if self.size > META_HEADER_BYTES:
-            raise _refuse(f"a tar header record of {self.size} bytes (at most {META_HEADER_BYTES})")
-
-    # sparse members: their maps are read block by block before any size is known
-    _proc_sparse = _proc_gnusparse_00 = _proc_gnusparse_01 = _proc_gnusparse_10 = _refuse_sparse
-
-
-def _archive_kind(display: str) -> str:
-    lower = display.lower()
-    if lower.endswith(".zip"):
-        return "zip"
-    for suffix in TAR_MODES:
-        if lower.endswith(suffix):
-            return suffix
-    raise _refuse(f"{display}: upload the model folder as a .tar, .tar.gz or .zip archive")
-
-
 def _members(path: Path, display: str, budget: _Budget):
-    """(name, size, open()) per regular file, one at a time: the caller reads a member before
-    the next header is read. Folders are skipped; anything else is refused by name."""
-    kind = _archive_kind(display)
-    if kind == "zip":
-        yield from _zip_members(path, display, budget)
-        return
-    mode, what = TAR_MODES[kind]
-    try:
-        archive = tarfile.open(path, mode, tarinfo=_CheckedTarInfo)
-    except (tarfile.TarError, OSError, EOFError, zlib.error):
-        raise _refuse(f"{display} is not {what}, as its name says (.tar: uncompressed, .tar.gz or .tgz: gzip, "
-                      ".zip: zip)") from None
-    with archive:
-        while True:
-            try:
-                info = archive.next()  # reads one header; the previous member was read to its end
-            except (tarfile.TarError, OSError, EOFError, zlib.error, RecursionError) as exc:
-                raise _refuse(f"{display}: damaged after {budget.entries} entries ({type(exc).__name__})") from None
-            if info is None:
-                return
-            budget.header(info.name, info.size)
-            if info.isdir():
-                continue
-            if not info.isfile() or info.issparse():
-                raise _refuse(f"{info.name}: not a regular file (links and devices are refused)")
-            yield info.name, info.size, lambda i=info: archive.extractfile(i)
-
-
-def _zip_members(path: Path, display: str, budget: _Budget):
-    if not zipfile.is_zipfile(path):
-        raise _refuse(f"{display} is not a zip archive, as its name says")
-    _zip_entries(path)  # before ZipFile reads the whole central directory
-    with zipfile.ZipFile(path) as archive:
-        infos = archive.infolist()
-        for info in infos:  # every declared size, before any entry is read
-            budget.header(info.filename, info.file_size)
-            if info.is_dir():
-                continue
-            if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
-                raise _refuse(f"{info.filename}: compression method {info.compress_type} (a model zip is stored "
-                              "or deflated)")
-            if (info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size) or \
-                    info.file_size > DEFLATE_MAX_RATIO * info.compress_size + 1024:
-                raise _refuse(f"{info.filename}: declares {info.file_size} bytes from {info.compress_size} "
-                              "compressed ones, more than its compression can produce")
-            if ((info.external_attr >> 16) & 0o170000) not in (0, 0o100000):  # a symlink or device in a zip
-                raise _refuse(f"{info.filename}: not a regular file (links and devices are refused)")
-        for info in infos:
-            if not info.is_dir():
-                yield info.filename, info.file_size, lambda i=info: archive.open(i)
-
-
-def _zip_entries(path: Path) -> None:
-    """The entry count a zip's end record declares (the last 64 KiB hold it), refused past
-    MAX_FILES before the central directory is read."""
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        fh.seek(max(0, size - 65557))
-        tail = fh.read()
-    end = tail.rfind(b"PK\x05\x06")
-    if end < 0 or end + 22 > len(tail):
-        raise _refuse("the zip archive has no end record")
-    entries = int.from_bytes(tail[end + 10:end + 12], "little")
-    if entries >= MAX_FILES:  # 0xFFFF (zip64) included: a model folder needs neither
-        raise _refuse(f"the archive holds more than {MAX_FILES} files")
-
-
-def _clean_name(name: str) -> list[str]:
-    """A member name's parts; a name that is absolute, climbs (``..``), hides (``.x``) or
-    holds other characters is refused."""
-    split = [p for p in name.split("/") if p not in ("", ".")]  # "./config.json" (tar -C dir .) is config.json
-    if name.startswith("/") or "\\" in name or not split or not all(_NAME.fullmatch(p) for p in split):
-        raise _refuse(f"{name!r}: a file name must be relative, of letters, digits, '.', '_' and '-', "
-                      "with no part starting with '.' (no '..', no hidden files)")
-    return split
+    return members(path, display, budget, "model", MAX_FILES)
 
 
 def _check_kind(name: str) -> None:
@@ -285,12 +164,6 @@ def _unpack(upload_path: Path, display: str, into: Path) -> list[list]:
         found = [[name.split("/", 1)[1], size, sha] for name, size, sha in found]
     return sorted(found)
 
-
-def _read(src, name: str) -> bytes:
-    try:
-        return src.read(1 << 20)
-    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, OSError) as exc:  # truncated, bad CRC
-        raise _refuse(f"{name}: damaged ({type(exc).__name__}: {exc})") from None
 
 
 def _load_json(folder: Path, name: str):

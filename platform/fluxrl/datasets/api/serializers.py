@@ -33,14 +33,48 @@ class DatasetSerializer(serializers.ModelSerializer):
         return DatasetVersionSerializer(latest).data if latest else None
 
 
+PROMPT_FIELD_HELP = "the source column (or JSON field) that holds the prompt; stored as 'prompt'"
+ANSWER_FIELD_HELP = "the source column (or JSON field) that holds the answer; stored as 'answer'"
+SPLIT_HELP = "for a folder holding a DatasetDict: which split (optional if it has one)"
+
+
 class DatasetUploadSerializer(serializers.Serializer):
-    file = serializers.FileField(help_text="JSONL (one JSON object a line) or CSV with a header")
+    file = serializers.FileField(help_text="JSONL (one JSON object a line), CSV with a header, Parquet, Arrow IPC "
+                                           "(file or stream; Feather 2), or a save_to_disk folder as .zip/.tar/.tar.gz")
     name = serializers.CharField(max_length=100, help_text="a new name creates a dataset; an existing one a new version")
     team = serializers.SlugField(required=False, help_text="team slug; optional if you have one team")
-    prompt_field = serializers.CharField(default="prompt", max_length=100)
-    answer_field = serializers.CharField(default="answer", max_length=100)
-    format = serializers.ChoiceField(choices=["jsonl", "csv"], required=False, help_text="default: from the file name")
+    prompt_field = serializers.CharField(default="prompt", max_length=100, help_text=PROMPT_FIELD_HELP)
+    answer_field = serializers.CharField(default="answer", max_length=100, help_text=ANSWER_FIELD_HELP)
+    format = serializers.ChoiceField(choices=["jsonl", "csv", "parquet", "arrow", "hf_dataset"], required=False,
+                                     help_text="default: from the file name (.jsonl .csv .parquet .arrow .feather "
+                                               ".zip .tar .tar.gz)")
+    split = serializers.CharField(default="", allow_blank=True, max_length=100, help_text=SPLIT_HELP)
     description = serializers.CharField(default="", allow_blank=True)
+
+
+class DatasetImportSerializer(serializers.Serializer):
+    path = serializers.CharField(max_length=1000, help_text="a save_to_disk folder, relative to your team's folder "
+                                                            "under the server's FLUXRL_DATASET_IMPORT_ROOT")
+    name = serializers.CharField(max_length=100, help_text="a new name creates a dataset; an existing one a new version")
+    team = serializers.SlugField(required=False, help_text="team slug; optional if you have one team")
+    split = serializers.CharField(default="", allow_blank=True, max_length=100, help_text=SPLIT_HELP)
+    prompt_field = serializers.CharField(default="prompt", max_length=100, help_text=PROMPT_FIELD_HELP)
+    answer_field = serializers.CharField(default="answer", max_length=100, help_text=ANSWER_FIELD_HELP)
+    description = serializers.CharField(default="", allow_blank=True)
+
+
+class ImportFolderSerializer(serializers.Serializer):
+    path = serializers.CharField()
+    splits = serializers.ListField(child=serializers.CharField(), help_text="empty for a single Dataset")
+
+
+class ImportFoldersSerializer(serializers.Serializer):
+    enabled = serializers.BooleanField(help_text="false: the server has no FLUXRL_DATASET_IMPORT_ROOT")
+    folders = ImportFolderSerializer(many=True)
+
+
+class ImportFoldersQuerySerializer(serializers.Serializer):
+    team = serializers.SlugField(required=False, help_text="team slug; optional if you have one team")
 
 
 class DatasetGenerateSerializer(serializers.Serializer):

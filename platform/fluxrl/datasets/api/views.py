@@ -2,7 +2,7 @@ from django.conf import settings
 from django.db.models import Count
 from django.http import FileResponse
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiResponse, extend_schema
+from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema
 from rest_framework import generics, status
 from rest_framework.response import Response
 
@@ -14,10 +14,13 @@ from .. import services
 from ..models import Dataset, DatasetVersion
 from .serializers import (
     DatasetGenerateSerializer,
+    DatasetImportSerializer,
     DatasetSerializer,
     DatasetUploadSerializer,
     DatasetVersionSerializer,
     GeneratorSerializer,
+    ImportFoldersQuerySerializer,
+    ImportFoldersSerializer,
     PreviewQuerySerializer,
     PreviewSerializer,
 )
@@ -37,7 +40,8 @@ class DatasetListView(DatasetMixin, generics.ListAPIView):
         return settings.FLUXRL_MAX_UPLOAD_BYTES + 1024 * 1024  # the file plus form fields
 
     @extend_schema(request={"multipart/form-data": DatasetUploadSerializer}, responses={201: DatasetVersionSerializer},
-                   summary="Upload a JSONL/CSV file as a new dataset version")
+                   summary="Upload a JSONL, CSV, Parquet or Arrow file, or a save_to_disk folder archive, as a new "
+                           "dataset version")
     def post(self, request):
         data = dict(validated(DatasetUploadSerializer, request.data))
         team = self.team_for_new_object(data.pop("team", None))
@@ -48,6 +52,31 @@ class DatasetListView(DatasetMixin, generics.ListAPIView):
 
 class DatasetDetailView(DatasetMixin, generics.RetrieveAPIView):
     pass
+
+
+class DatasetImportView(TeamScopedMixin, generics.GenericAPIView):
+    """Hugging Face datasets folders (save_to_disk) from the team's folder under the
+    server's import root (FLUXRL_DATASET_IMPORT_ROOT/<team slug>/)."""
+
+    serializer_class = DatasetImportSerializer
+
+    @extend_schema(parameters=[ImportFoldersQuerySerializer], responses={200: ImportFoldersSerializer},
+                   summary="List the save_to_disk folders the team may import")
+    def get(self, request):
+        query = validated(ImportFoldersQuerySerializer, request.query_params)
+        team = self.team_for_new_object(query.get("team"))
+        return Response(ImportFoldersSerializer(services.import_folders(team)).data)
+
+    @extend_schema(responses={201: DatasetVersionSerializer},
+                   summary="Import a save_to_disk folder from the team's import folder as a new dataset version",
+                   examples=[OpenApiExample("A DatasetDict's train split", request_only=True, value={
+                       "name": "gsm8k", "path": "gsm8k", "split": "train", "prompt_field": "question",
+                       "answer_field": "answer"})])
+    def post(self, request):
+        data = dict(validated(DatasetImportSerializer, request.data))
+        team = self.team_for_new_object(data.pop("team", None))
+        version = services.import_folder(team, request.user, data.pop("name"), data.pop("path"), **data)
+        return Response(DatasetVersionSerializer(version).data, status=status.HTTP_201_CREATED)
 
 
 class GeneratorListView(generics.ListAPIView):

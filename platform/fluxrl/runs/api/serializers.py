@@ -1,6 +1,8 @@
 from django.conf import settings
 from rest_framework import serializers
 
+from fluxrl.modelstore.models import StoredModelVersion
+
 from ..models import MAX_INT, MAX_STEP, Checkpoint, Run, RunStatus, Sample
 
 WORKER_STATUSES = [RunStatus.STARTING, RunStatus.RUNNING, RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED]
@@ -162,3 +164,55 @@ class PromptPreviewSerializer(serializers.Serializer):
     token_count = serializers.IntegerField(help_text="all of the prompt's tokens")
     truncated = serializers.BooleanField(help_text="token_ids and tokens stop before token_count")
     row = serializers.DictField(help_text="the row rendered (prompt and answer named as the engine names them)")
+
+
+# --- exporting a run's model (runs/exports.py) --------------------------------------------
+
+
+class ModelFileSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    size = serializers.IntegerField(help_text="bytes")
+
+
+class ModelExportSerializer(serializers.Serializer):
+    checkpoint = serializers.CharField(help_text="'final', or the checkpoint's step: the value of ?checkpoint=")
+    step = serializers.IntegerField(allow_null=True, help_text="steps trained into these weights")
+    version = serializers.IntegerField(allow_null=True, help_text="the policy version (checkpoints)")
+    size_bytes = serializers.IntegerField()
+    files = serializers.SerializerMethodField()
+    download = serializers.SerializerMethodField(help_text="GET it for a .tar.gz of the folder (&archive=zip or tar)")
+
+    def get_files(self, export) -> ModelFileSerializer(many=True):
+        return [{"name": name, "size": size} for name, size in export.files]
+
+    def get_download(self, export) -> str:
+        return f"/api/runs/{export.run_id}/model/?checkpoint={export.checkpoint}"
+
+
+class ModelDownloadQuerySerializer(serializers.Serializer):
+    checkpoint = serializers.CharField(default="final", max_length=40,
+                                       help_text="'final' (when the run has ended) or a checkpoint's step")
+    # not `format`: DRF reads ?format= as the renderer to use
+    archive = serializers.ChoiceField(choices=["tar.gz", "zip", "tar"], default="tar.gz")
+
+
+class SaveModelSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=100, help_text="the team model's name: a new name creates it, an "
+                                                           "existing one gets a new version")
+    checkpoint = serializers.CharField(default="final", max_length=40)
+    description = serializers.CharField(default="", allow_blank=True, max_length=2000)
+
+
+class SavedModelSerializer(serializers.ModelSerializer):
+    """The team model version a run's weights were saved as (GET /api/models/<model>/ has the rest)."""
+
+    name = serializers.CharField(source="model.name", read_only=True)
+    ref = serializers.SerializerMethodField(help_text="use as model.path in a run spec")
+
+    class Meta:
+        model = StoredModelVersion
+        fields = ["model", "name", "version", "ref", "kind", "architecture", "sha256", "size_bytes", "files"]
+        read_only_fields = fields
+
+    def get_ref(self, version) -> str:
+        return f"model:{version.model.name}@{version.version}"

@@ -11,5 +11,8 @@ urlpatterns = [
     path("runs/<int:pk>/status/", views.RunStatusView.as_view(), name="run-status"),
     path("runs/<int:pk>/samples/", views.RunSamplesView.as_view(), name="run-samples"),
     path("runs/<int:pk>/checkpoints/", views.RunCheckpointsView.as_view(), name="run-checkpoints"),
+    path("runs/<int:pk>/exports/", views.RunExportsView.as_view(), name="run-exports"),
+    path("runs/<int:pk>/model/", views.RunModelView.as_view(), name="run-model"),
+    path("runs/<int:pk>/model/save/", views.RunModelSaveView.as_view(), name="run-model-save"),
     path("prompt-preview/", views.PromptPreviewView.as_view(), name="prompt-preview"),
 ]

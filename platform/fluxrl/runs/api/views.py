@@ -1,4 +1,7 @@
+from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.core.handlers.asgi import ASGIRequest
+from django.http import StreamingHttpResponse
 from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
@@ -12,10 +15,12 @@ from fluxrl.api.base import TeamScopedMixin, is_schema_generation, validated
 from fluxrl.api.parsers import YAML_MEDIA_TYPES, YAML_PARSERS
 from fluxrl.api.permissions import RunWorkerOrTeamUser
 
-from .. import preview, services
+from .. import exports, preview, services
 from ..models import Checkpoint, Run, Sample
 from .serializers import (
     CheckpointSerializer,
+    ModelDownloadQuerySerializer,
+    ModelExportSerializer,
     PromptPreviewRequestSerializer,
     PromptPreviewSerializer,
     RunCreateSerializer,
@@ -27,6 +32,8 @@ from .serializers import (
     RunTokenSerializer,
     RunUpdateSerializer,
     SampleBatchSerializer,
+    SavedModelSerializer,
+    SaveModelSerializer,
     SampleSerializer,
     SinceStepQuerySerializer,
     StoredCountSerializer,
@@ -174,6 +181,60 @@ class RunCheckpointsView(RunReportMixin, generics.ListAPIView):
         run = self.get_run()
         checkpoint = services.add_checkpoint(run, **validated(CheckpointSerializer, request.data))
         return Response(CheckpointSerializer(checkpoint).data, status=status.HTTP_201_CREATED)
+
+
+class RunExportsView(RunMixin, generics.GenericAPIView):
+    serializer_class = ModelExportSerializer
+    pagination_class = None
+
+    @extend_schema(responses={200: ModelExportSerializer(many=True)},
+                   summary="The run's weights that can be downloaded: the final model, then checkpoints (newest first)")
+    def get(self, request, pk):
+        return Response(ModelExportSerializer(exports.exportable(self.get_object()), many=True).data)
+
+
+async def _async_chunks(chunks):
+    """A sync generator's chunks, each read in a worker thread: under ASGI, Django reads a
+    sync iterator to the end into a list before sending it."""
+    end = object()
+    try:
+        while (chunk := await sync_to_async(next, thread_sensitive=False)(chunks, end)) is not end:
+            yield chunk
+    finally:
+        await sync_to_async(chunks.close, thread_sensitive=False)()
+
+
+class RunModelView(RunMixin, generics.GenericAPIView):
+    serializer_class = ModelExportSerializer
+
+    @extend_schema(parameters=[ModelDownloadQuerySerializer], summary="Download the run's weights as a Hugging "
+                   "Face folder (safetensors, config, tokenizer) in a .tar.gz, .zip or .tar",
+                   responses={(200, "application/gzip"): OpenApiTypes.BINARY,
+                              404: OpenApiResponse(description="no such run, or no such weights (the message says "
+                                                               "what the run has)"),
+                              409: OpenApiResponse(description="checkpoint=final while the run has not ended")})
+    def get(self, request, pk):
+        run = self.get_object()
+        query = validated(ModelDownloadQuerySerializer, request.query_params)
+        archive = exports.open_archive(exports.find_export(run, query["checkpoint"]), query["archive"])
+        chunks = _async_chunks(archive.chunks) if isinstance(request._request, ASGIRequest) else archive.chunks
+        response = StreamingHttpResponse(chunks, content_type=archive.content_type)
+        response["Content-Disposition"] = f'attachment; filename="{archive.filename}"'
+        if archive.length is not None:
+            response["Content-Length"] = str(archive.length)
+        return response
+
+
+class RunModelSaveView(RunMixin, generics.GenericAPIView):
+    serializer_class = SaveModelSerializer
+
+    @extend_schema(request=SaveModelSerializer, responses={201: SavedModelSerializer},
+                   summary="Save the run's final model or a checkpoint's as a team model (model:<name>)")
+    def post(self, request, pk):
+        run = self.get_object()  # another team's run is missing, whatever the body says
+        data = validated(SaveModelSerializer, request.data)
+        version = exports.save_as_team_model(run, request.user, data["checkpoint"], data["name"], data["description"])
+        return Response(SavedModelSerializer(version).data, status=status.HTTP_201_CREATED)
 
 
 class PromptPreviewView(TeamScopedMixin, generics.GenericAPIView):
