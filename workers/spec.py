@@ -19,7 +19,7 @@ class SpecError(ValueError):
 
 
 # algorithm.minibatches for loss ppo when the spec leaves it out: measured on the demo by
-# bench/minibatches.py (README, "Trainer": why 2).
+# bench/minibatches.py (docs/engine.md, "Trainer": why 2).
 DEFAULT_PPO_MINIBATCHES = 2
 
 
@@ -27,11 +27,30 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# vLLM's accepted max_lora_rank values (vllm/config/lora.py MaxLoRARanks): an engine serves
+# adapters up to the smallest of these at or above model.lora.rank
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class LoraSpec(_Strict):
+    """LoRA RL (docs/guides/lora.md): PEFT's low-rank adapter on the policy; only the adapter
+    trains, and each weight update sends only the adapter, which vLLM serves as a LoRA."""
+    rank: int = Field(8, ge=1, le=512, description="the adapter's rank r")
+    alpha: float = Field(16.0, gt=0, description="scaling: the update is (alpha / rank) x B A")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input (off in every RL "
+                           "forward: the trainer runs the policy in eval mode so its ratios carry no noise)")
+    target_modules: Optional[list[Annotated[str, Field(min_length=1, max_length=100)]]] = Field(
+        None, min_length=1, max_length=64, description="the linear layers that get an adapter, by name (e.g. "
+        "[q_proj, k_proj, v_proj, o_proj]); default: PEFT's choice for the architecture")
+
+
 class ModelSpec(_Strict):
     path: str = Field(description="local HF model folder (or hub id on a cluster)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="the precision it trains and generates in; auto: bfloat16 where the run's GPUs have "
         "it, float32 on the CPU (decided on the machine that runs it: model_dtype)")
+    lora: Optional[LoraSpec] = Field(None, description="train a LoRA adapter instead of the full model "
+                                     "(absent: full fine-tuning)")
 
 
 def model_dtype(spec: "RunSpec", on_gpu: Optional[bool] = None) -> str:
@@ -437,11 +456,112 @@ class StopSpec(_Strict):
     max_minutes: float = Field(10.0, gt=0)
 
 
+# eval/<set>/... beside these: a set may not be named like them (docs/architecture.md §5)
+RESERVED_EVAL_SET_NAMES = ("accuracy", "sampled_reward", "part")
+
+
+class EvalSetSpec(_Strict):
+    """One held-out evaluation set (``eval.sets``): n completions per prompt sampled at a
+    temperature, scored by the set's reward, reported as ``eval/<name>/pass@<k>`` (the
+    unbiased estimator, Chen et al. 2021) and ``eval/<name>/avg@<n>`` (mean reward)."""
+    name: str = Field(min_length=1, max_length=40, pattern=r"^[A-Za-z0-9_.-]+$", description=(
+        "the set's label in its metric names, eval/<name>/pass@<k>"))
+    dataset: Optional[str] = Field(None, description="a JSONL file, a generator gen:<name>[?k=v&...] or, on the "
+                                   "platform, a team dataset name[@version]; default: the run's own held-out split "
+                                   "(task.eval_size rows)")
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    size: int = Field(200, ge=1, le=100_000, description="rows to generate for gen: datasets")
+    seed: int = Field(1, description="the generator's seed (gen: datasets); another seed than task.seed gives "
+                      "other rows")
+    reward: Optional[RewardSpec] = Field(None, description="how the set's samples are scored (the forms of the "
+                                         "run's reward section); default: the run's reward")
+    prompts: int = Field(200, ge=1, le=100_000, description="held-out prompts evaluated (the set's first ones)")
+    n: int = Field(4, ge=1, le=256, description="completions sampled per prompt")
+    k: list[int] = Field(default_factory=list, validate_default=True, description="pass@k reported for each k "
+                         "(1 <= k <= n); default: 1 and n")
+    temperature: Optional[float] = Field(None, ge=0, le=10, description="sampling temperature; default: "
+                                         "rollout.temperature; 0 (greedy) needs n 1")
+    pass_reward: float = Field(1.0, allow_inf_nan=False, description="a sample passes (counts as correct for "
+                               "pass@k) when its reward is at least this")
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, name: str) -> str:
+        if name in RESERVED_EVAL_SET_NAMES:
+            raise ValueError(f"{name!r} is taken by eval/{name} metrics; choose another name")
+        return name
+
+    @field_validator("dataset")
+    @classmethod
+    def _set_generator_bounded(cls, value):
+        if value is not None and value.startswith("gen:"):
+            from workers.tasks.datasets import parse_generator
+
+            parse_generator(value)
+        return value
+
+    @field_validator("k", mode="before")
+    @classmethod
+    def _one_k_is_a_list(cls, value):
+        return [value] if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("k")
+    @classmethod
+    def _k_within_n(cls, ks: list[int], info) -> list[int]:
+        n = info.data.get("n")
+        if not ks and n is not None:
+            return sorted({1, n})
+        bad = [k for k in ks if k < 1 or (n is not None and k > n)]
+        if bad:
+            raise ValueError(f"pass@k needs 1 <= k <= n ({n} samples per prompt); not {', '.join(map(str, bad))}")
+        if len(set(ks)) != len(ks):
+            raise ValueError("each k once")
+        return sorted(ks)
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_is_one_sample(cls, temperature, info):
+        if temperature == 0 and (info.data.get("n") or 1) > 1:
+            raise ValueError(f"temperature 0 (greedy) gives n ({info.data['n']}) identical samples: set n 1, or a "
+                             "temperature above 0")
+        return temperature
+
+    @field_validator("reward")
+    @classmethod
+    def _rule_rewards(cls, reward):
+        if reward is not None and reward.model is not None:
+            raise ValueError("a reward model (reward.model) is not supported in an evaluation set: leave the set's "
+                             "reward out to score with the run's reward")
+        return reward
+
+    @model_validator(mode="after")
+    def _generated_set_bounded(self):
+        if self.dataset is not None and self.dataset.startswith("gen:"):
+            from workers.tasks.datasets import parse_generator
+
+            parse_generator(self.dataset, self.size)
+        return self
+
+
 class EvalSpec(_Strict):
     every_steps: int = Field(20, ge=0, description="0 = only before and after")
     prompts: int = Field(200, ge=0)
     samples: int = Field(0, ge=0, le=64, description="also sample this many completions per held-out prompt at "
                          "rollout.temperature: their mean reward is eval/sampled_reward (0 = greedy only)")
+    sets: list[EvalSetSpec] = Field(default_factory=list, max_length=16, description=(
+        "held-out sets evaluated with n samples per prompt (pass@k, avg@n), each with its own data and reward, "
+        "at every evaluation beside eval/accuracy"))
+
+    @field_validator("sets")
+    @classmethod
+    def _distinct_names(cls, sets: list[EvalSetSpec]) -> list[EvalSetSpec]:
+        seen: dict[str, int] = {}
+        for i, one in enumerate(sets):
+            if one.name in seen:
+                raise ValueError(f"sets {seen[one.name]} and {i} are both named {one.name!r}")
+            seen[one.name] = i
+        return sets
 
 
 class ResourcesSpec(_Strict):
@@ -504,6 +624,84 @@ class InferenceSpec(_Strict):
     threads: int = Field(1, ge=1, le=256, description="CPU threads of each stage worker")
 
 
+def _switch(value):
+    """``tensorboard: true`` is ``tensorboard: {}`` (all defaults); ``false`` is off."""
+    if value is True:
+        return {}
+    return None if value is False else value
+
+
+class TensorBoardReport(_Strict):
+    dir: str = Field("tensorboard", min_length=1, max_length=1000, description="the event files' folder; relative: "
+                     "under the run's output folder")
+
+
+class MlflowReport(_Strict):
+    tracking_uri: Optional[str] = Field(None, min_length=1, max_length=1000, description=(
+        "an MLflow server (http://host:5000), or a local folder: a file store, which works offline (relative: "
+        "under the run's output folder). Default: $MLFLOW_TRACKING_URI where the engine runs, else 'mlruns' in "
+        "the run's output folder"))
+    experiment: str = Field("fluxrl", min_length=1, max_length=250, description="the experiment, created if missing")
+    run_name: Optional[str] = Field(None, min_length=1, max_length=250, description="default: the spec's name")
+    tags: dict[str, str] = Field(default_factory=dict, max_length=100, description="tags set on the MLflow run")
+
+
+class WandbReport(_Strict):
+    project: str = Field("fluxrl", min_length=1, max_length=128)
+    entity: Optional[str] = Field(None, min_length=1, max_length=128, description="team or user (online mode)")
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: written to <dir>/wandb/offline-run-*, uploaded later by `wandb sync`; "
+        "online: streamed to W&B (needs WANDB_API_KEY and the network where the engine runs)")
+    dir: str = Field(".", min_length=1, max_length=1000, description="where wandb/ is written; relative: under "
+                     "the run's output folder")
+    name: Optional[str] = Field(None, min_length=1, max_length=250, description="default: the spec's name")
+    group: Optional[str] = Field(None, min_length=1, max_length=128)
+    tags: list[str] = Field(default_factory=list, max_length=64)
+
+
+class ReportSpec(_Strict):
+    """Where a run's metric points go besides metrics.jsonl and the platform: each exporter set
+    here gets every point the dashboard gets (workers/io/exporters.py). One that fails is
+    logged and dropped; training goes on."""
+    tensorboard: Optional[TensorBoardReport] = Field(None, description="TensorBoard event files")
+    mlflow: Optional[MlflowReport] = Field(None, description="an MLflow run")
+    wandb: Optional[WandbReport] = Field(None, description="a Weights & Biases run (offline by default)")
+
+    @field_validator("tensorboard", "mlflow", "wandb", mode="before")
+    @classmethod
+    def _on_off(cls, value):
+        return _switch(value)
+
+    def enabled(self) -> list[str]:
+        return [name for name in ("tensorboard", "mlflow", "wandb") if getattr(self, name) is not None]
+
+
+def report_paths_outside_run(report: ReportSpec) -> list[dict[str, str]]:
+    """The exporter folders of ``report`` that would leave the run's output folder (an
+    absolute path, '..', a file: URI), as SpecError entries: the platform refuses them, a
+    run there may write only inside its own folder. An MLflow server URI is fine."""
+    import posixpath
+
+    def outside(path: str) -> bool:
+        return posixpath.isabs(path) or path.startswith("~") or ".." in posixpath.normpath(path).split("/")
+
+    errors = []
+    for name in ("tensorboard", "wandb"):
+        section = getattr(report, name)
+        if section is not None and outside(section.dir):
+            errors.append({"field": f"report.{name}.dir", "message": "must be a folder inside the run's output "
+                           "folder (relative, without '..')"})
+    uri = report.mlflow.tracking_uri if report.mlflow is not None else None
+    if uri is not None and ("://" in uri or uri.partition(":")[0] in ("file", "sqlite", "databricks")):
+        if not uri.startswith(("http://", "https://")):
+            errors.append({"field": "report.mlflow.tracking_uri", "message": "an MLflow server (http:// or https://) "
+                           "or a folder inside the run's output folder"})
+    elif uri is not None and outside(uri):
+        errors.append({"field": "report.mlflow.tracking_uri", "message": "must be a folder inside the run's output "
+                       "folder (relative, without '..'), or an MLflow server (http:// or https://)"})
+    return errors
+
+
 class RunSpec(_Strict):
     name: str = Field(min_length=1, max_length=200)
     model: ModelSpec
@@ -518,6 +716,7 @@ class RunSpec(_Strict):
     stop: StopSpec = StopSpec()
     eval: EvalSpec = EvalSpec()
     resources: ResourcesSpec = ResourcesSpec()
+    report: ReportSpec = Field(ReportSpec(), description="metric exporters: TensorBoard, MLflow, W&B")
     seed: int = 0
 
     @model_validator(mode="after")
@@ -568,6 +767,27 @@ class RunSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _lora_fits(self):
+        """What a LoRA run does not do (yet), refused by the field that asks for it."""
+        if self.model.lora is None:
+            return self
+        refusals = [
+            (self.trainer.pipeline.stages > 1, "trainer.pipeline.stages 1 (the pipeline trainer's stages train the "
+             "full model)"),
+            (self.trainer.zero_stage == 3, "trainer.zero_stage 0, 1 or 2 (ZeRO-3 would shard a frozen base model "
+             "that every rank needs whole for its forward: nothing to gain, not supported)"),
+            (self.algorithm.advantage == "gae", "algorithm.advantage 'group' (a critic is a full second model; "
+             "LoRA with a critic is not supported yet)"),
+            (self.rollout.weight_transport == "collective", "rollout.weight_transport 'rpc' (the adapter is a "
+             "file of a few MB that vLLM loads as a LoRA; the collective path writes full weights)"),
+            (self.resources.colocate, "resources.colocate false (not supported with LoRA yet)"),
+        ]
+        wrong = [need for bad, need in refusals if bad]
+        if wrong:
+            raise ValueError("model.lora needs " + "; ".join(wrong))
+        return self
+
+    @model_validator(mode="after")
     def _critic_beside_one_trainer(self):
         if self.algorithm.advantage == "gae" and self.resources.nodes > 1:
             raise ValueError("algorithm.advantage 'gae' runs on one node for now (resources.nodes 1): its critic "
@@ -586,6 +806,14 @@ class RunSpec(_Strict):
         if self.algorithm.kl_reference == "stage" and self.algorithm.kl_coef == 0:
             raise ValueError("algorithm.kl_reference 'stage' runs the KL reference's forward, which only "
                              "algorithm.kl_coef > 0 uses: set kl_coef, or leave kl_reference out")
+        return self
+
+    @model_validator(mode="after")
+    def _held_out_sets_need_a_held_out_split(self):
+        for i, one in enumerate(self.eval.sets):
+            if one.dataset is None and self.task.eval_size == 0:
+                raise ValueError(f"eval.sets.{i} ({one.name}) has no dataset, so it evaluates the run's held-out "
+                                 "split, but task.eval_size is 0: give the set a dataset, or hold rows out")
         return self
 
     @model_validator(mode="after")

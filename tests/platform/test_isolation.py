@@ -35,6 +35,7 @@ from fluxrl.modelstore.services import upload_version as upload_model
 from fluxrl.metrics.services import ingest_points
 from fluxrl.rewards.services import create_function
 from fluxrl.routing import websocket_urlpatterns
+from fluxrl.runs.engine_inputs import run_output_dir
 from fluxrl.runs.models import Run, RunStatus
 from fluxrl.runs.services import add_checkpoint, add_samples, submit_run, transition
 from tests.platform.model_archives import tiny_rm_upload
@@ -73,6 +74,7 @@ def build_world(team: Team, admin, member, marker: str) -> World:
     """A dataset, reward function, running run with samples, metrics and a checkpoint,
     an API token and a run token, all named with `marker`."""
     team.name = f"Team {marker}"
+    team.report_defaults = {"mlflow": {"experiment": f"{marker}-exp", "tags": {"by": marker}}}
     team.save()
     dataset = add_version(team, admin, f"{marker}-data", [{"prompt": f"{marker} 1+1=", "answer": "2"}],
                           description=marker, source="jsonl")
@@ -86,11 +88,22 @@ def build_world(team: Team, admin, member, marker: str) -> World:
                        "uid": f"{marker}-1"}])
     ingest_points(run, [{"key": f"{marker}/loss", "step": 1, "value": 0.5, "time": 1763769600.0}])
     add_checkpoint(run, step=1, version=1, path=f"/ckpt/{marker}")
+    write_checkpoint_model(run, marker)
     api_token, _ = accounts.create_api_token(admin, f"{marker}-token")
     _, run_key = accounts.create_run_token(run)
     stored = upload_model(team, admin, f"{marker}-rm", tiny_rm_upload(), description=marker)
     return World(team, admin, member, dataset.dataset, reward.function, run, api_token, run_key,
                  refs={"dataset": f"{marker}-data@1", "reward": f"{marker}-reward@1"}, model=stored.model)
+
+
+def write_checkpoint_model(run: Run, marker: str) -> None:
+    """The checkpoint's model folder as the engine leaves it, so GET /api/runs/<id>/model/?checkpoint=1
+    has weights (named with `marker`) to give away."""
+    folder = run_output_dir(run.pk) / "checkpoints" / "step-1"
+    (folder / "model").mkdir(parents=True)
+    (folder / "model" / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "note": marker}))
+    (folder / "model" / "model.safetensors").write_bytes(marker.encode() * 64)
+    (folder / "meta.json").write_text(json.dumps({"step": 1, "version": 1}))
 
 
 # --- the routes ---------------------------------------------------------------------------
@@ -298,7 +311,7 @@ def walk(clients: dict[str, APIClient], target: World, data_dir, *, allowed_2xx=
     problems = []
     before = team_state(target, data_dir)
     query = urlencode({"from": target.run.pk, "runs": target.run.pk, "run": target.run.pk, "team": target.team.slug,
-                       "version": 1, "keys": f"{CANARY}/loss"})
+                       "version": 1, "keys": f"{CANARY}/loss", "checkpoint": 1})
     for route in all_routes():
         if route.route in PUBLIC_ROUTES:
             continue
@@ -354,7 +367,15 @@ def token_client(key: str) -> APIClient:
 def test_walk_covers_the_routes_that_matter():
     routes = {r.route for r in all_routes()}
     assert WORKER_ROUTES <= routes and PUBLIC_ROUTES <= routes  # no stale allow-list entries
-    assert {"api/datasets/<int:pk>/versions/<int:version>/download/", "runs/<int:pk>/log/"} <= routes
+    assert {"api/datasets/<int:pk>/versions/<int:version>/download/", "runs/<int:pk>/log/",
+            "api/runs/<int:pk>/exports/", "api/runs/<int:pk>/model/", "api/runs/<int:pk>/model/save/"} <= routes
+
+
+def test_the_owner_downloads_the_checkpoint_weights_the_walk_guards(world_a):
+    """The walk's GET asks for checkpoint 1, which team A's run has: its owner gets it, CANARY and all."""
+    owner = token_client(accounts.create_api_token(world_a.admin, "owner")[1])
+    response = owner.get(f"/api/runs/{world_a.run.pk}/model/?checkpoint=1&archive=tar")
+    assert response.status_code == 200 and CANARY in b"".join(response.streaming_content).decode("latin-1")
 
 
 def test_no_route_lets_another_team_anonymous_or_a_run_token_reach_a_teams_objects(world_a, world_b, data_dir):

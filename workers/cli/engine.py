@@ -169,6 +169,7 @@ def cmd_run(args) -> int:
         "idle_generation": round(result.idle_generation, 3), "idle_training": round(result.idle_training, 3),
         "skipped_prompts": result.skipped_prompts,
         "memory_peak_gib": result.memory_peak_gib,  # per process on this node (VmHWM)
+        **({"exporters": result.exporters} if result.exporters else {}),  # report.*: "ok" or why one was dropped
     }
     (out / "result.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
@@ -195,7 +196,7 @@ def cmd_plan(args) -> int:
                       gpus_per_node=here.gpus_per_node if args.gpus is None else args.gpus,
                       gpu_memory_gib=here.gpu_memory_gib if args.gpus is None else args.gpu_memory_gib)
     try:
-        model = ModelSize(args.params) if args.params else model_size(resolve_model_path(spec.model.path))
+        model = ModelSize(args.params) if args.params else model_size(resolve_model_path(spec.model.path), spec.model.lora)
         print(plan_placement(spec, machine, model).describe())
     except (PlacementError, ValueError, OSError) as exc:
         print(f"does not fit: {exc}", file=sys.stderr)

@@ -100,12 +100,14 @@ class ModelSize:
     intermediate: Optional[int] = None
     layers: Optional[int] = None
     vocab: Optional[int] = None
+    adapter: Optional[int] = None  # model.lora: the adapter's parameters (the only ones that train)
 
 
-def model_size(path: str) -> Optional[ModelSize]:
+def model_size(path: str, lora=None) -> Optional[ModelSize]:
     """The model in folder ``path``: its exact parameter count (built from ``config.json``
     on the meta device: no weights read, tied embeddings counted once). None when
-    ``path`` is not a model folder, or the config cannot be built (logged)."""
+    ``path`` is not a model folder, or the config cannot be built (logged). ``lora``
+    (``model.lora``): also the adapter's parameters, counted on the same meta model."""
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         return None
@@ -119,11 +121,16 @@ def model_size(path: str) -> Optional[ModelSize]:
             model = AutoModelForCausalLM.from_config(config)
         params = sum(p.numel() for p in model.parameters())
         largest = max((p.numel() for p in model.parameters()), default=0)
+        adapter = None
+        if lora is not None:
+            from workers.train.lora import adapter_param_count
+
+            adapter = adapter_param_count(model, lora)
     except Exception as exc:  # noqa: BLE001 - an architecture transformers cannot build here
         logger.warning("model %s: parameter count unknown (%s: %s); GPU memory is not checked",
                        path, type(exc).__name__, exc)
         return None
-    return ModelSize(params, _kv_values_per_token(config), largest, **_shape(config))
+    return ModelSize(params, _kv_values_per_token(config), largest, **_shape(config), adapter=adapter)
 
 
 def _shape(config) -> dict:
@@ -252,6 +259,32 @@ def trainer_memory(params: int, dtype: str, zero_stage: int, ranks: int) -> Trai
                          cast * gib, master > 0, reference * gib)
 
 
+def lora_trainer_memory(params: int, adapter: int, dtype: str, zero_stage: int, ranks: int) -> TrainerMemory:
+    """``trainer_memory`` of a model.lora run: the frozen base model's ``params`` are weights
+    alone (4 bytes under fp32 and autocast, where the trainer loads them in fp32; ``lp`` in
+    DeepSpeed's bf16/fp16 modes, which cast the whole module), never partitioned (ZeRO-3 is
+    refused with LoRA) and without gradients, master copy or Adam states, since the
+    optimizer is built over the ``adapter``'s parameters only; those are counted as a model
+    of their own. Autocast's low-precision copies are of every weight the forward reads. The
+    KL reference is the same module with the adapter disabled: nothing more."""
+    own = trainer_memory(adapter, dtype, zero_stage, ranks)
+    mode = trainer_precision(dtype, zero_stage)
+    base = (4 if mode in ("fp32", "autocast") else DTYPE_BYTES[dtype]) * params / GIB
+    cast = DTYPE_BYTES[dtype] * params / GIB if mode == "autocast" else 0.0
+    return TrainerMemory(own.weights_gib + base, own.gradients_gib, own.optimizer_gib, own.step_gib, own.gather_gib,
+                         own.cast_gib + cast, own.master, 0.0)
+
+
+def run_trainer_memory(spec: "RunSpec", model: ModelSize, dtype: str, ranks: int) -> TrainerMemory:
+    """The policy's ``TrainerMemory`` for ``spec``: with model.lora and a known adapter size,
+    ``lora_trainer_memory``; otherwise full fine-tuning (an unknown adapter: counted as full,
+    an upper bound)."""
+    stage = spec.trainer.zero_stage
+    if spec.model.lora is not None and model.adapter is not None:
+        return lora_trainer_memory(model.params, model.adapter, dtype, stage, ranks)
+    return trainer_memory(model.params, dtype, stage, ranks)
+
+
 def forward_memory(model: ModelSize, tokens: int, dtype: str, zero_stage: int,
                    checkpointing: bool = False) -> tuple[float, float]:
     """(activations, logits) in GiB of one micro-batch of ``tokens`` (padded) tokens in the
@@ -285,7 +318,7 @@ def trainer_rank_peak_gib(spec: "RunSpec", model: ModelSize, ranks: int, dtype: 
     forward), as :func:`plan_memory` lays them on its GPU while it trains."""
     dtype = dtype or model_dtype(spec, on_gpu=True)
     stage = spec.trainer.zero_stage
-    mem = trainer_memory(model.params, dtype, stage, ranks)
+    mem = run_trainer_memory(spec, model, dtype, ranks)
     activations, logits = forward_memory(model, spec.trainer.micro_batch_tokens, dtype, stage,
                                          spec.trainer.gradient_checkpointing)
     critic = (trainer_memory(model.params, dtype, spec.critic.zero_stage, ranks)
@@ -382,7 +415,7 @@ def plan_memory(spec: "RunSpec", plan, gpu_memory_gib: float, model: ModelSize) 
     dtype, stage, ranks = model_dtype(spec, on_gpu=True), spec.trainer.zero_stage, len(plan.trainers)
     lp = DTYPE_BYTES[dtype]
     model_gib = model.params * lp / GIB  # what the engines hold and receive: the weights in the model's dtype
-    trainer = trainer_memory(model.params, dtype, stage, ranks)
+    trainer = run_trainer_memory(spec, model, dtype, ranks)
     critic = (trainer_memory(model.params, dtype, spec.critic.zero_stage, ranks)
               if spec.algorithm.advantage == "gae" else None)  # the trainer trains it, wherever it values
     activations, logits = forward_memory(model, spec.trainer.micro_batch_tokens, dtype, stage,
@@ -390,7 +423,7 @@ def plan_memory(spec: "RunSpec", plan, gpu_memory_gib: float, model: ModelSize) 
     forward_gib = trainer.cast_gib + activations + logits
     forward_what = (f"a micro-batch's forward (activations {activations:.1f}, full-vocabulary logits {logits:.1f}"
                     + (f", autocast's weight copies {trainer.cast_gib:.1f}" if trainer.cast_gib else "") + ")")
-    reference = spec.algorithm.kl_coef > 0
+    reference = spec.algorithm.kl_coef > 0 and spec.model.lora is None  # LoRA: the base model is the reference
     collective = spec.rollout.weight_transport == "collective"
     receive_gib = 2 * max(BUCKET_BYTES, (model.largest or 0) * lp) / GIB
     capacity = gpu_memory_gib

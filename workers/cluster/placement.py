@@ -291,7 +291,7 @@ def plan_placement(spec: "RunSpec", machine: Optional[Machine] = None, model: Op
             raise PlacementError(f"{name}: the run asks for {wanted} GPU(s), the machine has none")
         return plan_cpu(spec, machine)
     plan = plan_gpu(spec, machine)
-    model = model or model_size(spec.model.path)
+    model = model or model_size(spec.model.path, spec.model.lora)
     if model is None:
         if plan.colocate:
             raise PlacementError(

@@ -29,6 +29,7 @@ from typing import Optional
 
 from workers.coord.async_schedule import AsyncSchedule
 from workers.coord.checkpointing import Checkpointer
+from workers.coord.evaluation import EvalSets
 from workers.coord.generation import EVALUATING, Fleet, Group, Sample
 from workers.coord.length_ranker import LengthRanker
 from workers.coord.processes import Processes, placement
@@ -98,6 +99,7 @@ class Controller:
         self.resume = resume  # a checkpoint to continue from (workers/io/checkpoint.py)
         self.on_checkpoint = on_checkpoint  # called (step, version, path) after each save
         self.last_sampled_reward: Optional[float] = None  # of the latest evaluation (eval.samples)
+        self.eval_sets = EvalSets(spec)  # eval.sets: pass@k and avg@n per held-out set (evaluation.py)
         self.bar = None  # the progress bar, while the schedule runs
         self.schedule: Optional[SyncSchedule | AsyncSchedule] = None
         self.processes = Processes(spec, self.out, self.rendezvous, self._lost_node)
@@ -113,18 +115,23 @@ class Controller:
     async def setup(self) -> None:
         spec = self.spec
         t = spec.task
-        self.train_rows, self.eval_rows = load_rows(t.dataset, t.size, t.eval_size, t.seed, t.prompt_field, t.answer_field)
-        self.eval_rows = self.eval_rows[: spec.eval.prompts]
+        self.train_rows, held_out = load_rows(t.dataset, t.size, t.eval_size, t.seed, t.prompt_field, t.answer_field)
+        self.eval_rows = held_out[: spec.eval.prompts]
+        set_rows = self.eval_sets.load(held_out)  # copies: told apart from eval_rows by identity below
         # The model's tokenizer, stop ids and limits, checked before any process starts.
         spec.model.path = await asyncio.to_thread(resolve_model_path, spec.model.path)
         if spec.reward.model is not None:
             spec.reward.model.path = await asyncio.to_thread(resolve_reward_model_path, spec.reward.model.path)
-        checked = await asyncio.to_thread(check_run, spec, self.train_rows, self.eval_rows)
+        # the sets' prompts are checked with the run's: max_model_len must hold them too
+        checked = await asyncio.to_thread(check_run, spec, self.train_rows, self.eval_rows + set_rows)
         self.prompts = checked.renderer
-        self.train_rows, self.eval_rows = checked.train_rows, checked.eval_rows
+        own = {id(r) for r in self.eval_rows}
+        self.train_rows, self.eval_rows = checked.train_rows, [r for r in checked.eval_rows if id(r) in own]
+        self.eval_sets.keep(checked.eval_rows)
         self.result.skipped_prompts = sum(checked.skipped.values())
         self.processes.start(self._placement)
         self.rewards = self.processes.rewards
+        self.eval_sets.start_rewards()
         collective = spec.rollout.weight_transport == "collective"
         beside = self.processes.starts_beside_trainer()
         starting = None
@@ -198,6 +205,7 @@ class Controller:
 
     async def close(self) -> None:
         self.processes.close(self.engines + self._dead, self.broadcaster)
+        self.eval_sets.close()
 
     # -- the fleet's seams (a subclass may override these) ---------------------------------
     async def _generate(self, engine: RolloutEngine, row: dict, temperature: float) -> Completion:
@@ -272,7 +280,7 @@ class Controller:
         """Greedy accuracy (mean reward) on the held-out rows; with ``eval.samples`` also the
         policy's expected held-out reward: the mean reward of that many completions per row
         sampled at the rollout temperature (what RL raises first, before the argmax moves)."""
-        if not self.eval_rows:
+        if not self.eval_rows and not self.eval_sets.sets:
             return float("nan")
         self.fleet.live_engine()  # fails clearly if every engine is dead
         evaluating = EVALUATING.set(True)
@@ -282,6 +290,14 @@ class Controller:
             EVALUATING.reset(evaluating)
 
     async def _evaluate(self, step: int) -> float:
+        accuracy, metrics = float("nan"), {}
+        if self.eval_rows:
+            accuracy, metrics = await self._evaluate_greedy()
+        metrics.update(await self.eval_sets.evaluate(self.fleet, self.rewards))  # eval.sets: pass@k, avg@n
+        self.reporter.log(step, metrics)
+        return accuracy
+
+    async def _evaluate_greedy(self) -> tuple[float, dict[str, float]]:
         engines = [e for e in self.engines if not e.dead]
         sample = self.fleet.sample
         samples = await asyncio.gather(*(sample(engines[i % len(engines)], r, 0.0)
@@ -297,8 +313,7 @@ class Controller:
                                              for i, r in enumerate(self.eval_rows) for _ in range(k)))
             self.last_sampled_reward = sum(s.reward for s in sampled) / len(sampled)
             metrics["eval/sampled_reward"] = self.last_sampled_reward
-        self.reporter.log(step, metrics)
-        return accuracy
+        return accuracy, metrics
 
     async def _train_on(self, groups: list[Group], step: int, t_start: float,
                         stats: Optional[dict] = None) -> None:
@@ -341,6 +356,8 @@ class Controller:
         from tqdm import tqdm
 
         spec = self.spec
+        exporters = self._open_exporters()
+        failed = True
         try:
             await self.setup()
             if self.resume is None:  # a resumed run has it (and the step-0 points) already
@@ -376,6 +393,22 @@ class Controller:
             await asyncio.to_thread(self.trainer.save, str(final))
             self.result.final_model = str(final)
             self.result.memory_peak_gib = self._memory_peaks()
+            failed = False
             return self.result
         finally:
             await self.close()
+            if exporters is not None:  # the points queued are written, each exporter's run ended
+                self.reporter.exporters = None
+                self.result.exporters = await asyncio.to_thread(exporters.close, failed)
+
+    def _open_exporters(self):
+        """The spec's report.* exporters (workers/io/exporters.py), fed every point the
+        reporter gets from here on; None without any. Imported only when asked for."""
+        if not self.spec.report.enabled():
+            return None
+        from workers.io.exporters import open_exporters
+
+        exporters = open_exporters(self.spec.report.model_dump(), self.out, self.spec.name, self.spec.to_dict(),
+                                   resume_step=self.resume.step if self.resume is not None else None)
+        self.reporter.exporters = exporters
+        return exporters

@@ -108,6 +108,7 @@ class Fleet:
         self.engine_deaths = 0
         self.dead: list[RolloutEngine] = []
         self.retired_tokens, self.retired_busy = 0, 0.0  # counters of dead engines
+        self.update_bytes: Optional[int] = None  # bytes the last weight update sent (weights/update_bytes)
         # skew_aware: which engines serve the long tail, the cut, the measured rates per role
         self.long_tail: set[int] = set()
         self.long_tail_cut = LongTailThreshold(spec.schedule.long_tail.share)
@@ -346,12 +347,15 @@ class Fleet:
         if self.broadcaster is None:  # a file, sent to each engine in bounded chunks (weights/files.py)
             with tempfile.TemporaryDirectory(prefix="fluxrl-weights-") as folder:
                 weights = await asyncio.to_thread(trainer_weight_file, trainer, folder, version)
+                self.update_bytes = weights.size  # model.lora: the adapter's file alone
                 results = await asyncio.gather(*(self._update(e, weights, version) for e in list(self.engines)))
             return [t for t in results if t is not None]
         remote = isinstance(self.broadcaster.sender, RankZeroSender)
         # in this process: the full weights (a collective of the ranks under ZeRO-3); with
         # rank 0 sending, it gathers them itself
         state = None if remote else await asyncio.to_thread(trainer.state_dict)
+        if state is not None:
+            self.update_bytes = sum(t.numel() * t.element_size() for t in state.values())
         while True:
             if self.broadcaster.engines != self.engines:
                 # A member died (retired) and broke the group: form it again with the live

@@ -181,7 +181,8 @@ class Processes:
             gpu_memory_utilization=process.gpu_memory_utilization, host=host, env=self.plan.env(process),
             cpu_single_process=self.plan.engine_single_process(ro.cpu_single_process), enforce_eager=ro.enforce_eager,
             sleep_mode=self.plan.sleeps, tensor_parallel=self.plan.tensor_parallel,
-            priority_scheduling=spec.schedule.dispatch == "skew_aware")
+            priority_scheduling=spec.schedule.dispatch == "skew_aware",
+            lora_rank=spec.model.lora.rank if spec.model.lora else None)
 
     def engines(self, checked) -> list[RolloutEngine]:
         """The rollout engines, not started yet: each a server process of its own
@@ -197,7 +198,8 @@ class Processes:
                           dtype=model_dtype(spec), seed=spec.seed + i, rpc_timeout_s=spec.rollout.rpc_timeout_s,
                           gpu_memory_utilization=p.gpu_memory_utilization,
                           cpu_single_process=bool(ro.cpu_single_process), enforce_eager=ro.enforce_eager,
-                          priority_scheduling=spec.schedule.dispatch == "skew_aware")
+                          priority_scheduling=spec.schedule.dispatch == "skew_aware",
+                          lora_rank=spec.model.lora.rank if spec.model.lora else None)
             for i, p in enumerate(self.plan.engines)
         ]
 

@@ -33,6 +33,7 @@ class RunResult:
     idle_generation: float = 0.0  # share of wall time no request was running (mean over engines)
     idle_training: float = 0.0  # share of wall time the trainer was not computing
     memory_peak_gib: dict[str, float] = field(default_factory=dict)  # each process's peak resident memory
+    exporters: dict[str, str] = field(default_factory=dict)  # report.*: "ok" or the error that dropped one
 
     @property
     def samples_per_s(self) -> float:
@@ -94,6 +95,30 @@ class StepMetrics:
     def __init__(self, run):
         self.run = run
         self.busy_before = 0.0  # engine busy time before the schedule started (the first evaluation)
+        self._model_bytes: Optional[int] = None
+
+    def model_bytes(self) -> Optional[int]:
+        """weights/model_bytes: the run's model's parameters in model.dtype (its folder's
+        tensors, a tied head once); read once, from the resolved model folder."""
+        if self._model_bytes is None:
+            from workers.spec import model_dtype
+            from workers.weights.files import model_state_bytes
+
+            spec = self.run.spec
+            try:
+                self._model_bytes = model_state_bytes(spec.model.path, model_dtype(spec))
+            except (OSError, ValueError):  # a folder we cannot read here (another node's path): not reported
+                self._model_bytes = 0
+        return self._model_bytes or None
+
+    def weight_bytes(self) -> dict:
+        """weights/update_bytes (the last update's, sent to each engine) and weights/model_bytes."""
+        out = {}
+        if self.run.fleet.update_bytes is not None:
+            out["weights/update_bytes"] = self.run.fleet.update_bytes
+        if (full := self.model_bytes()) is not None:
+            out["weights/model_bytes"] = full
+        return out
 
     def gen_busy(self) -> float:
         """Seconds the engines (live and retired) have had requests running."""
@@ -160,6 +185,7 @@ class StepMetrics:
             **hist,
             **({"weights/sync_ms": max(t.sync_ms for t in timings),
                 "weights/load_ms": max(t.load_ms for t in timings)} if timings else {}),
+            **self.weight_bytes(),
             **run.ranker.metrics(),
             **fleet.dispatch_metrics(),
             "generation/long_tail_share": long_tail_share([s.completion.started_at for s in samples],

@@ -74,6 +74,7 @@ class Reporter:
         self.max_backoff_s, self.close_timeout_s = max_backoff_s, close_timeout_s
         self.latest: dict[str, float] = {}
         self.echo = echo
+        self.exporters = None  # workers/io/exporters.Exporters: the run's report.* exporters, fed every point
         self._points: deque[dict] = deque()
         self._samples: deque[dict] = deque()
         self._lock = threading.Lock()
@@ -102,6 +103,8 @@ class Reporter:
                 overflow = len(self._points) - self.max_points
                 if overflow > 0:
                     self._drop(self._points, overflow, "points")
+        if self.exporters is not None:  # queued for their own thread: never blocks or raises
+            self.exporters.put(points)
 
     def resend(self, points: list[dict]) -> None:
         """Queue points already written to metrics.jsonl for the platform again, ahead of

@@ -117,6 +117,18 @@ def resolve_enforce_eager(setting: Optional[bool], on_cpu: bool) -> bool:
     return on_cpu if setting is None else bool(setting)
 
 
+LORA_ID, LORA_NAME = 1, "fluxrl-policy"  # model.lora: the policy's adapter in vLLM
+
+
+def lora_engine_args(rank: int) -> dict:
+    """vLLM's LoRA settings for an adapter of ``rank``: one slot (the run's adapter), a
+    max_lora_rank vLLM accepts at or above it."""
+    from workers.spec import VLLM_LORA_RANKS
+
+    return {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1,
+            "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= rank)}
+
+
 def _vllm_on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -142,7 +154,12 @@ class RolloutEngine:
                  max_num_seqs: int = 256, dtype: str = "float32", seed: int = 0, rpc_timeout_s: float = 60.0,
                  sampling: SamplingOptions = SamplingOptions(), gpu_memory_utilization: Optional[float] = None,
                  cpu_single_process: bool = False, enforce_eager: Optional[bool] = None, sleep_mode: bool = False,
-                 tensor_parallel: int = 1, priority_scheduling: bool = False):
+                 tensor_parallel: int = 1, priority_scheduling: bool = False, lora_rank: Optional[int] = None):
+        # model.lora: the policy is the base model plus an adapter of this rank, served as a
+        # vLLM LoRA (enable_lora); every weight update is the adapter, loaded into its slot in place
+        self.lora_rank = lora_rank
+        self.lora_request = None  # the adapter requests generate with, once the first one is loaded
+        self._lora_folder: Optional[str] = None
         # vLLM's priority scheduler (schedule.dispatch skew_aware): each request's priority
         # orders the engine's queue instead of arrival alone
         self.priority_scheduling = priority_scheduling
@@ -223,6 +240,7 @@ class RolloutEngine:
             **({"enable_sleep_mode": True} if self.sleep_mode else {}),
             **({"scheduling_policy": "priority"} if self.priority_scheduling else {}),
             **({"gpu_memory_utilization": self.gpu_memory_utilization} if self.gpu_memory_utilization else {}),
+            **(lora_engine_args(self.lora_rank) if self.lora_rank else {}),
         )
 
     # -- colocated plans: asleep while the trainer steps ---------------------------------
@@ -254,6 +272,11 @@ class RolloutEngine:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self._lora_folder is not None:
+            import shutil
+
+            shutil.rmtree(self._lora_folder, ignore_errors=True)
+            self._lora_folder = None
 
     def busy_seconds(self, now: Optional[float] = None) -> float:
         """Time with at least one request running, the current stretch included."""
@@ -342,7 +365,8 @@ class RolloutEngine:
             died = False
             try:
                 async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids + tokens), params,
-                                                      request_id=rid, **_priority(priority)):
+                                                      request_id=rid, lora_request=self.lora_request,
+                                                      **_priority(priority)):
                     c = out.outputs[0]
                     tokens += c.token_ids
                     logprobs += [next(iter(d.values())).logprob for d in (c.logprobs or [])]
@@ -421,7 +445,8 @@ class RolloutEngine:
         try:
             # closed here, not at garbage collection, when our consumer stops early: that aborts it
             async with contextlib.aclosing(self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
-                                                                request_id=rid, **_priority(priority))) as stream:
+                                                                request_id=rid, lora_request=self.lora_request,
+                                                                **_priority(priority))) as stream:
                 async for out in stream:
                     for c in out.outputs:  # several samples' deltas when we fell behind
                         i = c.index
@@ -473,11 +498,31 @@ class RolloutEngine:
                                 self.engine.collective_rpc("fluxrl_join_weight_group", kwargs=info))
 
     def _load(self, weights: "bytes | WeightFile | CollectiveWeights"):
+        if self.lora_rank:
+            return self._load_adapter(weights)
         if isinstance(weights, WeightFile):  # read by vLLM's workers a tensor at a time
             return self.engine.collective_rpc("fluxrl_load_weight_file", args=(weights.path,))
         if isinstance(weights, (bytes, bytearray, memoryview)):
             return self.engine.collective_rpc("fluxrl_load_weights", args=(weights,))
         return self.engine.collective_rpc("fluxrl_receive_weights", args=(weights.meta,))
+
+    async def _load_adapter(self, weights: "WeightFile") -> list[dict]:
+        """model.lora: the adapter file into vLLM's LoRA slot, in place (the worker's
+        ``fluxrl_load_lora_file``). The first one also becomes the adapter every request
+        generates with from then on (before it, the base model: the same policy, B = 0)."""
+        if not isinstance(weights, WeightFile):
+            raise TypeError("model.lora: an adapter update comes as a weight file (rollout.weight_transport rpc)")
+        if self._lora_folder is None:
+            import tempfile
+
+            self._lora_folder = tempfile.mkdtemp(prefix=f"fluxrl-lora-e{self.index}-")
+        loaded = await self.engine.collective_rpc("fluxrl_load_lora_file",
+                                                  args=(weights.path, self._lora_folder, LORA_ID, LORA_NAME))
+        if self.lora_request is None:
+            from vllm.lora.request import LoRARequest
+
+            self.lora_request = LoRARequest(LORA_NAME, LORA_ID, loaded[0]["folder"])
+        return loaded
 
     async def update_weights(self, weights: "bytes | WeightFile | CollectiveWeights", version: int) -> UpdateTiming:
         """Load new weights, labelled ``version``, with the engine's update mode: ``weights``

@@ -85,6 +85,7 @@ class EngineServerConfig(wire.Message):
     sleep_mode: bool = False  # colocated GPU plans: asleep while the trainer steps
     tensor_parallel: int = Field(1, ge=1, le=64)  # shards (vLLM workers) of this engine
     priority_scheduling: bool = False  # vLLM's priority scheduler (schedule.dispatch skew_aware)
+    lora_rank: Optional[int] = Field(None, ge=1, le=512)  # model.lora: serve the policy's adapter as a vLLM LoRA
     heartbeat_timeout_s: float = 30.0  # a remote server this long silent is dead (a busy machine is not)
     accept_timeout_s: float = 900.0  # for its client to connect (a node agent starts its trainer ranks first)
 
@@ -335,7 +336,7 @@ class _Server:
             sampling=SamplingOptions(config.top_p, config.top_k, tuple(config.stop), tuple(config.stop_token_ids)),
             gpu_memory_utilization=config.gpu_memory_utilization, cpu_single_process=config.cpu_single_process,
             enforce_eager=config.enforce_eager, sleep_mode=config.sleep_mode, tensor_parallel=config.tensor_parallel,
-            priority_scheduling=config.priority_scheduling)
+            priority_scheduling=config.priority_scheduling, lora_rank=config.lora_rank)
         self.started = False
         self.stop = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()

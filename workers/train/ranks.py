@@ -804,7 +804,8 @@ class _Rank:
 
         state = read()
         if path is not None:  # no copy of the model in a message: the file is the coordinator's to send
-            write_weight_file(state, path)  # the engines hash what they load (the resume check)
+            # the engines hash what they load (the resume check); model.lora: the adapter's config rides along
+            write_weight_file(state, path, t.weight_metadata() if model == "policy" else None)
             return StateReply(rank=self.rank)
         return StateReply(rank=self.rank, blob=serialize_state_dict(state), checksum=tensors_checksum(state))
 

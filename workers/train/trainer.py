@@ -351,15 +351,27 @@ class Trainer:
         if spec.trainer.gradient_checkpointing:  # the planner counts activations accordingly (cluster/memory.py)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        self.lora = spec.model.lora
+        if self.lora is not None:  # only the adapter trains (workers/train/lora.py)
+            from workers.train import lora
+
+            if spec.trainer.gradient_checkpointing:  # the frozen embedding's output must carry gradients
+                model.enable_input_require_grads()
+            model = lora.wrap(model, self.lora)
         self.reference = None
-        if algo.kl_coef > 0 and algo.kl_reference == "trainer":  # (stage: the samples bring log π_ref)
+        # model.lora: the reference is the policy's own module with its adapter disabled
+        self.base_reference = self.lora is not None and algo.kl_coef > 0 and algo.kl_reference == "trainer"
+        # (stage: the samples bring log π_ref)
+        if algo.kl_coef > 0 and algo.kl_reference == "trainer" and self.lora is None:
             # The same weights and forward as the policy's first: the KL starts at exactly 0. Under
             # autocast that means fp32 weights here too (bf16 ones, rounded, would start it above 0,
             # and Adam's first, sign-like steps then chase the rounding, measured: a 20x larger KL
             # after one step on the tiny model).
             self.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=load).eval()
             self.reference.requires_grad_(False)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay)
+        # over the parameters that train: with model.lora the adapter's alone (no state for the frozen base)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=algo.lr, weight_decay=algo.weight_decay)
         total = spec.stop.max_steps * algo.minibatches * algo.ppo_epochs  # optimiser steps in the whole run
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: algorithms.lr_factor(
             s, algo.warmup_steps, algo.lr_decay, total, algo.lr_floor))
@@ -390,6 +402,12 @@ class Trainer:
         call this (the gather is a collective); ``keep`` False: take part, keep nothing
         (the ranks whose copy nobody reads)."""
         module = self.engine.module
+        if self.lora is not None:  # what the engines load: the adapter alone (ZeRO-3 is refused with it)
+            from workers.train.lora import adapter_state_dict
+
+            return {k: v.detach().to("cpu", self.autocast_dtype if self.autocast_dtype is not None
+                                     and v.dtype == torch.float32 else v.dtype)
+                    for k, v in adapter_state_dict(module).items()}
         if self.spec.trainer.zero_stage == 3:
             return _gathered_state_dict(module, keep)
         if self.autocast_dtype is not None:
@@ -406,12 +424,34 @@ class Trainer:
             return _gathered_state_dict(module, keep)
         return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
+    def weight_metadata(self) -> dict[str, str]:
+        """The header entries of the weight file ``state_dict`` is written to: with model.lora
+        PEFT's adapter_config, which the engines need to serve the adapter."""
+        if self.lora is None:
+            return {}
+        from workers.train.lora import adapter_metadata
+
+        return adapter_metadata(self.engine.module)
+
     def save(self, path: str) -> None:
-        """A complete HF folder (weights + the tokenizer files) that vLLM can load."""
+        """A complete HF folder (weights + the tokenizer files) that vLLM can load. With
+        model.lora: the base model with the adapter merged in, and the adapter itself as a
+        PEFT folder in ``adapter/``."""
         import shutil
 
-        state = self.state_dict()
-        self.engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
+        if self.lora is not None:
+            from workers.train.lora import merged_state_dict
+
+            module = self.engine.module
+            state = merged_state_dict(module)
+            if self.autocast_dtype is not None:
+                state = {k: v.to(self.autocast_dtype) if v.dtype == torch.float32 else v for k, v in state.items()}
+            module.get_base_model().save_pretrained(path, state_dict=state, safe_serialization=True)
+            module.save_pretrained(os.path.join(path, "adapter"), safe_serialization=True,
+                                   save_embedding_layers=False)
+        else:
+            state = self.state_dict()
+            self.engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
         if self.autocast_dtype is not None:  # save_pretrained wrote the fp32 module's dtype
             import json
 
@@ -475,7 +515,7 @@ class Trainer:
         ``min_micro_batches``: forwards to run at least, the same number on every rank (ZeRO-3
         gathers the critic's parameters in each)."""
         algo = self.spec.algorithm
-        if kl_in_reward(algo) and self.reference is not None:  # the rewards need log π_ref before GAE
+        if kl_in_reward(algo) and self.has_reference:  # the rewards need log π_ref before GAE
             batch = self._with_reference_logprobs(batch)
         out = list(batch)
 
@@ -521,11 +561,26 @@ class Trainer:
             for mb in algorithms.pack_first_fit_decreasing(lengths, self.spec.trainer.micro_batch_tokens):
                 part = [batch[need[k]] for k in mb]
                 ids, att, _, _, _, _ = self._tensors(part, self.engine.device)
-                ref, _ = self._logprobs(self.reference, ids, att)
+                ref, _ = self._reference_logprobs(ids, att)
                 for row, (k, s) in enumerate(zip(mb, part)):
                     cols = generated_columns(len(s.prompt_ids), len(s.token_ids))
                     out[need[k]] = dataclasses.replace(s, ref_logprobs=ref[row, cols].float().cpu().tolist())
         return out
+
+    @property
+    def has_reference(self) -> bool:
+        """The trainer computes log π_ref itself (algorithm.kl_reference 'trainer')."""
+        return self.reference is not None or self.base_reference
+
+    def _reference_logprobs(self, ids, att):
+        """log π_ref: the reference model's, or with model.lora the base model's (the
+        policy's module with its adapter disabled)."""
+        if self.base_reference:
+            from workers.train.lora import reference_logprobs
+
+            return reference_logprobs(self, ids, att)
+        with torch.no_grad():
+            return self._logprobs(self.reference, ids, att)
 
     def _autocast(self):
         """The training forward's precision for forwards outside the engine (π_prox, the
@@ -684,9 +739,8 @@ class Trainer:
             if algo.kl_coef > 0 and algo.kl_penalty == "loss":  # ('reward': the advantages carry it)
                 if part[0].ref_logprobs is not None:  # from the inference stage
                     ref = self._per_token(part, mask.shape[1], "ref_logprobs").to(self.engine.device)
-                elif self.reference is not None:
-                    with torch.no_grad():
-                        ref, _ = self._logprobs(self.reference, ids, att)
+                elif self.has_reference:
+                    ref, _ = self._reference_logprobs(ids, att)
                 else:
                     raise RuntimeError("algorithm.kl_reference stage: a sample reached the trainer without its "
                                        "reference log-probs")

@@ -44,6 +44,11 @@ def chunk_bytes() -> int:
     return max(64 << 10, min(wanted, max_blob_bytes()))
 
 
+# model.lora: a weight file of a LoRA adapter carries PEFT's adapter_config (JSON) under this
+# key of its safetensors header; the engine's worker serves such a file as a vLLM LoRA
+ADAPTER_CONFIG_KEY = "fluxrl_adapter_config"
+
+
 @dataclass(frozen=True)
 class WeightFile:
     """A state dict as a safetensors file on this host (its tensors in the trainer's names)."""
@@ -51,25 +56,59 @@ class WeightFile:
     size: int
 
 
-def write_weight_file(state: dict[str, "torch.Tensor"], path: str) -> WeightFile:
+def write_weight_file(state: dict[str, "torch.Tensor"], path: str,
+                      metadata: Optional[dict[str, str]] = None) -> WeightFile:
     """Write ``state`` as a safetensors file at ``path`` (atomically: a reader never sees
-    half a file)."""
+    half a file). ``metadata``: header entries (a LoRA adapter's config, ``ADAPTER_CONFIG_KEY``)."""
     from safetensors.torch import save_file
 
     partial = f"{path}.partial"
-    save_file(savable_tensors(state), partial)
+    save_file(savable_tensors(state), partial, metadata=metadata or None)
     os.replace(partial, path)
     return WeightFile(path, os.path.getsize(path))
 
 
 def trainer_weight_file(trainer, folder: str, version: int) -> "WeightFile":
     """The trainer's policy weights as a file in ``folder``: written by the trainer's rank
-    0 itself where the trainer has ranks (``write_weight_file``), else from its state dict."""
+    0 itself where the trainer has ranks (``write_weight_file``), else from its state dict
+    (with ``model.lora``: the adapter alone, and its config in the header)."""
     path = os.path.join(folder, f"weights-v{version}.safetensors")
     writer = getattr(trainer, "write_weight_file", None)
     if writer is not None:
         return writer(path)
-    return write_weight_file(trainer.state_dict(), path)
+    metadata = getattr(trainer, "weight_metadata", None)
+    return write_weight_file(trainer.state_dict(), path, metadata() if metadata is not None else None)
+
+
+def weight_file_metadata(path: str) -> dict[str, str]:
+    """A safetensors file's header metadata (empty when it has none)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def model_state_bytes(model_path: str, dtype: str) -> int:
+    """The bytes of a model folder's full weights in ``dtype`` (safetensors headers read,
+    no tensor; tied weights stored once count once); other weight files by size:
+    ``weights/model_bytes``, the model's parameters (a full update sends these, and a tied
+    head's copy)."""
+    from safetensors import safe_open
+
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+    total = 0
+    for name in sorted(os.listdir(model_path)):
+        file = os.path.join(model_path, name)
+        if name.endswith(".safetensors"):
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    count = 1
+                    for dim in f.get_slice(key).get_shape():
+                        count *= dim
+                    total += count * width
+        elif name.endswith((".bin", ".pt", ".pth")):
+            total += os.path.getsize(file)
+    return total
 
 
 def savable_tensors(state: dict[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:

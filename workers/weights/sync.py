@@ -71,6 +71,37 @@ class WeightSyncExtension:
         t0 = time.perf_counter()
         return self._fluxrl_apply(iter_weight_file(path), force_reload, t0)
 
+    def fluxrl_load_lora_file(self, path: str, folder: str, lora_id: int, lora_name: str) -> dict:
+        """model.lora: serve the adapter in a weight file of this host (its tensors in PEFT's
+        names, PEFT's adapter_config in the header) as vLLM LoRA ``lora_id``, replacing the
+        loaded one in place (``load_inplace``): the adapter is written as a PEFT folder under
+        ``folder`` (this worker's own subfolder, returned) and loaded into the LoRA slot
+        between two engine steps, so the requests already running with ``lora_id`` take it
+        from their next token, as a full update's weights do."""
+        import json
+        import os
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        from workers.weights.files import ADAPTER_CONFIG_KEY, weight_file_metadata
+
+        t0 = time.perf_counter()
+        config = weight_file_metadata(path).get(ADAPTER_CONFIG_KEY)
+        if config is None:
+            raise ValueError(f"{path}: not a LoRA adapter (no {ADAPTER_CONFIG_KEY} in its header)")
+        self._fluxrl_digests = None
+        tensors = dict(iter_weight_file(path))
+        digests = {name: tensor_digest(t) for name, t in tensors.items()}
+        mine = os.path.join(folder, f"worker-{getattr(self, 'rank', 0)}")
+        os.makedirs(mine, exist_ok=True)
+        save_file(tensors, os.path.join(mine, "adapter_model.safetensors"))
+        with open(os.path.join(mine, "adapter_config.json"), "w", encoding="utf-8") as fh:
+            json.dump(json.loads(config), fh)
+        self.model_runner.lora_manager.add_adapter(LoRARequest(lora_name, lora_id, mine, load_inplace=True))
+        self._fluxrl_digests, self._fluxrl_checksum = digests, None
+        return {"load_ms": (time.perf_counter() - t0) * 1000, "path": "lora", "folder": mine}
+
     # -- the collective transport (workers/weights/broadcast.py) ------------------------
     def fluxrl_join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
                                  backend: str = "gloo", timeout_s: float = 60.0, nccl_id: str | None = None) -> int:

@@ -181,6 +181,17 @@ export class LiveChart {
   lastStep() {
     return Math.max(-Infinity, ...this.traces.map((t) => t.last));
   }
+
+  // A line for a key that appeared after the chart was drawn (an evaluation set's new k).
+  addTrace(t) {
+    if (this.def.traces.some((d) => d.key === t.key)) return;
+    this.def.traces.push(t);
+    if (!this.plot.data) return; // not drawn yet: init draws it
+    const i = this.def.traces.length - 1;
+    window.Plotly.addTraces(this.plot, { x: [], y: [], name: t.name || t.key, type: "scatter", mode: "lines+markers",
+      marker: { size: 4 }, yaxis: t.axis || "y", line: { width: 1.8, color: t.color || COLORS[i % COLORS.length] } });
+    this.traces.push({ key: t.key, role: "line", last: -Infinity });
+  }
 }
 
 // Heat map of a histogram reported as one key per bucket (staleness/hist/<k>) over steps.

@@ -62,7 +62,41 @@ function otherChart(key) {
   return otherCharts.get(key);
 }
 
-const isOther = (key) => !known.has(key) && !histogram.matches(key);
+// Evaluation sets (eval.sets): eval/<set>/pass@<k> and eval/<set>/avg@<n>, one chart per
+// set after the held-out accuracy, a line per key; sets and keys may first arrive live.
+const EVAL_SET_KEY = /^eval\/([A-Za-z0-9_.-]+)\/(pass|avg)@(\d+)$/;
+const evalCharts = new Map(); // set name -> LiveChart
+let evalAnchor = charts.find((c) => c.def.id === "accuracy");
+
+function evalTrace(key) {
+  const [, , kind, k] = key.match(EVAL_SET_KEY);
+  return { key, name: `${kind}@${k}`, order: (kind === "pass" ? 0 : 1e6) + Number(k) };
+}
+
+function evalSetChart(name, keys) {
+  let chart = evalCharts.get(name);
+  if (!chart) {
+    const traces = keys.map(evalTrace).sort((a, b) => a.order - b.order);
+    chart = new LiveChart(container, { id: `eval-${evalCharts.size}`, title: `Eval set ${name}: pass@k and avg@n`,
+      traces, emptyText: "No evaluation yet" });
+    if (evalAnchor) evalAnchor.box.after(chart.box); // beside the held-out accuracy, sets in order
+    evalAnchor = chart;
+    evalCharts.set(name, chart);
+  }
+  for (const key of keys) chart.addTrace(evalTrace(key));
+  return chart;
+}
+
+function evalKeysBySet(keys) {
+  const bySet = new Map();
+  for (const key of keys) {
+    const match = key.match(EVAL_SET_KEY);
+    if (match) bySet.set(match[1], [...(bySet.get(match[1]) || []), key]);
+  }
+  return bySet;
+}
+
+const isOther = (key) => !known.has(key) && !histogram.matches(key) && !EVAL_SET_KEY.test(key);
 
 // Plain fetch, keys sorted: the first chart's URL must equal the page's <link rel=preload>.
 async function fetchSeries(keys) {
@@ -81,6 +115,7 @@ async function loadHistory() {
   let first = true;
   // One request per chart: the first chart appears without waiting for the others.
   const jobs = charts.map((chart) => [chart, chart instanceof HistogramChart ? chart.keys(available) : chart.keys().filter((k) => k in data.series)]);
+  for (const [name, keys] of evalKeysBySet(available)) jobs.push([evalSetChart(name, keys), keys.slice().sort()]);
   for (const key of available.filter(isOther).sort()) jobs.push([otherChart(key), [key]]);
   // In page order, the next request sent as soon as one answers (while that chart is
   // drawn): requests sent all at once share the server's CPU and delay the first chart.
@@ -106,6 +141,12 @@ function applyPoints(points) {
   if (!loaded) { buffered.push(points); return; }
   const byKey = groupPoints(points);
   for (const chart of charts) chart.append(byKey);
+  for (const [name, keys] of evalKeysBySet(Object.keys(byKey))) {
+    const fresh = !evalCharts.has(name);
+    const chart = evalSetChart(name, keys);
+    if (fresh) chart.init({});
+    chart.append(byKey);
+  }
   for (const key of Object.keys(byKey).filter(isOther)) {
     const chart = otherChart(key);
     if (!chart.traces.length) chart.init({});
@@ -114,7 +155,7 @@ function applyPoints(points) {
 }
 
 function lastStep() {
-  const steps = [...charts, ...otherCharts.values()].map((c) => (c instanceof HistogramChart ? c.last : c.lastStep()));
+  const steps = [...charts, ...otherCharts.values(), ...evalCharts.values()].map((c) => (c instanceof HistogramChart ? c.last : c.lastStep()));
   const best = Math.max(-Infinity, ...steps);
   return Number.isFinite(best) ? best : data.since_step;
 }
@@ -328,4 +369,4 @@ if (!run.terminal) {
   socket.start();
 }
 loadHistory();
-window.fluxrlRun = { charts, socket: () => socket }; // for the browser tests and the console
+window.fluxrlRun = { charts, evalCharts, socket: () => socket }; // for the browser tests and the console

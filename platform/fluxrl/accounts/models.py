@@ -7,6 +7,9 @@ class Team(models.Model):
     name = models.CharField(max_length=100)
     slug = models.SlugField(max_length=50, unique=True)
     created_at = models.DateTimeField(auto_now_add=True)
+    # The team's default metric exporters: a run spec's `report` section (workers/spec.py
+    # ReportSpec), merged under each run's own when it is submitted (runs.services.submit_run).
+    report_defaults = models.JSONField(default=dict, blank=True)
 
     def __str__(self):
         return self.slug

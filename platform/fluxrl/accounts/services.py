@@ -1,6 +1,7 @@
 """Teams, membership and bearer tokens (users' API tokens and workers' run tokens)."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import secrets
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from fluxrl.errors import Conflict, Forbidden, NotFound, field_error
+from fluxrl.errors import Conflict, Forbidden, InvalidInput, NotFound, field_error
 
 from .models import ApiToken, Membership, Role, RunToken, Scope, Team
 
@@ -102,6 +103,60 @@ def remove_member(team: Team, by, username: str) -> None:
     # refuses them anyway; revoked, they stay dead if the member comes back)
     RunToken.objects.filter(minted_by=membership.user_id, run__team=team, revoked_at__isnull=True).update(
         revoked_at=timezone.now())
+
+
+# --- team default exporters (a run spec's `report` section) ----------------------
+
+EXPORTERS = ("tensorboard", "mlflow", "wandb")  # workers/spec.py ReportSpec's sections
+
+
+def clean_report(report, field: str = "report") -> dict:
+    """A `report` section checked by workers.spec (its one validator) and by the platform's
+    own rule (exporters write only inside the run's folder, or to an MLflow server); the
+    fields as given, exporters switched off (null, false) left out. Errors name the field."""
+    from pydantic import ValidationError
+
+    from workers.spec import ReportSpec, report_paths_outside_run
+
+    if not isinstance(report, dict):
+        raise field_error(field, "a mapping of exporters: {tensorboard: {...}, mlflow: {...}, wandb: {...}}")
+    try:
+        checked = ReportSpec.model_validate(report)
+    except ValidationError as exc:
+        fields = {".".join([field, *map(str, e["loc"])]): "unknown field" if e["type"] == "extra_forbidden"
+                  else e["msg"] for e in exc.errors()}
+        raise InvalidInput("; ".join(f"{k}: {v}" for k, v in fields.items()), fields=fields) from None
+    outside = {f"{field}.{e['field'].partition('.')[2]}": e["message"] for e in report_paths_outside_run(checked)}
+    if outside:
+        raise InvalidInput("; ".join(f"{k}: {v}" for k, v in outside.items()), fields=outside)
+    given = checked.model_dump(mode="json", exclude_unset=True)
+    return {name: section for name, section in given.items() if section is not None}
+
+
+def set_report_defaults(team: Team, by, report) -> Team:
+    """A team admin sets the exporters every run of the team gets unless its spec says
+    otherwise (merge_report)."""
+    require_admin(by, team)
+    team.report_defaults = clean_report(report)
+    team.save(update_fields=["report_defaults"])
+    return team
+
+
+def merge_report(defaults: dict, own) -> dict:
+    """A run's `report` over its team's defaults, field by field: the run's fields win, a
+    run's null or false switches a team exporter off, true takes the team's settings."""
+    if not isinstance(own, dict):
+        return copy.deepcopy(defaults) if own is None else own  # anything else: the spec's validator says why
+    merged = copy.deepcopy(defaults)
+    for name, section in own.items():
+        team_section = defaults.get(name)
+        if isinstance(section, dict) and isinstance(team_section, dict):
+            merged[name] = {**team_section, **section}
+        elif section is True and isinstance(team_section, dict):
+            merged[name] = dict(team_section)
+        else:
+            merged[name] = section
+    return merged
 
 
 # --- user API tokens -------------------------------------------------------------

@@ -133,6 +133,18 @@ def flatten(value, prefix: str = "") -> dict:
     return {prefix: value}
 
 
+def unflatten(flat: dict) -> dict:
+    """{"a.b": 1} -> {"a": {"b": 1}} (flatten's inverse)."""
+    out: dict = {}
+    for key, value in flat.items():
+        *parents, last = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
+
+
 def config_diff(runs) -> list[dict]:
     """One row per spec field across runs: {field, values, differs}."""
     flat = [flatten(display_spec(run)) for run in runs]
@@ -205,14 +217,18 @@ def form_field(name: str, info, initial: dict) -> dict:
                 field["min"] = rule.ge
             elif isinstance(rule, annotated_types.Le):
                 field["max"] = rule.le
-    elif get_origin(annotation) in (list, dict):  # e.g. reward.components, rollout.stop: typed as JSON
+    elif get_origin(annotation) in (list, dict) or _is_model(annotation):  # e.g. reward.components, report.mlflow
         field.update(widget="text", type="json")
     else:
         field.update(widget="text", type="str")
     default = FORM_DEFAULTS.get(name, info.default)
     field["default"] = "" if default is PydanticUndefined or default is None else default
     value = initial.get(name, field["default"])
-    if field["type"] == "json" and isinstance(value, (list, dict)):
+    if _is_model(annotation) and name not in initial:  # a cloned run's section, flattened: whole again
+        value = unflatten({k[len(name) + 1:]: v for k, v in initial.items() if k.startswith(name + ".")}) or value
+    if _is_model(annotation) and isinstance(value, dict):
+        value = json.dumps(value)  # {} is meaningful here (report.tensorboard: {} = on, with its defaults)
+    elif field["type"] == "json" and isinstance(value, (list, dict)):
         value = json.dumps(value) if value else ""  # empty: the spec's default
     if field["type"] == "optbool" and isinstance(value, bool):
         value = "true" if value else "false"

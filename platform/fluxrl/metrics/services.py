@@ -16,7 +16,8 @@ from fluxrl.runs.models import MAX_STEP
 
 from .models import MetricPoint
 
-KEY_PATTERN = re.compile(r"[A-Za-z0-9_./:-]{1,100}")
+# "@": eval/<set>/pass@<k> and avg@<n> (docs/architecture.md §5)
+KEY_PATTERN = re.compile(r"[A-Za-z0-9_./:@-]{1,100}")
 
 
 def is_number(value) -> bool:
@@ -32,7 +33,7 @@ def clean_point(index: int, point) -> tuple[str, int, float, float]:
         raise field_error(where, "expected an object {key, step, value, time}")
     key, step, value, when = point.get("key"), point.get("step"), point.get("value"), point.get("time")
     if not isinstance(key, str) or not KEY_PATTERN.fullmatch(key):
-        raise field_error(f"{where}.key", "1-100 characters of letters, digits and _ . / : -")
+        raise field_error(f"{where}.key", "1-100 characters of letters, digits and _ . / : @ -")
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
         raise field_error(f"{where}.step", "a whole number >= 0 (64-bit)")
     if not is_number(value):

@@ -11,10 +11,13 @@ from pathlib import Path
 
 from django.conf import settings
 
+from fluxrl.datasets.models import DatasetVersion
 from fluxrl.errors import InvalidInput, NotFound, field_error
 from fluxrl.modelstore import services as modelstore
 from fluxrl.modelstore.models import StoredModelVersion
+from fluxrl.versioned import parse_ref
 from workers.spec import SpecError, validate_spec
+from workers.tasks.builtin_rewards import BUILTIN_REWARDS
 
 from .models import Run
 
@@ -138,11 +141,17 @@ def check_reward_model_path(team, spec: dict) -> str | None:
 
 
 def engine_spec(spec: dict, dataset_version=None, reward_version=None, model_path: str | None = None,
-                reward_model_path: str | None = None) -> dict:
+                reward_model_path: str | None = None, eval_sets: list | None = None) -> dict:
     """The spec with team references replaced by what a worker can use: the dataset's
     immutable JSONL file (fields normalized to prompt/answer), the reward's code, and the
-    model folder as check_model_path resolved it."""
+    model folder as check_model_path resolved it. ``eval_sets``: for each of eval.sets,
+    (its team dataset version or None, its team reward function's code or None)."""
     resolved = copy.deepcopy(spec)
+    for one, (set_dataset, set_code) in zip(((resolved.get("eval") or {}).get("sets") or []), eval_sets or []):
+        if set_dataset is not None:
+            one.update(dataset=str(set_dataset.path), prompt_field="prompt", answer_field="answer")
+        if set_code is not None:
+            one["reward"].update(function="user", code=set_code)
     if model_path is not None:
         resolved.setdefault("model", {})["path"] = model_path
     if reward_model_path is not None:
@@ -172,4 +181,37 @@ def resolve_spec(run: Run) -> dict:
     else:
         reward_model_path = check_reward_model_path(run.team, run.spec)
     return engine_spec(run.spec, run.dataset_version, run.reward_version, model_path=model_path,
-                       reward_model_path=reward_model_path)
+                       reward_model_path=reward_model_path, eval_sets=pinned_eval_sets(run))
+
+
+def team_reward_function(function) -> bool:
+    """Whether a reward section's function names a team function (name[@version]), not a
+    built-in, inline code, a sum of components or the reward model."""
+    return isinstance(function, str) and function not in ("user", "sum", "model") and function not in BUILTIN_REWARDS
+
+
+def team_eval_dataset(ref) -> bool:
+    """Whether an eval set's dataset names a team dataset (not the run's held-out split, nor a generator)."""
+    return isinstance(ref, str) and not ref.startswith("gen:")
+
+
+def pinned_eval_sets(run: Run) -> list[tuple]:
+    """eval.sets' team datasets and reward functions as pinned at submission: the dataset
+    version whose file the stored resolved spec names (its path computed again now), the
+    reward code it holds. Only the team's own versions are looked at."""
+    sets = ((run.spec or {}).get("eval") or {}).get("sets") or []
+    stored = ((run.resolved_spec or {}).get("eval") or {}).get("sets") or []
+    pinned = []
+    for i, (one, kept) in enumerate(zip(sets, stored)):
+        field = f"spec.eval.sets.{i}.dataset"
+        dataset_version = None
+        if team_eval_dataset(one.get("dataset")):
+            name, _ = parse_ref(one["dataset"], field)
+            versions = DatasetVersion.objects.filter(dataset__team=run.team, dataset__name=name).select_related("dataset")
+            dataset_version = next((v for v in versions if str(kept.get("dataset", "")).endswith("/" + v.file)), None)
+            if dataset_version is None:
+                raise field_error(field, f"the dataset version pinned at submission is gone from team '{run.team.slug}'")
+        function = (one.get("reward") or {}).get("function")
+        code = (kept.get("reward") or {}).get("code") if team_reward_function(function) else None
+        pinned.append((dataset_version, code))
+    return pinned

@@ -4,7 +4,9 @@ What a run's engine leaves in its output folder (engine_inputs.run_output_dir) i
 such a folder, so nothing is converted: ``final_model/`` (the trainer's save_pretrained
 when the run ends: safetensors, config.json, the tokenizer files) and, per checkpoint,
 ``checkpoints/step-<N>/model/`` (the same, beside the DeepSpeed state that --resume
-reads; workers/io/checkpoint.py). The platform reads them from FLUXRL_DATA_DIR, which
+reads; workers/io/checkpoint.py). A LoRA run's folders (model.lora) hold the base model
+with the adapter merged in, and the adapter alone as a PEFT folder in ``adapter/``
+(adapter_config.json, adapter_model.safetensors): ``part=adapter`` sends that. The platform reads them from FLUXRL_DATA_DIR, which
 the web server shares with the workers (one volume in docker-compose.yml); a run whose
 outputs stayed on a worker's own disk has nothing to export here.
 
@@ -26,7 +28,7 @@ import tempfile
 import time
 import zipfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -40,6 +42,7 @@ from .engine_inputs import run_output_dir
 from .models import Run
 
 FINAL = "final"
+PARTS = ("model", "adapter")  # the whole (merged) model, or a LoRA run's adapter as a PEFT folder
 FORMATS = {"tar.gz": "application/gzip", "zip": "application/zip", "tar": "application/x-tar"}
 CHUNK = 1 << 20
 RESULT_MAX_BYTES = 1 << 20  # result.json is a few hundred bytes
@@ -65,14 +68,25 @@ class ModelExport:
     version: int | None
     folder: Path
     files: tuple[tuple[str, int], ...]  # (name, bytes), by name
+    adapter: tuple[tuple[str, int], ...] | None = None  # model.lora: the PEFT folder's files in adapter/
+    part: str = "model"
 
     @property
     def size_bytes(self) -> int:
         return sum(size for _, size in self.files)
 
     @property
+    def adapter_bytes(self) -> int | None:
+        return None if self.adapter is None else sum(size for _, size in self.adapter)
+
+    @property
     def archive_stem(self) -> str:
-        return f"run-{self.run_id}-{FINAL if self.checkpoint == FINAL else f'step-{self.step}'}"
+        stem = f"run-{self.run_id}-{FINAL if self.checkpoint == FINAL else f'step-{self.step}'}"
+        return stem + "-adapter" if self.part == "adapter" else stem
+
+    def adapter_part(self) -> "ModelExport":
+        """The same export's adapter folder alone (``part=adapter``)."""
+        return replace(self, folder=self.folder / "adapter", files=self.adapter, adapter=None, part="adapter")
 
 
 def _exported_name(name: str) -> bool:
@@ -80,9 +94,10 @@ def _exported_name(name: str) -> bool:
     return bool(_NAME.fullmatch(name)) and (suffix in modelstore.ALLOWED_SUFFIXES or name in modelstore.ALLOWED_PLAIN)
 
 
-def _model_files(out: Path, relative: str) -> tuple[tuple[str, int], ...] | None:
+def _model_files(out: Path, relative: str, needs: str = "config.json") -> tuple[tuple[str, int], ...] | None:
     """The exported files of out/relative, or None when it is not a model folder (absent,
-    reached through a link, or without config.json and safetensors weights)."""
+    reached through a link, or without ``needs`` (config.json; an adapter's
+    adapter_config.json) and safetensors weights)."""
     folder = out / relative
     if os.path.realpath(folder) != os.path.join(os.path.realpath(out), relative):
         return None  # a link somewhere below the output folder: not the engine's folder
@@ -95,7 +110,7 @@ def _model_files(out: Path, relative: str) -> tuple[tuple[str, int], ...] | None
         if _exported_name(entry.name) and entry.is_file(follow_symlinks=False):
             files.append((entry.name, entry.stat(follow_symlinks=False).st_size))
     names = {name for name, _ in files}
-    if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
+    if needs not in names or not any(n.endswith(".safetensors") for n in names):
         return None
     return tuple(sorted(files))
 
@@ -120,11 +135,13 @@ def exportable(run: Run) -> list[ModelExport]:
     found = []
     steps = _final_steps(out) if run.is_terminal else None
     if steps is not None and (files := _model_files(out, "final_model")):
-        found.append(ModelExport(run.pk, FINAL, steps if steps >= 0 else None, None, out / "final_model", files))
+        found.append(ModelExport(run.pk, FINAL, steps if steps >= 0 else None, None, out / "final_model", files,
+                                 _model_files(out, "final_model/adapter", "adapter_config.json")))
     for info in reversed(list_checkpoints(out)):
         relative = f"checkpoints/{info.path.name}/model"
         if files := _model_files(out, relative):
-            found.append(ModelExport(run.pk, str(info.step), info.step, info.version, out / relative, files))
+            found.append(ModelExport(run.pk, str(info.step), info.step, info.version, out / relative, files,
+                                     _model_files(out, f"{relative}/adapter", "adapter_config.json")))
     return found
 
 
@@ -132,9 +149,12 @@ def _available(found: list[ModelExport]) -> str:
     return ", ".join(e.checkpoint for e in found) or "none"
 
 
-def find_export(run: Run, checkpoint: str = FINAL) -> ModelExport:
+def find_export(run: Run, checkpoint: str = FINAL, part: str = "model") -> ModelExport:
     """The export ``checkpoint`` names ("final" or a checkpoint's step), or an error that
-    says what there is: 400 (bad value), 409 (the run has not ended, for "final"), 404."""
+    says what there is: 400 (bad value), 409 (the run has not ended, for "final"), 404.
+    ``part`` "adapter": that export's LoRA adapter alone (404 for a run without model.lora)."""
+    if part not in PARTS:
+        raise field_error("part", f"{str(part)[:20]!r} is not one of {', '.join(PARTS)}")
     checkpoint = (checkpoint or FINAL).strip().lower()
     if not _CHECKPOINT.fullmatch(checkpoint):
         raise field_error("checkpoint", f"{checkpoint[:40]!r} is neither 'final' nor a checkpoint's step number")
@@ -143,7 +163,13 @@ def find_export(run: Run, checkpoint: str = FINAL) -> ModelExport:
     found = exportable(run)
     for export in found:
         if export.checkpoint == checkpoint:
-            return export
+            if part == "model":
+                return export
+            if export.adapter is None:
+                raise NotFound(f"Run {run.pk}'s {export.archive_stem} has no LoRA adapter: only a run with model.lora "
+                               "trains one; download the whole model (part=model).",
+                               fields={"part": "no adapter in these weights (the run has no model.lora)"})
+            return export.adapter_part()
     available = _available(found)
     if checkpoint == FINAL and not run.is_terminal:
         raise NotFinished(f"Run {run.pk} is {run.status}: its final model is saved when it ends. Exportable now: "

@@ -17,13 +17,14 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Q, QuerySet
 
+from fluxrl.accounts.services import merge_report
 from fluxrl.datasets import services as datasets
 from fluxrl.errors import Conflict, InvalidInput, NotFound, TooLarge, field_error
 from fluxrl.quotas import services as quotas
 from fluxrl.rewards import services as rewards
 from fluxrl.safe_yaml import BadYAML, load_yaml_mapping
 from workers.tasks.builtin_rewards import BUILTIN_REWARDS
-from workers.spec import SpecError, validate_spec
+from workers.spec import SpecError, report_paths_outside_run, validate_spec
 from workers.tasks.datasets import GENERATORS
 
 from . import live, tasks
@@ -38,6 +39,8 @@ from .engine_inputs import (  # noqa: F401 - re-exported: callers name them as r
     stored_model_version,
     engine_spec,
     model_roots,
+    team_eval_dataset,
+    team_reward_function,
     resolve_spec,
     run_dir,
     run_output_dir,
@@ -67,15 +70,22 @@ class NoCheckpoint(Conflict):
 # --- submission ------------------------------------------------------------------------
 
 
-def parse_user_spec(spec_input) -> dict:
+def parse_user_spec(spec_input, team=None) -> dict:
     """The submitted spec (a mapping, or YAML/JSON text) checked by workers.spec, the one
-    validator: unknown fields and bad values are reported by their dotted name."""
+    validator: unknown fields and bad values are reported by their dotted name. With a
+    team, its default exporters are merged under the spec's own `report` first (the run
+    keeps the merged section, so its spec says where its metrics went)."""
     if isinstance(spec_input, (str, bytes)):
         spec_input = load_spec_text(spec_input)
+    if team is not None and team.report_defaults and isinstance(spec_input, dict):
+        spec_input = {**spec_input, "report": merge_report(team.report_defaults, spec_input.get("report"))}
     try:
         validated = validate_spec(spec_input)
     except SpecError as exc:
         raise spec_errors(exc.errors) from None
+    outside = report_paths_outside_run(validated.report)  # a run writes only inside its own folder
+    if outside:
+        raise spec_errors(outside)
     quotas.check_spec_ceilings(validated.to_dict())  # the deployment's per-run engines and nodes
     return copy.deepcopy(spec_input)
 
@@ -112,6 +122,25 @@ def resolve_references(team, spec: dict):
     return dataset_version, reward_version
 
 
+def resolve_eval_sets(team, spec: dict) -> list[tuple]:
+    """For each of eval.sets, (its team dataset version or None, its team reward
+    function's code or None): the team's own, pinned now like task.dataset and
+    reward.function. A set without a dataset evaluates the run's held-out split; a gen:
+    generator is checked by workers.spec; a dataset or function of another team is not found."""
+    pinned = []
+    for i, one in enumerate(((spec.get("eval") or {}).get("sets")) or []):
+        ref, function = one.get("dataset"), (one.get("reward") or {}).get("function")
+        try:
+            dataset_version = (datasets.get_version(team, ref, field=f"spec.eval.sets.{i}.dataset")
+                               if team_eval_dataset(ref) else None)
+            code = (rewards.get_version(team, function, field=f"spec.eval.sets.{i}.reward.function").code
+                    if team_reward_function(function) else None)
+        except NotFound as exc:  # a dangling reference is a bad spec, not a missing URL
+            raise InvalidInput("; ".join(f"{f}: {exc.message}" for f in exc.fields), fields=exc.fields) from None
+        pinned.append((dataset_version, code))
+    return pinned
+
+
 def clean_tags(tags) -> list[str]:
     tags = list(dict.fromkeys(str(t).strip() for t in tags or []))
     bad = [t for t in tags if not TAG_PATTERN.fullmatch(t)]
@@ -128,15 +157,16 @@ def set_tags(run: Run, tags) -> None:
 
 @transaction.atomic
 def submit_run(team, owner, spec_input, tags=(), notes: str = "") -> Run:
-    """Validate and store a run as queued. The submitted spec is kept as is; the dataset
-    and reward versions it names are pinned, so later uploads do not change the run."""
-    spec = parse_user_spec(spec_input)
+    """Validate and store a run as queued. The submitted spec is kept as is (with the
+    team's default exporters merged into its `report`); the dataset and reward versions it
+    names are pinned, so later uploads do not change the run."""
+    spec = parse_user_spec(spec_input, team)
     model_path = check_model_path(team, spec["model"]["path"])
     reward_model_path = check_reward_model_path(team, spec)
     dataset_version, reward_version = resolve_references(team, spec)
     reward_model = (spec.get("reward") or {}).get("model") or {}
     resolved_spec = engine_spec(spec, dataset_version, reward_version, model_path=model_path,
-                                reward_model_path=reward_model_path)
+                                reward_model_path=reward_model_path, eval_sets=resolve_eval_sets(team, spec))
     quotas.check_run_quota(team, resolved_spec)  # locks the team's row until this run is stored
     run = Run.objects.create(
         team=team, owner=owner, name=spec["name"], spec=spec, notes=notes, resolved_spec=resolved_spec,

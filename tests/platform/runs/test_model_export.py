@@ -304,3 +304,58 @@ def test_weights_larger_than_a_team_model_may_be_are_refused_before_a_copy_is_ma
                         "too_large", "checkpoint")
     assert "FLUXRL_MAX_MODEL_MB" in body["message"]
     assert not list((settings.FLUXRL_DATA_DIR / "team-models").glob("**/*.tar"))
+
+
+@pytest.fixture(scope="session")
+def lora_outputs(tmp_path_factory, tiny_model_path):
+    """A LoRA run's --out (model.lora): final_model is the merged model, final_model/adapter the PEFT folder."""
+    folder = tmp_path_factory.mktemp("engine-lora")
+    spec = {**SPEC, "name": "export-lora", "model": {"path": "builtin:tiny", "lora": {"rank": 4, "alpha": 8}},
+            "algorithm": {**SPEC["algorithm"], "lr": 1.0e-2}}
+    (folder / "spec.yaml").write_text(yaml.safe_dump(spec))
+    proc = subprocess.run([sys.executable, "-m", "workers", "run", str(folder / "spec.yaml"), "--out",
+                           str(folder / "out"), "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return folder / "out"
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(900)
+def test_a_lora_runs_adapter_downloads_as_a_peft_folder_that_on_the_base_model_computes_the_merged_model(
+        api_a, run_a, lora_outputs, tiny_model_path, tmp_path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ended(run_a, lora_outputs)
+    final = api_a.get(f"/api/runs/{run_a.pk}/exports/").json()[0]
+    assert final["checkpoint"] == "final" and final["adapter_download"].endswith("&part=adapter")
+    assert 0 < final["adapter_bytes"] < 0.05 * final["size_bytes"]  # the adapter is a small part of the model
+
+    response = api_a.get(final["adapter_download"])
+    assert response["Content-Disposition"] == f'attachment; filename="run-{run_a.pk}-final-adapter.tar.gz"'
+    with tarfile.open(fileobj=io.BytesIO(content(response)), mode="r:gz") as archive:
+        archive.extractall(tmp_path, filter="data")
+    adapter = tmp_path / f"run-{run_a.pk}-final-adapter"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    ids = AutoTokenizer.from_pretrained(tiny_model_path)("12+34=", return_tensors="pt").input_ids
+    with torch.no_grad():
+        before = base(ids).logits
+        with_adapter = PeftModel.from_pretrained(base, adapter).eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(lora_outputs / "final_model", dtype=torch.float32).eval()(ids).logits
+    assert not torch.allclose(with_adapter, before)  # the adapter trained (B no longer 0)
+    assert torch.allclose(with_adapter, merged, atol=1e-4)  # the whole-model download is the same policy
+
+
+def test_a_run_without_an_adapter_says_so_and_a_bad_part_names_the_field(api_a, run_a, assert_error):
+    ended(run_a, None)
+    out = run_output_dir(run_a.pk)
+    model_folder(out / "final_model")
+    (out / "result.json").write_text(json.dumps({"steps": 2}))
+    assert api_a.get(f"/api/runs/{run_a.pk}/exports/").json()[0]["adapter_download"] is None
+    body = assert_error(api_a.get(f"/api/runs/{run_a.pk}/model/?part=adapter"), 404, "not_found", "part")
+    assert "has no LoRA adapter" in body["message"]
+    assert_error(api_a.get(f"/api/runs/{run_a.pk}/model/?part=optimizer"), 400, field="part")
+    assert api_a.get(f"/api/runs/{run_a.pk}/model/?part=model").status_code == 200

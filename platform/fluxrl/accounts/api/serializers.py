@@ -64,3 +64,11 @@ class ApiTokenCreatedSerializer(ApiTokenSerializer):
 
     class Meta(ApiTokenSerializer.Meta):
         fields = [*ApiTokenSerializer.Meta.fields, "key"]
+
+
+class ReportDefaultsSerializer(serializers.Serializer):
+    team = serializers.SlugField(read_only=True, help_text="the team's slug")
+    report = serializers.JSONField(help_text="the team's default metric exporters: a run spec's `report` section "
+                                   "({tensorboard: {dir}, mlflow: {tracking_uri, experiment, run_name, tags}, "
+                                   "wandb: {project, entity, mode, dir, name, group, tags}}), merged under each "
+                                   "run's own report when it is submitted; {} for none")

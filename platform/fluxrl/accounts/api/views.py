@@ -15,6 +15,7 @@ from .serializers import (
     MemberCreateSerializer,
     MemberSerializer,
     MeSerializer,
+    ReportDefaultsSerializer,
     TeamCreateSerializer,
     TeamSerializer,
 )
@@ -51,6 +52,28 @@ class TeamDetailView(generics.RetrieveAPIView):
 
     def get_queryset(self):
         return teams_with_role(self.request)
+
+
+class TeamReportDefaultsView(generics.GenericAPIView):
+    """The team's default exporters: any member reads them, an admin sets them (PUT)."""
+
+    serializer_class = ReportDefaultsSerializer
+
+    def get_queryset(self):
+        return services.visible_teams(self.request.user, self.request.auth)
+
+    def get_object(self):  # (also what an OPTIONS request describes)
+        return services.get_visible_team(self.request.user, self.request.auth, self.kwargs["slug"])
+
+    def get(self, request, slug):
+        team = self.get_object()
+        return Response(ReportDefaultsSerializer({"team": team.slug, "report": team.report_defaults}).data)
+
+    def put(self, request, slug):
+        team = self.get_object()  # another team's: 404 before anything about the body
+        report = validated(ReportDefaultsSerializer, request.data)["report"]
+        team = services.set_report_defaults(team, request.user, report)
+        return Response(ReportDefaultsSerializer({"team": team.slug, "report": team.report_defaults}).data)
 
 
 class TeamMembersMixin:

@@ -181,6 +181,9 @@ class ModelExportSerializer(serializers.Serializer):
     size_bytes = serializers.IntegerField()
     files = serializers.SerializerMethodField()
     download = serializers.SerializerMethodField(help_text="GET it for a .tar.gz of the folder (&archive=zip or tar)")
+    adapter_bytes = serializers.IntegerField(allow_null=True, help_text="model.lora: the adapter's bytes (else null)")
+    adapter_download = serializers.SerializerMethodField(help_text="model.lora: the adapter alone as a PEFT folder "
+                                                         "(else null)")
 
     def get_files(self, export) -> ModelFileSerializer(many=True):
         return [{"name": name, "size": size} for name, size in export.files]
@@ -188,12 +191,18 @@ class ModelExportSerializer(serializers.Serializer):
     def get_download(self, export) -> str:
         return f"/api/runs/{export.run_id}/model/?checkpoint={export.checkpoint}"
 
+    def get_adapter_download(self, export) -> str | None:
+        return None if export.adapter is None else f"{self.get_download(export)}&part=adapter"
+
 
 class ModelDownloadQuerySerializer(serializers.Serializer):
     checkpoint = serializers.CharField(default="final", max_length=40,
                                        help_text="'final' (when the run has ended) or a checkpoint's step")
     # not `format`: DRF reads ?format= as the renderer to use
     archive = serializers.ChoiceField(choices=["tar.gz", "zip", "tar"], default="tar.gz")
+    part = serializers.ChoiceField(choices=["model", "adapter"], default="model", help_text="model: the whole "
+                                   "model (a LoRA run's with the adapter merged in); adapter: a LoRA run's adapter "
+                                   "alone, as a PEFT folder")
 
 
 class SaveModelSerializer(serializers.Serializer):

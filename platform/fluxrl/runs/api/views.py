@@ -208,7 +208,8 @@ class RunModelView(RunMixin, generics.GenericAPIView):
     serializer_class = ModelExportSerializer
 
     @extend_schema(parameters=[ModelDownloadQuerySerializer], summary="Download the run's weights as a Hugging "
-                   "Face folder (safetensors, config, tokenizer) in a .tar.gz, .zip or .tar",
+                   "Face folder (safetensors, config, tokenizer) in a .tar.gz, .zip or .tar; part=adapter: a LoRA "
+                   "run's adapter alone, as a PEFT folder",
                    responses={(200, "application/gzip"): OpenApiTypes.BINARY,
                               404: OpenApiResponse(description="no such run, or no such weights (the message says "
                                                                "what the run has)"),
@@ -216,7 +217,7 @@ class RunModelView(RunMixin, generics.GenericAPIView):
     def get(self, request, pk):
         run = self.get_object()
         query = validated(ModelDownloadQuerySerializer, request.query_params)
-        archive = exports.open_archive(exports.find_export(run, query["checkpoint"]), query["archive"])
+        archive = exports.open_archive(exports.find_export(run, query["checkpoint"], query["part"]), query["archive"])
         chunks = _async_chunks(archive.chunks) if isinstance(request._request, ASGIRequest) else archive.chunks
         response = StreamingHttpResponse(chunks, content_type=archive.content_type)
         response["Content-Disposition"] = f'attachment; filename="{archive.filename}"'

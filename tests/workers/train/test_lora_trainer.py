@@ -1,0 +1,143 @@
+"""model.lora on the DeepSpeed trainer (tiny model, one rank): only the adapter trains, the
+optimizer holds state for it alone, what leaves the trainer is the adapter with its config,
+the KL reference is the base model (the adapter disabled), and a saved folder is the
+merged model plus the adapter."""
+import json
+import os
+
+import pytest
+import torch
+
+from workers.spec import validate_spec
+from workers.train.trainer import Trainer, TrainSample
+from workers.weights.files import ADAPTER_CONFIG_KEY, trainer_weight_file, weight_file_metadata
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
+
+LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+def _spec(lora=LORA, **algorithm):
+    return validate_spec({
+        "name": "lora-trainer", "model": {"path": "builtin:tiny", "lora": lora},
+        "task": {"dataset": "gen:add?max_digits=2"}, "reward": {"function": "numeric_match"},
+        "algorithm": {"lr": 5e-2, "warmup_steps": 0, "minibatches": 1, **algorithm},
+    })
+
+
+def _batch(n=8):
+    from workers.models.tinymodel import encode
+
+    out = []
+    for i in range(n):
+        prompt = encode(f"{i + 3}+{2 * i}=")
+        tokens = encode(str(i + 3 + 2 * i))[:3] or [5]
+        out.append(TrainSample(prompt, tokens, [-1.0] * len(tokens), 1.0 if i % 2 else -1.0))
+    return out
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model_path):
+    return Trainer(_spec(kl_coef=0.1), tiny_model_path, threads=1)
+
+
+def test_only_the_adapter_trains_and_has_optimizer_state(trainer):
+    module = trainer.engine.module
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    # 3 layers x (q_proj, v_proj) x rank 4 x (128 in + 128 out)
+    assert sum(p.numel() for p in module.parameters() if p.requires_grad) == 3 * 2 * 4 * (128 + 128)
+    optimized = [p for group in trainer.engine.optimizer.param_groups for p in group["params"]]
+    assert {id(p) for p in optimized} == {id(p) for p in module.parameters() if p.requires_grad}
+    frozen = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
+    adapter = {k: v.clone() for k, v in trainer.state_dict().items()}
+    trainer.train_step(_batch())
+    after = dict(module.named_parameters())
+    assert all(torch.equal(after[n], v) for n, v in frozen.items())  # the base model did not move
+    moved = trainer.state_dict()
+    assert any(not torch.equal(moved[k], adapter[k]) for k in adapter)
+    state = trainer.engine.optimizer.state
+    assert all(p.requires_grad for p in state)  # Adam's moments exist for adapter parameters only
+
+
+def test_weights_leaving_the_trainer_are_the_adapter_with_its_config(trainer, tmp_path):
+    state = trainer.state_dict()
+    assert state and all(k.startswith("base_model.model.") and ".lora_" in k for k in state)
+    file = trainer_weight_file(trainer, str(tmp_path), trainer.version)
+    config = json.loads(weight_file_metadata(file.path)[ADAPTER_CONFIG_KEY])
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and config["peft_type"] == "LORA"
+    assert sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+    full = os.path.getsize(os.path.join(trainer.model_path, "model.safetensors"))
+    assert file.size < 0.05 * full
+
+
+def test_the_kl_reference_is_the_base_model_with_the_adapter_disabled(trainer, tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    assert trainer.reference is None and trainer.has_reference  # no second copy of the model
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    s = _batch(1)[0]
+    ids = torch.tensor([s.prompt_ids + s.token_ids])
+    att = torch.ones_like(ids)
+    ref, _ = trainer._reference_logprobs(ids, att)
+    with torch.no_grad():
+        expect, _ = trainer._logprobs(base, ids, att)
+        policy, _ = trainer._logprobs(trainer.engine.module, ids, att)
+    assert torch.allclose(ref, expect, atol=1e-5)
+    assert not torch.allclose(policy, expect, atol=1e-4)  # the trained adapter is on outside the context
+
+
+def test_a_saved_folder_is_the_merged_model_and_the_adapter(trainer, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    trainer.save(str(tmp_path / "model"))
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model")).eval()
+    base = AutoModelForCausalLM.from_pretrained(trainer.model_path)
+    adapted = PeftModel.from_pretrained(base, str(tmp_path / "model" / "adapter")).eval()
+    ids = torch.tensor([_batch(1)[0].prompt_ids])
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-4)
+        assert torch.allclose(merged(input_ids=ids).logits, trainer.engine.module(input_ids=ids).logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"trainer": {"pipeline": {"stages": 2}}, "algorithm": {"advantage": "gae"}}, "trainer.pipeline.stages 1"),
+    ({"trainer": {"zero_stage": 3}}, "trainer.zero_stage 0, 1 or 2"),
+    ({"algorithm": {"advantage": "gae"}}, "algorithm.advantage 'group'"),
+    ({"rollout": {"weight_transport": "collective"}}, "rollout.weight_transport 'rpc'"),
+])
+def test_lora_refuses_what_it_cannot_do_naming_the_field(spec, field):
+    from workers.spec import SpecError
+
+    doc = {"name": "x", "model": {"path": "builtin:tiny", "lora": LORA}, "task": {"dataset": "gen:add"}, **spec}
+    with pytest.raises(SpecError) as err:
+        validate_spec(doc)
+    assert "model.lora needs" in str(err.value) and field in str(err.value)
+
+
+def test_lora_fields_are_bounded_by_name():
+    from workers.spec import SpecError
+
+    doc = {"name": "x", "model": {"path": "builtin:tiny", "lora": {"rank": 0, "colour": 1}},
+           "task": {"dataset": "gen:add"}}
+    with pytest.raises(SpecError) as err:
+        validate_spec(doc)
+    fields = {e["field"] for e in err.value.errors}
+    assert {"model.lora.rank", "model.lora.colour"} <= fields
+
+
+def test_trainer_ranks_train_the_adapter_and_write_it_with_its_config(tiny_model_path, tmp_path):
+    """Two data-parallel rank processes (ZeRO-2): rank 0 writes the adapter file itself."""
+    from workers.train.ranks import TrainerGroup
+
+    spec = _spec()
+    spec.trainer.zero_stage = 2
+    with TrainerGroup(spec, tiny_model_path, 2, 1, 0) as group:
+        before = group.state_dict()
+        group.train_step(_batch())
+        file = trainer_weight_file(group, str(tmp_path), group.version)
+        after = group.state_dict()
+    assert set(before) == set(after) and all(".lora_" in k for k in after)
+    assert any(not torch.equal(before[k], after[k]) for k in after)
+    assert json.loads(weight_file_metadata(file.path)[ADAPTER_CONFIG_KEY])["r"] == 4

@@ -1,0 +1,135 @@
+"""LoRA RL (``model.lora``, docs/guides/lora.md): PEFT's adapter on the trainer's policy.
+
+Only the adapter trains: the base model's parameters are frozen, the optimizer is built
+over the adapter's alone. What leaves the trainer for the engines is the adapter in
+PEFT's own names (``get_peft_model_state_dict``: ``base_model.model.<module>.lora_A.weight``),
+with PEFT's adapter_config riding in the safetensors header
+(``workers.weights.files.ADAPTER_CONFIG_KEY``): the rollout engines serve it as a vLLM LoRA.
+The KL reference is the same module with the adapter disabled (``reference_logprobs``).
+"""
+from __future__ import annotations
+
+import enum
+import json
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import torch
+
+    from workers.spec import LoraSpec
+
+ADAPTER = "default"  # PEFT's adapter name
+
+
+def lora_config(lora: "LoraSpec", model_type: Optional[str] = None):
+    """PEFT's LoraConfig for ``model.lora``. ``target_modules`` left out: PEFT's default for
+    the architecture (``model_type``), resolved here so that the planner counts the same."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=resolve_target_modules(lora, model_type), bias="none",
+                      task_type="CAUSAL_LM")
+
+
+def resolve_target_modules(lora: "LoraSpec", model_type: Optional[str]) -> list[str]:
+    if lora.target_modules:
+        return list(lora.target_modules)
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    found = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type or "")
+    if not found:
+        raise ValueError(f"model.lora.target_modules: PEFT has no default for model type {model_type!r}; "
+                         "name the linear layers, e.g. [q_proj, v_proj]")
+    return list(found)
+
+
+def wrap(model, lora: "LoraSpec"):
+    """``model`` as a PEFT model with a fresh adapter (B = 0: the policy starts as the base
+    model exactly); only the adapter's parameters require gradients."""
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, lora_config(lora, getattr(model.config, "model_type", None)))
+    except ValueError as exc:  # e.g. target modules not found in the base model
+        raise ValueError(f"model.lora.target_modules: {exc}") from None
+
+
+def adapter_param_count(model, lora: "LoraSpec") -> int:
+    """The adapter's parameters for ``model`` (a HF model, on the meta device will do):
+    rank x (in + out) for each targeted linear layer, as PEFT builds them."""
+    import torch
+
+    targets = resolve_target_modules(lora, getattr(model.config, "model_type", None))
+    total = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+            total += lora.rank * (module.in_features + module.out_features)
+    return total
+
+
+def trainable_parameters(model) -> list["torch.nn.Parameter"]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def adapter_state_dict(model) -> dict[str, "torch.Tensor"]:
+    """The adapter's tensors in PEFT's saved names (what vLLM's LoRA loader reads)."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model, adapter_name=ADAPTER)
+
+
+def adapter_config(model) -> dict:
+    """PEFT's adapter_config.json of ``model``'s adapter, as plain JSON values."""
+    def plain(value):
+        if isinstance(value, enum.Enum):
+            return value.value
+        if isinstance(value, (set, frozenset, tuple)):
+            return sorted(plain(v) for v in value)
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value
+
+    return plain(model.peft_config[ADAPTER].to_dict())
+
+
+def adapter_metadata(model) -> dict[str, str]:
+    """The safetensors header entries a weight file of the adapter carries."""
+    from workers.weights.files import ADAPTER_CONFIG_KEY
+
+    return {ADAPTER_CONFIG_KEY: json.dumps(adapter_config(model), sort_keys=True)}
+
+
+def merged_state_dict(model) -> dict[str, "torch.Tensor"]:
+    """The base model's state dict with the adapter merged in (W + scaling x B A), in the
+    base model's names, computed beside the module (it keeps training unmerged)."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {}
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+                deltas[f"{name}.weight"] = module.get_delta_weight(ADAPTER)
+        out = {}
+        for key, value in base.state_dict().items():
+            if ".lora_" in key:
+                continue
+            key = key.replace(".base_layer.", ".")
+            value = value.detach().to("cpu")
+            if key in deltas:
+                value = (value + deltas[key].to("cpu", value.dtype))
+            out[key] = value
+    return out
+
+
+def reference_logprobs(trainer, ids, att):
+    """log π_ref of ``ids``: the base model is the trainer's own module with the adapter
+    disabled (no second copy of the model)."""
+    import torch
+
+    module = trainer.engine.module
+    with torch.no_grad(), module.disable_adapter():
+        return trainer._logprobs(module, ids, att)
