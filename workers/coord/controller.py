@@ -396,10 +396,12 @@ class Controller:
             failed = False
             return self.result
         finally:
-            await self.close()
-            if exporters is not None:  # the points queued are written, each exporter's run ended
-                self.reporter.exporters = None
-                self.result.exporters = await asyncio.to_thread(exporters.close, failed)
+            try:
+                await self.close()
+            finally:  # even when closing the processes fails: each exporter's run is ended
+                if exporters is not None:  # the points queued are written, each exporter's run ended
+                    self.reporter.exporters = None
+                    self.result.exporters = await asyncio.to_thread(exporters.close, failed)
 
     def _open_exporters(self):
         """The spec's report.* exporters (workers/io/exporters.py), fed every point the

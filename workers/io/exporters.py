@@ -24,6 +24,7 @@ import threading
 from collections import deque
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +116,28 @@ class MlflowExporter(Exporter):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         return uri
 
+    # what MLflow's client attaches to every request, read from the environment at request time
+    CREDENTIALS = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
+                   "MLFLOW_TRACKING_AUTH", "MLFLOW_TRACKING_CLIENT_CERT_PATH", "MLFLOW_TRACKING_SERVER_CERT_PATH")
+
+    def keep_credentials_home(self, uri: str) -> None:
+        """The worker's MLflow credentials belong to its own server (MLFLOW_TRACKING_URI): a
+        spec that names another server (any team member writes specs) must not receive them,
+        so they leave this process's environment before the client is made."""
+        home = os.environ.get("MLFLOW_TRACKING_URI", "")
+        if urlsplit(uri).netloc and urlsplit(uri).netloc.lower() == urlsplit(home).netloc.lower():
+            return
+        dropped = [name for name in self.CREDENTIALS if os.environ.pop(name, None) is not None]
+        if dropped:
+            log.warning("report.mlflow: %s is not this worker's MLFLOW_TRACKING_URI; its credentials (%s) are not "
+                        "sent there", uri, ", ".join(dropped))
+
     def open(self) -> None:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         self.uri = self.tracking_uri()
+        self.keep_credentials_home(self.uri)
         self.client = MlflowClient(tracking_uri=self.uri)
         name = self.settings["experiment"]
         experiment = self.client.get_experiment_by_name(name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
@@ -92,6 +93,18 @@ def adapter_config(model) -> dict:
         return value
 
     return plain(model.peft_config[ADAPTER].to_dict())
+
+
+def scrub_adapter_config(folder: str) -> None:
+    """PEFT writes the base model's local path into adapter_config.json: on a worker that is
+    a server folder (a team's stored model), which a downloaded adapter must not reveal; the
+    user names the base model when loading it (PeftModel.from_pretrained(base, folder))."""
+    path = os.path.join(folder, "adapter_config.json")
+    with open(path, encoding="utf-8") as fh:
+        config = json.load(fh)
+    config["base_model_name_or_path"] = None
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(config, fh, indent=2, sort_keys=True)
 
 
 def adapter_metadata(model) -> dict[str, str]:

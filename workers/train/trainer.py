@@ -449,6 +449,9 @@ class Trainer:
             module.get_base_model().save_pretrained(path, state_dict=state, safe_serialization=True)
             module.save_pretrained(os.path.join(path, "adapter"), safe_serialization=True,
                                    save_embedding_layers=False)
+            from workers.train.lora import scrub_adapter_config
+
+            scrub_adapter_config(os.path.join(path, "adapter"))
         else:
             state = self.state_dict()
             self.engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)

@@ -13,6 +13,7 @@ over ``FLUXRL_WIRE_MAX_BLOB_MB`` (about 1.07 B parameters in float32) failed bef
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -96,18 +97,26 @@ def model_state_bytes(model_path: str, dtype: str) -> int:
     from safetensors import safe_open
 
     width = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+    names = sorted(os.listdir(model_path))
+    # One copy of the weights: a sharded folder's index names its shards (a folder may also ship
+    # a consolidated file, or pickled copies beside safetensors, or training_args.bin)
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as fh:
+            shards = sorted(set(json.load(fh).get("weight_map", {}).values()))
+    else:
+        shards = [n for n in names if n.endswith(".safetensors")]
+    if not shards:  # pickled weights only: their file sizes
+        return sum(os.path.getsize(os.path.join(model_path, n)) for n in names
+                   if n.startswith("pytorch_model") and n.endswith(".bin") or n.endswith((".pt", ".pth")))
     total = 0
-    for name in sorted(os.listdir(model_path)):
-        file = os.path.join(model_path, name)
-        if name.endswith(".safetensors"):
-            with safe_open(file, framework="pt") as f:
-                for key in f.keys():
-                    count = 1
-                    for dim in f.get_slice(key).get_shape():
-                        count *= dim
-                    total += count * width
-        elif name.endswith((".bin", ".pt", ".pth")):
-            total += os.path.getsize(file)
+    for name in shards:
+        with safe_open(os.path.join(model_path, name), framework="pt") as f:
+            for key in f.keys():
+                count = 1
+                for dim in f.get_slice(key).get_shape():
+                    count *= dim
+                total += count * width
     return total
 
 

@@ -25,12 +25,13 @@ import re
 import stat
 import tarfile
 import tempfile
+import threading
 import time
 import zipfile
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from django.core.files import File
 
@@ -312,12 +313,15 @@ def _zip(stem: str, opened: list[_Opened]) -> Iterator[bytes]:
 @dataclass
 class Archive:
     """An export being sent: its file name, media type, length when known, and chunks
-    (a generator; its files are closed when it ends or is closed)."""
+    (a generator; its files are closed when it ends). ``close`` closes them too, whether or
+    not the chunks were ever read (a client gone before the first chunk): the response
+    calls it when it is closed."""
 
     filename: str
     content_type: str
     length: int | None
     chunks: Iterator[bytes]
+    close: Callable[[], None]
 
 
 def open_archive(export: ModelExport, fmt: str = "tar.gz") -> Archive:
@@ -330,15 +334,24 @@ def open_archive(export: ModelExport, fmt: str = "tar.gz") -> Archive:
     writer = {"tar.gz": lambda: _gzip(_tar(stem, opened)), "tar": lambda: _tar(stem, opened),
               "zip": lambda: _zip(stem, opened)}[fmt]
 
+    lock, still_open = threading.Lock(), [True]
+
+    def release() -> None:  # once: a second close could hit a descriptor number reused since
+        with lock:
+            if still_open[0]:
+                still_open[0] = False
+                _close(opened)
+
     def chunks() -> Iterator[bytes]:
         try:
             for chunk in writer():
                 if chunk:
                     yield chunk
         finally:
-            _close(opened)
+            release()
 
-    return Archive(f"{stem}.{fmt}", FORMATS[fmt], tar_size(export, opened) if fmt == "tar" else None, chunks())
+    return Archive(f"{stem}.{fmt}", FORMATS[fmt], tar_size(export, opened) if fmt == "tar" else None, chunks(),
+                   release)
 
 
 # --- into the team's models ------------------------------------------------------------------

@@ -338,6 +338,8 @@ def test_a_lora_runs_adapter_downloads_as_a_peft_folder_that_on_the_base_model_c
         archive.extractall(tmp_path, filter="data")
     adapter = tmp_path / f"run-{run_a.pk}-final-adapter"
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
+    # the worker's folder of the base model stays on the server: the user names the base when loading
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] is None
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     ids = AutoTokenizer.from_pretrained(tiny_model_path)("12+34=", return_tensors="pt").input_ids
@@ -359,3 +361,18 @@ def test_a_run_without_an_adapter_says_so_and_a_bad_part_names_the_field(api_a, 
     assert "has no LoRA adapter" in body["message"]
     assert_error(api_a.get(f"/api/runs/{run_a.pk}/model/?part=optimizer"), 400, field="part")
     assert api_a.get(f"/api/runs/{run_a.pk}/model/?part=model").status_code == 200
+
+
+def test_an_archive_never_read_closes_its_files_when_the_response_is_closed(api_a, run_a):
+    """A client gone before the first chunk: the response's close releases every opened file."""
+    ended(run_a, None)
+    out = run_output_dir(run_a.pk)
+    model_folder(out / "final_model")
+    (out / "result.json").write_text(json.dumps({"steps": 2}))
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        response = api_a.get(f"/api/runs/{run_a.pk}/model/")
+        assert response.status_code == 200
+        for closer in response._resource_closers:  # what response.close() runs when the client has gone
+            closer()  # (close() itself would also end the test's database connection: request_finished)
+    assert len(os.listdir("/proc/self/fd")) <= before

@@ -102,3 +102,34 @@ def test_the_engines_cap_is_a_multiple_of_its_model_folders_weights(tmp_path):
     spool = WeightSpool.for_model(str(tmp_path))
     assert spool.max_bytes == 4 * 1000 + (64 << 20)
     spool.close()
+
+
+def test_model_bytes_count_one_copy_of_the_weights(tmp_path):
+    """weights/model_bytes: safetensors shapes at the dtype's width; a pickled copy, training_args.bin
+    or a consolidated file the index does not name are not counted again."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from workers.weights.files import model_state_bytes
+
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x" * 1000)
+    (tmp_path / "training_args.bin").write_bytes(b"x" * 100)
+    assert model_state_bytes(str(tmp_path), "float32") == 17 * 4
+    assert model_state_bytes(str(tmp_path), "bfloat16") == 17 * 2
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    save_file({"a": torch.zeros(3, 4)}, str(sharded / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.zeros(5)}, str(sharded / "model-00002-of-00002.safetensors"))
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, str(sharded / "consolidated.safetensors"))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    assert model_state_bytes(str(sharded), "float32") == 17 * 4
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "pytorch_model.bin").write_bytes(b"x" * 1000)
+    (pickled / "training_args.bin").write_bytes(b"x" * 100)
+    assert model_state_bytes(str(pickled), "float32") == 1000

@@ -220,6 +220,7 @@ class RunModelView(RunMixin, generics.GenericAPIView):
         archive = exports.open_archive(exports.find_export(run, query["checkpoint"], query["part"]), query["archive"])
         chunks = _async_chunks(archive.chunks) if isinstance(request._request, ASGIRequest) else archive.chunks
         response = StreamingHttpResponse(chunks, content_type=archive.content_type)
+        response._resource_closers.append(archive.close)  # the files, even if no chunk was ever read
         response["Content-Disposition"] = f'attachment; filename="{archive.filename}"'
         if archive.length is not None:
             response["Content-Length"] = str(archive.length)
