@@ -7,6 +7,7 @@ files it takes and writes them itself."""
 from __future__ import annotations
 
 import re
+import struct
 import tarfile
 import zipfile
 import zlib
@@ -32,6 +33,9 @@ TAR_MODES = {".tar.gz": ("r:gz", "a gzip-compressed tar archive"), ".tgz": ("r:g
              ".tar": ("r:", "an uncompressed tar archive")}
 META_HEADER_BYTES = 64 * 1024  # a pax or GNU long-name header: a long name, never megabytes
 DEFLATE_MAX_RATIO = 1032  # the most deflate expands: a zip entry declaring more lies about its size
+# A central directory entry: 46 fixed bytes, then its name, extra fields and comment. An
+# uploaded folder's names are short and its extras a few timestamps or zip64 sizes.
+ZIP_ENTRY_MAX = 46 + 1024 + 1024 + 1024
 
 
 def _refuse_sparse(self, *args, **kwargs):
@@ -101,7 +105,11 @@ def _zip_members(path: Path, display: str, budget, kind: str, max_members: int):
     if not zipfile.is_zipfile(path):
         raise _refuse(f"{display} is not a zip archive, as its name says")
     _zip_entries(path, max_members)  # before ZipFile reads the whole central directory
-    with zipfile.ZipFile(path) as archive:
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError, EOFError):
+        raise _refuse(f"{display}: the zip archive's central directory is damaged") from None
+    with archive:
         infos = archive.infolist()
         for info in infos:  # every declared size, before any entry is read
             budget.header(info.filename, info.file_size)
@@ -122,18 +130,37 @@ def _zip_members(path: Path, display: str, budget, kind: str, max_members: int):
 
 
 def _zip_entries(path: Path, max_members: int) -> None:
-    """The entry count a zip's end record declares (the last 64 KiB hold it), refused past
-    max_members before the central directory is read."""
-    size = path.stat().st_size
+    """Refuse a zip whose central directory could list more than max_members entries, from
+    its end record (zip64's included) and its own walk, before zipfile builds one ZipInfo
+    per entry: the end record's entry count alone can lie (1 declared, a million listed)."""
     with open(path, "rb") as fh:
-        fh.seek(max(0, size - 65557))
-        tail = fh.read()
-    end = tail.rfind(b"PK\x05\x06")
-    if end < 0 or end + 22 > len(tail):
-        raise _refuse("the zip archive has no end record")
-    entries = int.from_bytes(tail[end + 10:end + 12], "little")
-    if entries >= max_members:  # 0xFFFF (zip64) included: an uploaded folder needs neither
-        raise _refuse(f"the archive holds more than {max_members} files")
+        try:
+            end = zipfile._EndRecData(fh)  # the end record exactly as ZipFile will read it
+        except (OSError, struct.error):
+            end = None
+        if not end:
+            raise _refuse("the zip archive has no end record")
+        size, entries = end[zipfile._ECD_SIZE], end[zipfile._ECD_ENTRIES_TOTAL]
+        if entries >= max_members:
+            raise _refuse(f"the archive holds more than {max_members} files")
+        if size > max_members * ZIP_ENTRY_MAX:
+            raise _refuse(f"the zip archive's central directory takes {size} bytes, more than {max_members} "
+                          "files can need")
+        start = end[zipfile._ECD_LOCATION] - size  # where ZipFile reads it from
+        if end[zipfile._ECD_SIGNATURE] == zipfile.stringEndArchive64:
+            start -= zipfile.sizeEndCentDir64 + zipfile.sizeEndCentDir64Locator
+        if start < 0:
+            raise _refuse("the zip archive's central directory is damaged")
+        fh.seek(start)
+        directory = fh.read(size)
+    count, at = 0, 0
+    while at + 46 <= len(directory) and directory[at:at + 4] == b"PK\x01\x02":
+        count += 1
+        if count >= max_members:
+            raise _refuse(f"the zip archive's central directory lists more than {max_members} files (its end "
+                          f"record says {entries})")
+        name, extra, comment = struct.unpack("<HHH", directory[at + 28:at + 34])
+        at += 46 + name + extra + comment
 
 
 def clean_name(name: str) -> list[str]:

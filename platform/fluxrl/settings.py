@@ -257,6 +257,11 @@ FLUXRL_MAX_UPLOAD_BYTES = int(float(os.environ.get("FLUXRL_MAX_UPLOAD_MB", "64")
 # The normalized rows a dataset version stores (what a Parquet/Arrow file or a datasets folder
 # expands to), checked as they are written: compressed columns can be far larger than the upload.
 FLUXRL_MAX_DATASET_BYTES = int(float(os.environ.get("FLUXRL_MAX_DATASET_MB", "1024")) * 1024 * 1024)
+# Parquet/Arrow files are decoded in a child process with this address-space cap and wall
+# clock (fluxrl/datasets/convert.py): a small file can expand to gigabytes when decoded.
+FLUXRL_DATASET_CONVERT_MEMORY_MB = int(os.environ.get(
+    "FLUXRL_DATASET_CONVERT_MEMORY_MB", max(1024, 2 * FLUXRL_MAX_DATASET_BYTES // 2**20)))
+FLUXRL_DATASET_CONVERT_TIMEOUT_S = float(os.environ.get("FLUXRL_DATASET_CONVERT_TIMEOUT_S", "600"))
 # Where an operator puts Hugging Face datasets folders (save_to_disk) that teams may import by
 # path: each team sees only FLUXRL_DATASET_IMPORT_ROOT/<team slug>/. Unset: import by path is off
 # (a team can still upload the folder as an archive).

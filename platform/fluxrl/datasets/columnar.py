@@ -1,7 +1,9 @@
 """Reading columnar data (Parquet, Arrow IPC, Hugging Face ``save_to_disk`` folders) as raw
 rows for services.py to normalize like JSONL rows. A file is read a batch at a time, never
 whole: a Parquet row group whose uncompressed size is over the dataset limit is refused
-from its metadata before it is read. Before any row, the schema is checked: the prompt and
+from its metadata before it is read, and a batch whose text is over the limit is refused
+before it becomes Python rows. These readers decode untrusted files: the web process runs
+them only in a memory-capped child process (convert.py). Before any row, the schema is checked: the prompt and
 answer columns exist and have a usable type, and every column holds only what a JSON row
 can (text, numbers, booleans, and lists or structs of them): binary, dates, decimals, maps
 and the like are refused by column, since a run's rows are JSON."""
@@ -15,15 +17,23 @@ import stat
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from fluxrl.errors import TooLarge, field_error
 
 BATCH_ROWS = 1024
+PARQUET_BATCH_BYTES = 64 * 1024 * 1024  # wide rows: fewer of them per decoded batch
 MAX_JSON_BYTES = 1024 * 1024  # state.json, dataset_dict.json: a few hundred bytes in practice
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")  # one path part; no leading dot, no '..'
 READ_ERRORS = (pa.ArrowException, OSError, ValueError)  # ArrowInvalid and IOError are among these
+
+
+def single_threaded() -> None:
+    """One decoding thread: a capped child's address space is not spent on thread stacks."""
+    pa.set_cpu_count(1)
+    pa.set_io_thread_count(1)
 
 
 def _refuse(message: str, field: str = "file"):
@@ -88,12 +98,49 @@ def check_schema(schema: pa.Schema, prompt_field: str, answer_field: str, field:
                       "answer_field")
 
 
-def _rows(batches, start: int = 0):
+def _text_bytes(batch) -> pa.Array | None:
+    """Per row, the bytes of its top-level text columns (a dictionary column by its indices,
+    never decoded), or None if it has none."""
+    total = None
+    for column in batch.columns:
+        if not _is_text(column.type):
+            continue
+        if pa.types.is_dictionary(column.type):
+            lengths = pc.take(pc.binary_length(column.dictionary), column.indices)
+        else:
+            lengths = pc.binary_length(column)
+        lengths = pc.fill_null(lengths.cast(pa.int64()), 0)
+        total = lengths if total is None else pc.add(total, lengths)
+    return total
+
+
+def _check_text_size(batch, first: int, max_bytes: int | None) -> None:
+    """Refuse a batch whose text alone is over the dataset limit before it becomes Python
+    objects (its JSON rows could only be larger)."""
+    if max_bytes is None or not batch.num_rows:
+        return
+    lengths = _text_bytes(batch)
+    if lengths is None:
+        return
+    largest = pc.max(lengths).as_py() or 0
+    if largest > max_bytes:
+        row = first + pc.index(lengths, largest).as_py() + 1
+        raise TooLarge(f"row {row} holds {largest} bytes of text; the limit is {max_bytes} bytes "
+                       "(FLUXRL_MAX_DATASET_MB)", fields={"file": f"row {row} is too large"})
+    total = pc.sum(lengths).as_py() or 0
+    if total > max_bytes:
+        raise TooLarge(f"rows {first + 1} to {first + batch.num_rows} hold {total} bytes of text; the limit is "
+                       f"{max_bytes} bytes (FLUXRL_MAX_DATASET_MB)", fields={"file": "too large"})
+
+
+def _rows(batches, start: int = 0, max_bytes: int | None = None, batch_rows: int = BATCH_ROWS):
     """(label, row dict) for each row of the batches, numbered from 1 across the file."""
     number = start
     for batch in batches:
-        for offset in range(0, batch.num_rows, BATCH_ROWS):  # a writer's batch may hold 64K rows
-            for row in batch.slice(offset, BATCH_ROWS).to_pylist():
+        for offset in range(0, batch.num_rows, batch_rows):  # a writer's batch may hold 64K rows
+            part = batch.slice(offset, batch_rows)
+            _check_text_size(part, number, max_bytes)
+            for row in part.to_pylist():
                 number += 1
                 yield f"row {number}", row
 
@@ -106,30 +153,46 @@ def parquet_rows(source, prompt_field: str, answer_field: str, max_bytes: int):
     try:
         parquet = pq.ParquetFile(source)
     except READ_ERRORS as exc:
+        _reraise_memory(exc)
         raise _refuse(f"not a Parquet file ({_short(exc)})") from None
-    check_schema(parquet.schema_arrow, prompt_field, answer_field)
+    schema = parquet.schema_arrow
+    check_schema(schema, prompt_field, answer_field)
     meta = parquet.metadata
+    batch_rows = BATCH_ROWS
     for index in range(meta.num_row_groups):
-        size = meta.row_group(index).total_byte_size
+        group = meta.row_group(index)
+        size = group.total_byte_size
         if size > max_bytes:
             raise TooLarge(f"row group {index} of the Parquet file holds {size} bytes uncompressed; the limit is "
                            f"{max_bytes} bytes (FLUXRL_MAX_DATASET_MB): write it with smaller row groups",
                            fields={"file": "too large"})
-    yield from _guarded(_rows(parquet.iter_batches(batch_size=BATCH_ROWS)), "Parquet")
+        if group.num_rows and size:  # the writer's word only: the text check and the memory cap stand behind it
+            batch_rows = max(1, min(batch_rows, PARQUET_BATCH_BYTES * group.num_rows // size))
+    # text columns read as dictionaries: a page of one repeated value is sized before it is decoded
+    text = [name for name in schema.names if _is_text(schema.field(name).type)]
+    try:
+        if text:
+            parquet = pq.ParquetFile(source, read_dictionary=text)
+        batches = parquet.iter_batches(batch_size=batch_rows, use_threads=False)
+    except READ_ERRORS as exc:
+        _reraise_memory(exc)
+        raise _refuse(f"not a Parquet file ({_short(exc)})") from None
+    yield from _guarded(_rows(batches, max_bytes=max_bytes, batch_rows=batch_rows), "Parquet")
 
 
-def arrow_rows(source, prompt_field: str, answer_field: str):
+def arrow_rows(source, prompt_field: str, answer_field: str, max_bytes: int | None = None):
     """(label, row) for each row of an Arrow IPC file or stream (a seekable binary file)."""
-    yield from _reader_rows(open_arrow(source), prompt_field, answer_field)
+    yield from _reader_rows(open_arrow(source), prompt_field, answer_field, max_bytes=max_bytes)
 
 
-def _reader_rows(reader, prompt_field: str, answer_field: str, first_row: int = 0, field: str = "file"):
+def _reader_rows(reader, prompt_field: str, answer_field: str, first_row: int = 0, field: str = "file",
+                 max_bytes: int | None = None):
     check_schema(reader.schema, prompt_field, answer_field, field)
     if isinstance(reader, ipc.RecordBatchFileReader):
         batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
     else:
         batches = iter(reader)
-    yield from _guarded(_rows(batches, first_row), "Arrow", field)
+    yield from _guarded(_rows(batches, first_row, max_bytes), "Arrow", field)
 
 
 def open_arrow(source, field: str = "file"):
@@ -143,8 +206,9 @@ def open_arrow(source, field: str = "file"):
                       "(pyarrow.feather.write_feather(table, path))", field)
     try:
         return ipc.open_file(source) if head == b"ARROW1" else ipc.open_stream(source)
-    except READ_ERRORS as exc:
-        raise _refuse(f"not an Arrow IPC file or stream ({_short(exc)})", field) from None
+    except (*READ_ERRORS, MemoryError) as exc:  # a header declaring gigabytes fails to allocate under the cap
+        reason = "its header declares more bytes than can be read" if isinstance(exc, MemoryError) else _short(exc)
+        raise _refuse(f"not an Arrow IPC file or stream ({reason})", field) from None
 
 
 def _guarded(rows, what: str, field: str = "file"):
@@ -156,8 +220,16 @@ def _guarded(rows, what: str, field: str = "file"):
                 raise _refuse(f"{label}: a number is NaN or infinite, which a JSON row cannot hold", field)
             yield label, row
     except READ_ERRORS as exc:
+        _reraise_memory(exc)
         where = f"after {label}" if label else "before the first row"
         raise _refuse(f"{where}: the {what} data is damaged ({_short(exc)})", field) from None
+
+
+def _reraise_memory(exc: Exception) -> None:
+    """pyarrow's ArrowMemoryError is an ArrowException too: a file that expands past the
+    memory cap is too large, not damaged."""
+    if isinstance(exc, MemoryError):
+        raise exc
 
 
 def _non_finite(value) -> bool:
@@ -244,7 +316,8 @@ def split_folder(folder: Path, split: str, field: str) -> tuple[Path, str]:
     return folder, ""
 
 
-def saved_dataset_rows(folder: Path, prompt_field: str, answer_field: str, field: str = "path"):
+def saved_dataset_rows(folder: Path, prompt_field: str, answer_field: str, field: str = "path",
+                       max_bytes: int | None = None):
     """(label, row) for each row of a folder written by ``Dataset.save_to_disk``: its
     state.json names the Arrow data files (plain names in the folder, read in order, no
     symlink followed)."""
@@ -270,6 +343,6 @@ def saved_dataset_rows(folder: Path, prompt_field: str, answer_field: str, field
             if schema is not None and not reader.schema.equals(schema, check_metadata=False):
                 raise _refuse(f"{path.name}: its columns differ from the first data file's", field)
             schema = reader.schema
-            for label, row in _reader_rows(reader, prompt_field, answer_field, count, field):
+            for label, row in _reader_rows(reader, prompt_field, answer_field, count, field, max_bytes):
                 count += 1
                 yield label, row

@@ -8,8 +8,10 @@ the dataset folder no symlink is followed. A remote user uploads the same folder
 .zip/.tar archive instead, read member by member by fluxrl.archives, as model folders are (no
 absolute or climbing names, no links, sizes checked before bytes are read).
 
-Parquet and Arrow files and save_to_disk folders are read a batch at a time (columnar.py)
-and their rows written to a staging file as they come, so no file sits in memory whole."""
+Parquet and Arrow files and save_to_disk folders are decoded a batch at a time (columnar.py)
+in a memory-capped child process (convert.py), never in the web process; their rows are
+written to a staging file as they come, so no file sits in memory whole. The team's storage
+quota is checked before anything is staged."""
 from __future__ import annotations
 
 import csv
@@ -36,7 +38,7 @@ from fluxrl.validation import contains_nul, safe_upload_name
 from fluxrl.versioned import check_name, find_version, next_version_number
 from workers.tasks.datasets import GENERATORS, DatasetError, check_messages, generate
 
-from . import columnar
+from . import columnar, convert
 from .models import Dataset, DatasetVersion
 
 MAX_REPORTED_ROW_ERRORS = 5
@@ -355,11 +357,52 @@ def _source_label(name: str, split: str) -> str:
     return (f"{name} [{split}]" if split else name)[:200]
 
 
-def _folder_rows(folder: Path, split: str, prompt_field: str, answer_field: str, field: str):
-    """(rows, split used) of a save_to_disk folder, its split chosen if it holds a DatasetDict."""
+@contextmanager
+def _decoded_rows(kind: str, source: Path, prompt_field: str, answer_field: str, field: str = "file"):
+    """Checked rows of a Parquet or Arrow file or a save_to_disk folder (kind "folder"),
+    decoded by a memory-capped child process into a hidden file that is dropped after."""
+    fd, out = tempfile.mkstemp(dir=datasets_dir(), prefix=".decoded-")
+    os.close(fd)
+    try:
+        convert.run(kind, source, prompt_field=prompt_field, answer_field=answer_field, field=field,
+                    max_bytes=max_dataset_bytes(), memory_mb=settings.FLUXRL_DATASET_CONVERT_MEMORY_MB,
+                    timeout_s=settings.FLUXRL_DATASET_CONVERT_TIMEOUT_S, out=Path(out))
+        with open(out, encoding="utf-8") as fh:
+            raw = ((f"row {number}", json.loads(line)) for number, line in enumerate(fh, 1))
+            yield checked_rows(raw, prompt_field, answer_field)
+    finally:
+        os.unlink(out)
+
+
+@contextmanager
+def _on_disk(upload):
+    """The path of an uploaded file: Django's temporary file, or a hidden copy of a small
+    upload held in memory."""
+    if hasattr(upload, "temporary_file_path"):
+        yield Path(upload.temporary_file_path())
+        return
+    fd, path = tempfile.mkstemp(dir=datasets_dir(), prefix=".upload-")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            for chunk in upload.chunks():
+                fh.write(chunk)
+        yield Path(path)
+    finally:
+        os.unlink(path)
+
+
+def _check_room(team) -> None:
+    """A team already at its storage quota is refused before anything is staged or decoded."""
+    with transaction.atomic():
+        check_storage(team, 0, 1)
+
+
+def _add_folder_version(team, user, name, folder: Path, split: str, prompt_field: str, answer_field: str,
+                        field: str, description: str, meta: dict, shown: str) -> DatasetVersion:
+    """Store a save_to_disk folder's rows (its split chosen if it holds a DatasetDict)."""
     chosen, split = columnar.split_folder(folder, split, field)
-    raw = columnar.saved_dataset_rows(chosen, prompt_field, answer_field, field)
-    return checked_rows(raw, prompt_field, answer_field), split
+    with _decoded_rows("folder", chosen, prompt_field, answer_field, field) as rows:
+        return add_version(team, user, name, rows, description, **{**meta, "source_name": _source_label(shown, split)})
 
 
 def import_folder(team, user, name: str, path: str, *, split: str = "", prompt_field="prompt",
@@ -368,11 +411,11 @@ def import_folder(team, user, name: str, path: str, *, split: str = "", prompt_f
     check_name(name)
     folder = resolve_import_path(team, path)
     shown = folder.relative_to(team_import_folder(team).resolve()).as_posix()
+    _check_room(team)
+    meta = {"source": DatasetVersion.Source.HF_DATASET, "source_fields": {"prompt": prompt_field, "answer": answer_field}}
     with _reported_on("path"):
-        rows, split = _folder_rows(folder, split, prompt_field, answer_field, "path")
-        return add_version(team, user, name, rows, description, source=DatasetVersion.Source.HF_DATASET,
-                           source_name=_source_label(shown, split),
-                           source_fields={"prompt": prompt_field, "answer": answer_field})
+        return _add_folder_version(team, user, name, folder, split, prompt_field, answer_field, "path", description,
+                                   meta, shown)
 
 
 # --- storing versions ------------------------------------------------------------------
@@ -414,6 +457,7 @@ def add_version(team, user, name: str, rows, description: str = "", **meta) -> D
     """Store rows (any iterable of normalized dicts) as the next version of the team's
     dataset `name` (created if new)."""
     check_name(name)
+    _check_room(team)  # an over-quota team makes the server write nothing
     staged, sha256, size, count, columns = _stage(rows)
     try:
         if not count:
@@ -452,16 +496,13 @@ def upload_version(team, user, name: str, upload, *, prompt_field="prompt", answ
     if split and fmt != "hf_dataset":
         raise field_error("split", "only a save_to_disk folder (a .zip or .tar archive) has splits")
     display = safe_upload_name(upload.name)
+    _check_room(team)
     meta = {"source": fmt, "source_name": display, "source_fields": {"prompt": prompt_field, "answer": answer_field}}
     if fmt in TEXT_FORMATS:
         rows = parse_upload(upload.read(), fmt, prompt_field, answer_field)
-    elif fmt == "parquet":
-        upload.seek(0)
-        rows = checked_rows(columnar.parquet_rows(upload.file, prompt_field, answer_field, max_dataset_bytes()),
-                            prompt_field, answer_field)
-    elif fmt == "arrow":
-        upload.seek(0)
-        rows = checked_rows(columnar.arrow_rows(upload.file, prompt_field, answer_field), prompt_field, answer_field)
+    elif fmt in ("parquet", "arrow"):
+        with _on_disk(upload) as path, _decoded_rows(fmt, path, prompt_field, answer_field) as rows:
+            return add_version(team, user, name, rows, description, **meta)
     else:
         return _upload_folder_archive(team, user, name, upload, display, split, description, meta)
     return add_version(team, user, name, rows, description, **meta)
@@ -479,9 +520,9 @@ def _upload_folder_archive(team, user, name, upload, display, split, description
         (staging / "folder").mkdir()
         folder = unpack_dataset_archive(archive, display, staging / "folder")
         archive.unlink()
-        rows, split = _folder_rows(folder, split, meta["source_fields"]["prompt"], meta["source_fields"]["answer"],
-                                   "file")
-        return add_version(team, user, name, rows, description, **{**meta, "source_name": _source_label(display, split)})
+        fields = meta["source_fields"]
+        return _add_folder_version(team, user, name, folder, split, fields["prompt"], fields["answer"], "file",
+                                   description, meta, display)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

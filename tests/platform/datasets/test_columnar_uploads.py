@@ -6,6 +6,8 @@ import decimal
 import io
 import json
 import re
+import resource
+import struct
 
 import pyarrow as pa
 import pyarrow.feather as feather
@@ -232,3 +234,69 @@ def test_a_truncated_arrow_stream_names_the_last_row_read(api_a, assert_error):
     message = assert_error(upload(api_a, content[:len(content) * 2 // 3], "d.arrows"), 400, field="file")["fields"]["file"]
     assert re.search(r"after row \d+: the Arrow data is damaged", message), message
     assert not DatasetVersion.objects.exists()
+
+
+def grown_kb(before_kb: int) -> int:
+    """How far this process's peak memory (the web process: the test client serves in-process) rose."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kb
+
+
+def test_a_parquet_file_of_one_repeated_large_string_is_refused_before_it_is_decoded(api_a, settings, data_dir,
+                                                                                     assert_error):
+    # one 5 MB value, dictionary-encoded in 1024 rows: a few KB of Parquet that decode to 5 GB
+    # (5 GiB of questions and 1024 one-byte solutions)
+    repeated = pa.DictionaryArray.from_arrays(pa.array([0] * 1024, pa.int32()), pa.array(["x" * (5 << 20)]))
+    content = parquet_bytes(pa.table({"question": repeated, "solution": ["2"] * 1024}), store_schema=False,
+                            dictionary_pagesize_limit=16 << 20, compression="zstd")
+    assert len(content) < 10_000 and pq.ParquetFile(io.BytesIO(content)).schema_arrow.field("question").type == "string"
+    settings.FLUXRL_MAX_DATASET_BYTES = 16 << 20
+    settings.FLUXRL_DATASET_CONVERT_MEMORY_MB = 1024
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    error = assert_error(upload(api_a, content, "d.parquet"), 413, "too_large")
+    assert "rows 1 to 1024 hold 5368710144 bytes of text; the limit is 16777216 bytes" in error["message"]
+    assert grown_kb(before) < 100_000
+    assert not DatasetVersion.objects.exists() and not [p for p in data_dir.rglob("*") if p.is_file()]
+
+
+def compressed_arrow_bomb() -> bytes:
+    """A zstd-compressed Arrow stream of 4.6 KB whose 'pad' buffer says it decompresses to 4 GiB."""
+    table = pa.table({"question": ["1+1="] * 1024, "solution": ["2"] * 1024, "pad": pa.array([0] * 1024, pa.int64())})
+    sink = pa.BufferOutputStream()
+    with ipc.new_stream(sink, table.schema, options=ipc.IpcWriteOptions(compression="zstd")) as writer:
+        writer.write_table(table)
+    content = sink.getvalue().to_pybytes()
+    pad = struct.pack("<q", 1024 * 8) + b"\x28\xb5\x2f\xfd"  # a compressed buffer: its decoded length, a zstd frame
+    assert content.count(pad) == 1
+    return content.replace(pad, struct.pack("<q", 4 << 30) + pad[8:])
+
+
+def test_a_compressed_arrow_file_that_expands_past_the_memory_cap_is_413_and_nothing_is_stored(
+        api_a, settings, data_dir, assert_error):
+    settings.FLUXRL_DATASET_CONVERT_MEMORY_MB = 1024
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    error = assert_error(upload(api_a, compressed_arrow_bomb(), "d.arrows"), 413, "too_large", field="file")
+    assert "expands past the 1024 MB memory limit" in error["message"]
+    assert "FLUXRL_DATASET_CONVERT_MEMORY_MB" in error["message"]
+    assert grown_kb(before) < 100_000
+    assert not DatasetVersion.objects.exists() and not [p for p in data_dir.rglob("*") if p.is_file()]
+
+
+def test_a_file_that_takes_too_long_to_read_is_refused_and_nothing_is_stored(api_a, settings, data_dir,
+                                                                             assert_error):
+    settings.FLUXRL_DATASET_CONVERT_TIMEOUT_S = 0.01
+    error = assert_error(upload(api_a, parquet_bytes(pa.table(ROWS)), "d.parquet"), 400, field="file")
+    assert "reading the file took longer than 0.01 s" in error["message"]
+    assert not DatasetVersion.objects.exists() and not [p for p in data_dir.rglob("*") if p.is_file()]
+
+
+def test_a_team_at_its_storage_quota_is_refused_before_its_file_is_read(api_a, settings, data_dir, assert_error):
+    assert upload(api_a, SAME_AS_JSONL, "same.jsonl", name="first").status_code == 201
+    settings.FLUXRL_QUOTA_STORAGE_BYTES, settings.FLUXRL_QUOTA_FILES = None, 1
+    bad_rows = pa.table({"question": ["a", "b"], "solution": [None, None]}, schema=pa.schema(
+        [("question", pa.string()), ("solution", pa.string())]))
+    for content, file_name in ((parquet_bytes(bad_rows), "d.parquet"), (SAME_AS_JSONL, "d.jsonl")):
+        # the quota speaks first: the rows (bad here) are never read or staged
+        error = assert_error(upload(api_a, content, file_name), 413, "quota_exceeded", field="file")
+        assert "1 of 1 files stored" in error["message"]
+    assert DatasetVersion.objects.count() == 1
+    assert not [p for p in data_dir.rglob(".*") if p.is_file()]

@@ -4,6 +4,7 @@ its header is read (before any of its bytes are read or skipped), and JSON metad
 capped before it is parsed. A refused upload costs little CPU and leaves nothing."""
 import io
 import json
+import struct
 import time
 import zipfile
 
@@ -129,3 +130,27 @@ def test_a_vocabulary_past_the_json_cap_is_stored_unparsed(api_a, settings):
     settings.FLUXRL_MAX_MODEL_JSON_BYTES = 2 << 10  # tokenizer.json (3.6 KB) is larger; it is never parsed here
     assert len(folder_files(RM)["tokenizer.json"]) > settings.FLUXRL_MAX_MODEL_JSON_BYTES
     assert upload(api_a, tar_gz(folder_files(RM))).status_code == 201
+
+
+def test_a_zip_listing_more_entries_than_its_end_record_declares_is_refused_before_they_are_read(api_a, data_dir):
+    body = bytearray(zip_of({f"d{i}/": b"" for i in range(3000)}, zipfile.ZIP_STORED))
+    end = body.rfind(b"PK\x05\x06")
+    body[end + 8:end + 12] = (1).to_bytes(2, "little") * 2  # "1 entry", over 3000 in the central directory
+    response = upload(api_a, bytes(body), "rm.zip")
+    assert response.status_code == 400, response.content
+    assert f"central directory lists more than {services.MAX_FILES} files (its end record says 1)" in \
+        response.json()["error"]["message"]
+    assert_nothing_stored(data_dir)
+
+
+def test_a_zip_central_directory_larger_than_its_files_can_need_is_refused_unread(api_a, data_dir):
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as archive:
+        for i in range(20):  # 20 entries, each with 60 KB of extra fields: 1.2 MB of central directory
+            info = zipfile.ZipInfo(f"f{i}.json")
+            info.extra = struct.pack("<HH", 0xCAFE, 60_000) + bytes(60_000)
+            archive.writestr(info, b"{}")
+    response = upload(api_a, buf.getvalue(), "rm.zip")
+    assert response.status_code == 400, response.content
+    assert "the zip archive's central directory takes" in response.json()["error"]["message"]
+    assert_nothing_stored(data_dir)
