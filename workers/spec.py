@@ -42,6 +42,9 @@ class LoraSpec(_Strict):
     target_modules: Optional[list[Annotated[str, Field(min_length=1, max_length=100)]]] = Field(
         None, min_length=1, max_length=64, description="the linear layers that get an adapter, by name (e.g. "
         "[q_proj, k_proj, v_proj, o_proj]); default: PEFT's choice for the architecture")
+    init: Optional[str] = Field(None, max_length=4096, description="start from this adapter instead of B = 0: a "
+                                "PEFT folder (adapter_config.json, adapter_model.safetensors), e.g. a finished "
+                                "run's final_model/adapter; its rank, alpha and target_modules must be these")
 
 
 class ModelSpec(_Strict):
@@ -379,6 +382,11 @@ class RolloutSpec(_Strict):
     group_requests: bool = Field(True, description="send a prompt group to its engine as one request of group_size "
                                  "samples (vLLM parallel sampling); off = one request per sample. Interrupt updates "
                                  "and migrate_tail or gather_tail always use one request per sample")
+    share_engines: bool = Field(False, description="model.lora runs: join this node's shared engine pools instead "
+                                "of starting engines of its own. Runs of any team on the same base model and "
+                                "engine settings share one vLLM engine per rollout engine, each run's adapter in a "
+                                "slot of its own, generation shared fairly by team weight "
+                                "(docs/guides/shared-engines.md)")
 
 
 class LongTailSpec(_Strict):
@@ -785,6 +793,24 @@ class RunSpec(_Strict):
         wrong = [need for bad, need in refusals if bad]
         if wrong:
             raise ValueError("model.lora needs " + "; ".join(wrong))
+        return self
+
+    @model_validator(mode="after")
+    def _shared_engines_fit(self):
+        """What a run on shared engine pools needs, refused by the field that asks for it."""
+        if not self.rollout.share_engines:
+            return self
+        refusals = [
+            (self.model.lora is None, "model.lora (runs share the base model; each brings its adapter)"),
+            (self.rollout.update_mode == "drain", "rollout.update_mode 'keep' or 'interrupt' (a drain would wait "
+             "for the other runs' requests too)"),
+            (self.resources.nodes > 1, "resources.nodes 1 (pools serve the runs of their own node)"),
+            (self.resources.engine_processes is False, "resources.engine_processes left on (a pool is a process "
+             "of its own)"),
+        ]
+        wrong = [need for bad, need in refusals if bad]
+        if wrong:
+            raise ValueError("rollout.share_engines needs " + "; ".join(wrong))
         return self
 
     @model_validator(mode="after")

@@ -144,6 +144,7 @@ def cmd_run(args) -> int:
         loop.add_signal_handler(signal.SIGTERM, on_term)
         if heartbeat:  # a cancel asked for on the platform stops the run like SIGINT
             heartbeat.on_cancel = lambda: loop.call_soon_threadsafe(on_signal)
+            heartbeat.extra = controller.engine_pools  # rollout.share_engines: the pools this run is on
         result = await controller.run()
         return result, bool(signalled)
 
@@ -264,6 +265,9 @@ def main(argv=None) -> int:
                    "'sandbox: proven' or 'sandbox: unavailable: <why>' (exit 0 / 1)")
     sub.add_parser("engine-server", help="(started by the run) one rollout engine serving the run's coordinator; "
                    "reads its EngineServerConfig as JSON on stdin (workers/rollout/server.py)")
+    sub.add_parser("engine-pool", help="(started by a run with rollout.share_engines) one shared rollout engine "
+                   "serving the LoRA runs of any team on this node; reads its PoolConfig as JSON on stdin "
+                   "(workers/rollout/pool.py)")
     args = p.parse_args(argv)
     configure_logging()
     if args.cmd == "node":
@@ -276,6 +280,10 @@ def main(argv=None) -> int:
         available, reason = sandbox_status()
         print(f"sandbox: {reason}" if available else f"sandbox: unavailable: {reason}")
         return 0 if available else 1
+    if args.cmd == "engine-pool":
+        from workers.rollout.pool import PoolConfig, serve_pool
+
+        return serve_pool(PoolConfig.model_validate_json(sys.stdin.read()))
     if args.cmd == "engine-server":
         from workers.rollout.server import EngineServerConfig, serve
 

@@ -352,6 +352,12 @@ class Controller:
         return self.stop.is_set() or (time.time() - t_start) / 60 > self.spec.stop.max_minutes
 
     # -- the run ------------------------------------------------------------------------------
+    def engine_pools(self) -> dict:
+        """rollout.share_engines: the shared engine pools this run is on, for the platform
+        (from the heartbeat's thread: reads only)."""
+        views = [e.pool for e in list(self.fleet.engines) if getattr(e, "pool", None) is not None]
+        return {"engine_pools": [{"id": v.id, "share": v.share, "fair_share": v.fair_share} for v in views]} if views else {}
+
     async def run(self) -> RunResult:
         from tqdm import tqdm
 

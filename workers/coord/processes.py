@@ -188,6 +188,12 @@ class Processes:
         """The rollout engines, not started yet: each a server process of its own
         (workers/rollout/server.py) as the plan says (always on GPUs), else in this one."""
         spec, ro = self.spec, self.spec.rollout
+        if ro.share_engines:  # workers/rollout/pool.py: this node's pools, joined or started
+            from workers.rollout.pool import PoolClient, tenant_info
+
+            tenant = tenant_info(spec.name, spec.model.lora.rank, ro.update_mode, ro.top_p, ro.top_k, list(ro.stop),
+                                 list(checked.stop_ids))
+            return [PoolClient(self.engine_config(p, checked), tenant) for p in self.plan.engines]
         if self.plan.engine_processes:
             return [EngineClient(self.engine_config(p, checked), *self.remote_engines.get(p.index, (None, None)))
                     for p in self.plan.engines]

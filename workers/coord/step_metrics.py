@@ -144,6 +144,16 @@ class StepMetrics:
                     run.reporter.log(u.version, {"weights/gen_stall_ms": u.gen_stall_ms})
                 e.updates.remove(u)
 
+    def pool_metrics(self) -> dict:
+        """rollout.share_engines: this run's measured and due share of its pools' generation
+        (the mean over its engines), and how many runs share them."""
+        views = [e.pool for e in self.run.fleet.engines if getattr(e, "pool", None) is not None]
+        if not views:
+            return {}
+        return {"pool/share": sum(v.share for v in views) / len(views),
+                "pool/fair_share": sum(v.fair_share for v in views) / len(views),
+                "pool/runs": max(v.runs for v in views), "pool/teams": max(v.teams for v in views)}
+
     def report_step(self, step: int, groups: list, staleness: list[int], stats: dict, timings: list,
                     t_start: float, queue_depth: int) -> dict:
         """Add a trained step to the totals and report it (metrics and a few samples);
@@ -200,6 +210,7 @@ class StepMetrics:
             "queue/depth": queue_depth,
             "version/current": run.trainer.version,
             "rollout/migrations": fleet.migrations,
+            **self.pool_metrics(),
         })
         # A few samples for the run page; a sequence spanning an update first.
         shown = sorted(samples, key=lambda s: (-len(s.completion.versions.runs), -s.completion.length))[:4]

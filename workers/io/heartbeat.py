@@ -20,6 +20,7 @@ class Heartbeat:
         self.platform = platform
         self.every_s = every_s
         self.on_cancel = on_cancel
+        self.extra: Optional[Callable[[], dict]] = None  # more to say with each beat (the engine pools a run is on)
         self.beats = 0
         self.cancelled = False  # a reply said cancel_requested
         self._stop = threading.Event()
@@ -38,7 +39,7 @@ class Heartbeat:
             # the reaper judges by FLUXRL_RUN_STALE_S.
             due = max(due + self.every_s, time.monotonic())
             try:
-                reply = self.platform.status("running")
+                reply = self.platform.status("running", **(self.extra() if self.extra is not None else {}))
             except requests.RequestException as exc:
                 status = getattr(getattr(exc, "response", None), "status_code", None)
                 if status in (401, 403):  # the run ended: its token stopped working

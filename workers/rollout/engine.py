@@ -24,7 +24,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from workers.rollout.staleness import VersionTrack
 from workers.tasks.model_folder import check_model_folder
@@ -36,17 +36,20 @@ if TYPE_CHECKING:
 _ids = itertools.count()
 
 
-def extend_track(track: VersionTrack, spans, produced: int, fallback_version: int) -> None:
+def extend_track(track: VersionTrack, spans, produced: int, fallback_version: int,
+                 policy_version: Callable[[int], int] = int) -> None:
     """Append one request's engine-reported version spans to a sequence's track.
 
     ``produced`` is the sequence's total generated tokens so far (earlier requests of
     an interrupted sequence included); tokens a request reported no span for (an
     aborted request) get the last reported version, or ``fallback_version``.
+    ``policy_version``: the policy version an engine label stands for (a shared engine
+    labels its weight updates with its own counter: workers/rollout/pool.py).
     """
     for span in spans or []:
-        track.add(int(span.version), span.end - span.start)
+        track.add(policy_version(int(span.version)), span.end - span.start)
     if track.tokens < produced:
-        track.add(int(spans[-1].version) if spans else fallback_version, produced - track.tokens)
+        track.add(policy_version(int(spans[-1].version)) if spans else fallback_version, produced - track.tokens)
 
 
 @dataclass
@@ -120,13 +123,17 @@ def resolve_enforce_eager(setting: Optional[bool], on_cpu: bool) -> bool:
 LORA_ID, LORA_NAME = 1, "fluxrl-policy"  # model.lora: the policy's adapter in vLLM
 
 
-def lora_engine_args(rank: int) -> dict:
-    """vLLM's LoRA settings for an adapter of ``rank``: one slot (the run's adapter), a
-    max_lora_rank vLLM accepts at or above it."""
+def lora_rank_class(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts at or above ``rank``."""
     from workers.spec import VLLM_LORA_RANKS
 
-    return {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1,
-            "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= rank)}
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
+def lora_engine_args(rank: int, slots: int = 1) -> dict:
+    """vLLM's LoRA settings for adapters up to ``rank``: ``slots`` adapters at once (one,
+    the run's; a shared pool's, one per run), a max_lora_rank vLLM accepts at or above it."""
+    return {"enable_lora": True, "max_loras": slots, "max_cpu_loras": slots, "max_lora_rank": lora_rank_class(rank)}
 
 
 def _vllm_on_cpu() -> bool:
@@ -158,8 +165,11 @@ class RolloutEngine:
         # model.lora: the policy is the base model plus an adapter of this rank, served as a
         # vLLM LoRA (enable_lora); every weight update is the adapter, loaded into its slot in place
         self.lora_rank = lora_rank
+        self.lora_slots = 1  # vLLM's max_loras (a shared pool: workers/rollout/pool.py)
+        self.lora_id = LORA_ID  # this policy's adapter's slot
         self.lora_request = None  # the adapter requests generate with, once the first one is loaded
         self._lora_folder: Optional[str] = None
+        self._update_lock: Optional[asyncio.Lock] = None  # shared by the runs of a pool's engine
         # vLLM's priority scheduler (schedule.dispatch skew_aware): each request's priority
         # orders the engine's queue instead of arrival alone
         self.priority_scheduling = priority_scheduling
@@ -240,7 +250,7 @@ class RolloutEngine:
             **({"enable_sleep_mode": True} if self.sleep_mode else {}),
             **({"scheduling_policy": "priority"} if self.priority_scheduling else {}),
             **({"gpu_memory_utilization": self.gpu_memory_utilization} if self.gpu_memory_utilization else {}),
-            **(lora_engine_args(self.lora_rank) if self.lora_rank else {}),
+            **(lora_engine_args(self.lora_rank, self.lora_slots) if self.lora_rank else {}),
         )
 
     # -- colocated plans: asleep while the trainer steps ---------------------------------
@@ -380,7 +390,7 @@ class RolloutEngine:
                 died = True  # the tokens so far are good: the caller continues them elsewhere
             finally:
                 self._stopped(rid)
-            extend_track(track, spans, len(tokens), self.version)
+            extend_track(track, spans, len(tokens), self.version, self.policy_version)
             if died and len(tokens) < max_tokens:
                 self._interrupted.discard(rid)
                 self._handed_off.discard(rid)
@@ -433,7 +443,7 @@ class RolloutEngine:
 
         def completion(i: int, finish: str, spans) -> Completion:
             track = VersionTrack()
-            extend_track(track, spans, len(tokens[i]), self.version)
+            extend_track(track, spans, len(tokens[i]), self.version, self.policy_version)
             return Completion(prompt_ids, tokens[i], logprobs[i], track, finish, start_version, started,
                               time.time(), 0, self.index)
 
@@ -516,20 +526,37 @@ class RolloutEngine:
             import tempfile
 
             self._lora_folder = tempfile.mkdtemp(prefix=f"fluxrl-lora-e{self.index}-")
+        name = f"{LORA_NAME}-{self.lora_id}"
         loaded = await self.engine.collective_rpc("fluxrl_load_lora_file",
-                                                  args=(weights.path, self._lora_folder, LORA_ID, LORA_NAME))
+                                                  args=(weights.path, self._lora_folder, self.lora_id, name))
         if self.lora_request is None:
             from vllm.lora.request import LoRARequest
 
-            self.lora_request = LoRARequest(LORA_NAME, LORA_ID, loaded[0]["folder"])
+            self.lora_request = LoRARequest(name, self.lora_id, loaded[0]["folder"])
         return loaded
+
+    # -- what a run on a shared engine changes (workers/rollout/pool.py) --------------------
+    def policy_version(self, label: int) -> int:
+        """The policy version behind the label vLLM stamped a token with: the same number,
+        on an engine of one run."""
+        return label
+
+    def engine_label(self, version: int) -> int:
+        """The label vLLM stamps tokens with once this engine holds ``version``."""
+        return version
 
     async def update_weights(self, weights: "bytes | WeightFile | CollectiveWeights", version: int) -> UpdateTiming:
         """Load new weights, labelled ``version``, with the engine's update mode: ``weights``
         is a safetensors file (files.WeightFile: the RPC path), safetensors bytes, or a
         ``CollectiveWeights`` (the metadata of a broadcast the trainer runs meanwhile:
-        weight_broadcast.py)."""
+        weight_broadcast.py). On a shared engine one run's update at a time (a pause and
+        resume of another's would land in the middle of it)."""
+        async with (self._update_lock or contextlib.nullcontext()):
+            return await self._update_weights(weights, version)
+
+    async def _update_weights(self, weights: "bytes | WeightFile | CollectiveWeights", version: int) -> UpdateTiming:
         core = self.engine.engine_core
+        label = str(self.engine_label(version))
         t0 = time.perf_counter()
         collective = not isinstance(weights, (bytes, bytearray, memoryview, WeightFile))
         if collective and self.update_mode != "drain":
@@ -543,13 +570,13 @@ class RolloutEngine:
             except Exception as exc:
                 await self._resume_after(exc)
                 raise
-            await self._call("a weight version", asyncio.gather(core.set_weight_version_async(str(version)),
+            await self._call("a weight version", asyncio.gather(core.set_weight_version_async(label),
                                                                  core.resume_scheduler_async()))
         elif self.update_mode == "keep":
             _, loaded, _, _ = await self._call("a weight update", asyncio.gather(
                 core.pause_scheduler_async(mode="keep", clear_cache=False),
                 self._load(weights),
-                core.set_weight_version_async(str(version)),
+                core.set_weight_version_async(label),
                 core.resume_scheduler_async(),
             ))
         elif self.update_mode == "interrupt":
@@ -560,7 +587,7 @@ class RolloutEngine:
                 self._interrupted.update(victims)
                 await self._call("an abort", self.engine.abort(victims))
                 loaded = await self._call("a weight load", self._load(weights))
-                await self._call("a weight version", core.set_weight_version_async(str(version)))
+                await self._call("a weight version", core.set_weight_version_async(label))
             finally:
                 self._resume.set()
         elif self.update_mode == "drain":
@@ -570,7 +597,7 @@ class RolloutEngine:
                 if collective:  # the other engines may still be draining: wait for them untimed
                     await weights.arrive()
                 loaded = await self._call("a weight load", self._load(weights))
-                await self._call("a weight version", core.set_weight_version_async(str(version)))
+                await self._call("a weight version", core.set_weight_version_async(label))
             except Exception as exc:
                 if collective:
                     await self._resume_after(exc)

@@ -98,11 +98,26 @@ class EngineServerConfig(wire.Message):
         return env
 
 
+class TenantInfo(wire.Message):
+    """Who a run on a shared engine pool is (workers/rollout/pool.py), and what of the
+    engine is its own: the sampling settings and update mode its requests use."""
+    run: str = Field(max_length=200)  # shown to the same team's runs only
+    team: str = Field(max_length=100)
+    weight: float = Field(1.0, gt=0, le=1000)  # the team's share weight (the operator's, not the spec's)
+    lora_rank: int = Field(ge=1, le=512)
+    update_mode: Literal["keep", "interrupt"] = "keep"
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[Annotated[str, Field(max_length=200)]] = Field([], max_length=16)
+    stop_token_ids: list[int] = Field([], max_length=256)
+
+
 class StartRequest(wire.Message):
     kind: Literal["start"] = "start"
     id: int
     version: int = 0  # with warm weights: their version (a resumed run)
     weights_stream: Optional[int] = None  # the warm weights: a stream of WeightChunkRequests sent before
+    tenant: Optional[TenantInfo] = None  # on a shared engine pool: the run joining it
 
 
 class WeightChunkRequest(wire.Message):
@@ -205,6 +220,18 @@ EngineRequest = Annotated[
 ]
 
 
+class PoolView(wire.Message):
+    """A run's view of the shared engine pool it is on: nothing of the other runs but
+    how many there are and the share of generation this one got and is due."""
+    id: str
+    slot: int
+    slots: int
+    runs: int  # on the pool now, this one included
+    teams: int
+    share: float  # of the tokens the pool generated over the last window
+    fair_share: float  # what its team's weight entitles it to while every run is busy
+
+
 class EngineStats(wire.Message):
     generated_tokens: int = 0
     busy_s: float = 0.0  # up to the moment of sending, the running stretch included
@@ -212,6 +239,7 @@ class EngineStats(wire.Message):
     version: int = 0
     dead: bool = False  # the vLLM core process died
     stalls: dict[int, float] = {}  # update version -> generation stall (ms), measured since the last report
+    pool: Optional[PoolView] = None  # on a shared engine pool
 
 
 class WireCompletion(wire.Message):
@@ -328,9 +356,14 @@ CLIENT_GONE_GRACE_S = 5.0  # how long a server whose client is gone may take to 
 
 
 class _Server:
-    def __init__(self, config: EngineServerConfig, channel: wire.Channel):
-        self.config, self.channel = config, channel
-        self.engine = RolloutEngine(
+    """Serves one client. ``engine``: a run's view of a shared pool's engine
+    (workers/rollout/pool.py), which outlives this connection; by default an engine of its
+    own, and the process exits with its client (``standalone``)."""
+
+    def __init__(self, config: EngineServerConfig, channel: wire.Channel, engine: Optional[RolloutEngine] = None,
+                 standalone: bool = True):
+        self.config, self.channel, self.standalone = config, channel, standalone
+        self.engine = engine or RolloutEngine(
             config.model_path, index=config.index, update_mode=config.update_mode, max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs, dtype=config.dtype, seed=config.seed, rpc_timeout_s=config.rpc_timeout_s,
             sampling=SamplingOptions(config.top_p, config.top_k, tuple(config.stop), tuple(config.stop_token_ids)),
@@ -355,7 +388,10 @@ class _Server:
             elif u.version < e.version - 1:  # its requests finished before a stall could be seen
                 e.updates.remove(u)
         return EngineStats(generated_tokens=e.generated_tokens, busy_s=e.busy_seconds(now), running=bool(e.active),
-                           version=e.version, dead=self.started and e.dead, stalls=stalls)
+                           version=e.version, dead=self.started and e.dead, stalls=stalls, pool=self.pool_view())
+
+    def pool_view(self) -> Optional[PoolView]:
+        return None
 
     def pong(self) -> None:
         """From the reader thread: the heartbeat does not wait for the event loop."""
@@ -382,6 +418,8 @@ class _Server:
             except Exception as exc:  # noqa: BLE001 - a broken connection (closed by now) ends the server too
                 log.error("engine %d: the connection failed: %s: %s", self.config.index, type(exc).__name__, exc)
             loop.call_soon_threadsafe(self.stop.set)
+            if not self.standalone:  # a pool's connection: the pool goes on
+                return
             # The loop may be busy for a while (vLLM's start-up runs on it when vLLM is inside
             # this process): with no client left, the server must not outlive it by more than a
             # moment, nor leave its session (vLLM's processes) behind. A normal exit comes first.
@@ -396,8 +434,11 @@ class _Server:
         await self.stop.wait()
         for task in list(self.tasks):
             task.cancel()
-        self.engine.shutdown()
+        await self.close_engine()
         self.spool.close()
+
+    async def close_engine(self) -> None:
+        self.engine.shutdown()
 
     def dispatch(self, request, blob: Optional[bytes]) -> None:
         if isinstance(request, ShutdownRequest):
@@ -553,21 +594,25 @@ class EngineClient:
         self._last_heard = time.monotonic()
         self._closing = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.key: Optional[bytes] = None  # the wire key (None: the run's); a shared pool's is the node's
+        self.tenant: Optional[TenantInfo] = None  # on a shared engine pool: this run
+        self.pool: Optional[PoolView] = None  # on a shared engine pool: the newest view of it
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, warm_blob: "bytes | WeightFile | None" = None, version: int = 0) -> None:
         self._loop = asyncio.get_running_loop()
         if self.address is None:
             self.address, self.server_pid = await asyncio.to_thread(self._launch)
-        self.channel = await asyncio.to_thread(wire.connect, wire.parse_address(self.address), REPLIES)
+        self.channel = await asyncio.to_thread(wire.connect, wire.parse_address(self.address), REPLIES, self.key)
         self._last_heard = time.monotonic()
         threading.Thread(target=self._read, name=f"engine-client-{self.index}", daemon=True).start()
         if isinstance(warm_blob, WeightFile):
             stream = await self._send_file(warm_blob)
-            ready = await self._request(StartRequest(id=next(_request_ids), version=version, weights_stream=stream),
-                                        timed=False)
+            ready = await self._request(StartRequest(id=next(_request_ids), version=version, weights_stream=stream,
+                                                     tenant=self.tenant), timed=False)
         else:
-            ready = await self._request(StartRequest(id=next(_request_ids), version=version), warm_blob, timed=False)
+            ready = await self._request(StartRequest(id=next(_request_ids), version=version, tenant=self.tenant),
+                                        warm_blob, timed=False)
         self._core_pids, self.worker_count = list(ready.core_pids), ready.worker_count
         threading.Thread(target=self._beat, name=f"engine-heartbeat-{self.index}", daemon=True).start()
         log.info("rollout engine %d serving at %s (pid %s)", self.index, self.address, self.server_pid)
@@ -807,6 +852,8 @@ class EngineClient:
             return
         self._busy_s, self._running, self._stats_at = stats.busy_s, stats.running, time.perf_counter()
         self.version = max(self.version, stats.version)
+        if stats.pool is not None:
+            self.pool = stats.pool
         for version, ms in stats.stalls.items():
             for u in self.updates:
                 if u.version == version and u.gen_stall_ms is None:

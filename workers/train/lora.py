@@ -55,6 +55,44 @@ def wrap(model, lora: "LoraSpec"):
         raise ValueError(f"model.lora.target_modules: {exc}") from None
 
 
+def load_initial_adapter(model, lora: "LoraSpec") -> None:
+    """model.lora.init: start from the adapter a PEFT folder holds (a run's
+    ``final_model/adapter``, a downloaded one) instead of B = 0. Its rank, alpha and modules
+    must be this spec's, and its tensors this model's (names and shapes), or a ValueError
+    says which differ."""
+    from pathlib import Path
+
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    folder = Path(lora.init)
+    config_path, weights_path = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not config_path.is_file() or not weights_path.is_file():
+        raise ValueError(f"model.lora.init: {folder} is not a PEFT adapter folder (adapter_config.json and "
+                         "adapter_model.safetensors)")
+    saved = json.loads(config_path.read_text())
+    own = model.peft_config[ADAPTER]
+    targets = saved.get("target_modules")
+    wrong = []
+    if saved.get("r") != own.r:
+        wrong.append(f"rank {saved.get('r')} (model.lora.rank is {own.r})")
+    if float(saved.get("lora_alpha") or 0) != float(own.lora_alpha):
+        wrong.append(f"alpha {saved.get('lora_alpha')} (model.lora.alpha is {own.lora_alpha})")
+    if (set(targets) if isinstance(targets, list) else targets) != set(own.target_modules):
+        wrong.append(f"target_modules {targets} (model.lora.target_modules: {sorted(own.target_modules)})")
+    if wrong:
+        raise ValueError(f"model.lora.init: the adapter in {folder} has " + "; ".join(wrong) + ": set model.lora "
+                         "to match it")
+    state = load_file(str(weights_path))
+    expected = {name: t.shape for name, t in adapter_state_dict(model).items()}
+    unfit = sorted(set(state) ^ set(expected)) + sorted(n for n in set(state) & set(expected)
+                                                          if state[n].shape != expected[n])
+    if unfit:
+        raise ValueError(f"model.lora.init: {len(unfit)} of the adapter's tensors do not fit this base model (e.g. "
+                         f"{unfit[0]}): an adapter of another model?")
+    set_peft_model_state_dict(model, state, adapter_name=ADAPTER)
+
+
 def adapter_param_count(model, lora: "LoraSpec") -> int:
     """The adapter's parameters for ``model`` (a HF model, on the meta device will do):
     rank x (in + out) for each targeted linear layer, as PEFT builds them."""

@@ -358,6 +358,8 @@ class Trainer:
             if spec.trainer.gradient_checkpointing:  # the frozen embedding's output must carry gradients
                 model.enable_input_require_grads()
             model = lora.wrap(model, self.lora)
+            if self.lora.init:  # a run that starts from an adapter (before DeepSpeed copies the weights)
+                lora.load_initial_adapter(model, self.lora)
         self.reference = None
         # model.lora: the reference is the policy's own module with its adapter disabled
         self.base_reference = self.lora is not None and algo.kl_coef > 0 and algo.kl_reference == "trainer"

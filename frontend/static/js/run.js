@@ -34,6 +34,9 @@ const CHARTS = [
     { key: "critic/adv_std", name: "advantage std" }] },
   { id: "lengths", title: "Output lengths (tokens)", traces: [
     { key: "lengths/mean", name: "mean" }, { key: "lengths/p99", name: "p99" }] },
+  { id: "pool", title: "Shared engine pool: share of generation", shared: true, yrange: [0, 1.02], y2title: "runs", traces: [
+    { key: "pool/share", name: "this run's share" }, { key: "pool/fair_share", name: "fair share" },
+    { key: "pool/runs", name: "runs on the pool", axis: "y2" }] },
   { id: "queue", title: "Queue depth and policy version", y2title: "version", traces: [
     { key: "queue/depth", name: "queue depth" }, { key: "version/current", name: "policy version", axis: "y2" }] },
 ];
@@ -43,7 +46,7 @@ const CHARTS = [
 const charts = [];
 const known = new Set();
 const container = document.getElementById("charts");
-for (const def of CHARTS.filter((d) => !d.advantage || d.advantage === run.advantage)) {
+for (const def of CHARTS.filter((d) => (!d.advantage || d.advantage === run.advantage) && (!d.shared || run.shared))) {
   const emptyText = run.terminal ? "This run reported none of these metrics." : "No data yet: waiting for the workers";
   const chart = def.heatmap ? new HistogramChart(container, { ...def, emptyText }) : new LiveChart(container, { ...def, emptyText });
   charts.push(chart);

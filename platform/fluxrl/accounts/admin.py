@@ -10,7 +10,7 @@ class MembershipInline(admin.TabularInline):
 
 @admin.register(Team)
 class TeamAdmin(admin.ModelAdmin):
-    list_display = ["slug", "name", "created_at"]
+    list_display = ["slug", "name", "engine_share", "created_at"]  # engine_share: the operator's, per team
     search_fields = ["slug", "name"]
     inlines = [MembershipInline]
 

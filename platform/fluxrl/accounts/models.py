@@ -1,4 +1,5 @@
 from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
 
@@ -10,6 +11,10 @@ class Team(models.Model):
     # The team's default metric exporters: a run spec's `report` section (workers/spec.py
     # ReportSpec), merged under each run's own when it is submitted (runs.services.submit_run).
     report_defaults = models.JSONField(default=dict, blank=True)
+    # rollout.share_engines (workers/rollout/pool.py): the team's weight in the fair share of
+    # a shared engine pool, split among its runs there. The operator's (admin), not a spec's.
+    engine_share = models.FloatField(default=1.0, validators=[MinValueValidator(0.01), MaxValueValidator(1000.0)],
+                                     help_text="weight of this team's runs on shared engine pools (1 = an equal share)")
 
     def __str__(self):
         return self.slug

@@ -91,7 +91,19 @@ def run_facts(run: Run) -> dict:
         "algorithm": spec.get("algorithm", {}).get("loss", ""),
         "mode": mode,
         "update_mode": spec.get("rollout", {}).get("update_mode", ""),
+        "training": training_kind(spec),
     }
+
+
+def training_kind(spec: dict) -> str:
+    """What a run trains: "full model", or its LoRA adapter (rank, modules, shared engines)."""
+    lora = (spec.get("model") or {}).get("lora")
+    if not lora:
+        return "full model"
+    modules = lora.get("target_modules")
+    shared = ((spec.get("rollout") or {}).get("share_engines"))
+    return (f"LoRA r={lora.get('rank', 8)}" + (f" on {', '.join(modules)}" if modules else "")
+            + (", shared engines" if shared else ""))
 
 
 # --- a run's metrics -------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from fluxrl.modelstore.models import StoredModelVersion
 from fluxrl.rewards.models import RewardFunction
 from fluxrl.rewards.services import builtin_catalog, sandbox_state
 from fluxrl.runs import exports
+from fluxrl.runs.services import engine_sharing
 from fluxrl.runs.api.serializers import SampleSerializer
 from fluxrl.runs.models import MAX_STEP, Run
 
@@ -125,7 +126,8 @@ def run_detail(request, team, pk):
         "run": {"id": run.pk, "name": run.name, "status": run.status, "failure_reason": run.failure_reason,
                 "cancel_requested": run.cancel_requested, "terminal": run.is_terminal,
                 # which charts apply: a GAE run's critic has its own (static/js/run.js)
-                "advantage": ((run.resolved_spec or {}).get("algorithm") or {}).get("advantage", "group")},
+                "advantage": ((run.resolved_spec or {}).get("algorithm") or {}).get("advantage", "group"),
+                "shared": bool(((run.resolved_spec or {}).get("rollout") or {}).get("share_engines"))},
         "series": index,  # key -> last step; the charts load each series' history from the API
         "since_step": max(index.values(), default=None),
         "samples": SampleSerializer(samples, many=True).data,
@@ -139,6 +141,7 @@ def run_detail(request, team, pk):
         "run": run, "facts": services.run_facts(run), "timeline": services.timeline(run), "page_data": data,
         "preload": preload if first else None,
         "exports": exports.exportable(run),  # the weights to download (runs/exports.py)
+        "sharing": engine_sharing(run),  # rollout.share_engines: who shares its engines
         "spec_yaml": yaml.safe_dump(services.display_spec(run), sort_keys=False, allow_unicode=True),
     }, "runs")
 
@@ -175,6 +178,8 @@ def compare(request, team):
     found = {run.pk: run for run in Run.objects.filter(team=team, pk__in=ids).select_related(
         "owner", "dataset_version", "reward_version")}
     runs = [found[pk] for pk in ids if pk in found]
+    for run in runs:  # full model or LoRA, beside each run's name
+        run.training = services.training_kind(run.resolved_spec or {})
     diff = services.config_diff(runs)
     keys = sorted({key for run in runs for key in last_steps(run)})
     data = {

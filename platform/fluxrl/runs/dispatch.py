@@ -85,6 +85,14 @@ def cluster_key(run: Run) -> str:
     return hmac.new(settings.FLUXRL_CLUSTER_KEY_SECRET.encode(), message, hashlib.sha256).hexdigest()
 
 
+def pool_env(run: Run) -> dict[str, str]:
+    """rollout.share_engines (workers/rollout/pool.py): who the run is on a shared engine
+    pool. The team's weight is the team record's (an operator's setting), never the spec's;
+    the run's name is shown only to runs of its own team."""
+    return {"FLUXRL_POOL_TEAM": f"team-{run.team_id}", "FLUXRL_POOL_WEIGHT": repr(float(run.team.engine_share)),
+            "FLUXRL_POOL_RUN": f"#{run.pk} {run.name}"[:200]}
+
+
 def new_rendezvous() -> str:
     """This worker host's address (FLUXRL_NODE_ADDRESS, default loopback) and a port free
     now, outside the ephemeral range (the engine binds it seconds later)."""
@@ -216,7 +224,7 @@ def launch(run_id: int) -> tuple[subprocess.Popen, Path] | None:
             command = engine_command(run.pk, spec_path, run_output_dir(run.pk), resume=resume_from_checkpoint(run),
                                      rendezvous=rendezvous)
             proc = start_engine(command, folder / "engine.log", key,
-                                {CLUSTER_KEY_ENV: cluster_key(run)} if rendezvous else None)
+                                {**pool_env(run), **({CLUSTER_KEY_ENV: cluster_key(run)} if rendezvous else {})})
             # the other nodes' join_run tasks wait for the rendezvous of a live run
             transition(run, RunStatus.STARTING, worker_host=socket.gethostname(), worker_pid=proc.pid,
                        rendezvous=rendezvous)

@@ -32,6 +32,7 @@ BUILTIN_REWARD_MODELS = ("builtin:tiny-rm",)  # reward.model.path (workers/model
 MODEL_ROOTS_ENV = "FLUXRL_MODEL_ROOTS"
 MODEL_FIELD = "spec.model.path"
 REWARD_MODEL_FIELD = "spec.reward.model.path"
+LORA_INIT_FIELD = "spec.model.lora.init"
 STORED_PREFIX = "model:"  # model:<name>[@<version>]: a folder the team uploaded (POST /api/models/)
 CAUSAL_LM, CLASSIFIER = StoredModelVersion.Kind.CAUSAL_LM, StoredModelVersion.Kind.SEQUENCE_CLASSIFICATION
 _ROOT_RELATIVE = re.compile(r"[\w-][\w.-]*(/[\w.-]+)*")  # "Qwen/Qwen2-0.5B": a hub id, or a name under a model root
@@ -140,8 +141,19 @@ def check_reward_model_path(team, spec: dict) -> str | None:
     return check_model_path(team, reward_model["path"], REWARD_MODEL_FIELD, BUILTIN_REWARD_MODELS, CLASSIFIER)
 
 
+def check_lora_init(team, spec: dict) -> str | None:
+    """model.lora.init (a run starting from an adapter folder) scoped as model.path is
+    (check_model_path: the team's own run outputs or a model root, never another team's), or
+    None without one."""
+    lora = (spec.get("model") or {}).get("lora")
+    if not isinstance(lora, dict) or not isinstance(lora.get("init"), str):
+        return None
+    return check_model_path(team, lora["init"], LORA_INIT_FIELD, builtins=())
+
+
 def engine_spec(spec: dict, dataset_version=None, reward_version=None, model_path: str | None = None,
-                reward_model_path: str | None = None, eval_sets: list | None = None) -> dict:
+                reward_model_path: str | None = None, eval_sets: list | None = None,
+                lora_init: str | None = None) -> dict:
     """The spec with team references replaced by what a worker can use: the dataset's
     immutable JSONL file (fields normalized to prompt/answer), the reward's code, and the
     model folder as check_model_path resolved it. ``eval_sets``: for each of eval.sets,
@@ -156,6 +168,8 @@ def engine_spec(spec: dict, dataset_version=None, reward_version=None, model_pat
         resolved.setdefault("model", {})["path"] = model_path
     if reward_model_path is not None:
         resolved["reward"]["model"]["path"] = reward_model_path
+    if lora_init is not None:
+        resolved["model"]["lora"]["init"] = lora_init
     if dataset_version is not None:
         resolved["task"].update(dataset=str(dataset_version.path), prompt_field="prompt", answer_field="answer")
     if reward_version is not None:
@@ -181,7 +195,8 @@ def resolve_spec(run: Run) -> dict:
     else:
         reward_model_path = check_reward_model_path(run.team, run.spec)
     return engine_spec(run.spec, run.dataset_version, run.reward_version, model_path=model_path,
-                       reward_model_path=reward_model_path, eval_sets=pinned_eval_sets(run))
+                       reward_model_path=reward_model_path, eval_sets=pinned_eval_sets(run),
+                       lora_init=check_lora_init(run.team, run.spec))
 
 
 def team_reward_function(function) -> bool:

@@ -46,6 +46,9 @@ class Run(models.Model):
     worker_host = models.CharField(max_length=255, blank=True)
     worker_pid = models.IntegerField(null=True, blank=True)
     heartbeat_at = models.DateTimeField(null=True, blank=True)
+    # rollout.share_engines: the node's shared engine pools the run is on, as its heartbeat
+    # last said ([{"id", "share", "fair_share"}]); who shares them is computed per viewer
+    engine_pools = models.JSONField(default=list, blank=True)
     rendezvous = models.CharField(max_length=300, blank=True,
                                   help_text="runs over several nodes: node 0's host:port, where the other nodes' agents join")
 

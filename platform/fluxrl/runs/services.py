@@ -34,6 +34,7 @@ from .engine_inputs import (  # noqa: F401 - re-exported: callers name them as r
     MODEL_ROOTS_ENV,
     CLASSIFIER,
     REWARD_MODEL_FIELD,
+    check_lora_init,
     check_model_path,
     check_reward_model_path,
     stored_model_version,
@@ -166,7 +167,8 @@ def submit_run(team, owner, spec_input, tags=(), notes: str = "") -> Run:
     dataset_version, reward_version = resolve_references(team, spec)
     reward_model = (spec.get("reward") or {}).get("model") or {}
     resolved_spec = engine_spec(spec, dataset_version, reward_version, model_path=model_path,
-                                reward_model_path=reward_model_path, eval_sets=resolve_eval_sets(team, spec))
+                                reward_model_path=reward_model_path, eval_sets=resolve_eval_sets(team, spec),
+                                lora_init=check_lora_init(team, spec))
     quotas.check_run_quota(team, resolved_spec)  # locks the team's row until this run is stored
     run = Run.objects.create(
         team=team, owner=owner, name=spec["name"], spec=spec, notes=notes, resolved_spec=resolved_spec,
@@ -292,3 +294,22 @@ def add_checkpoint(run: Run, step: int, version: int, path: str) -> Checkpoint:
     """Record a saved checkpoint; reporting the same step again returns the first record."""
     checkpoint, _ = Checkpoint.objects.get_or_create(run=run, step=step, defaults={"version": version, "path": path})
     return checkpoint
+
+
+def engine_sharing(run: Run) -> list[dict]:
+    """rollout.share_engines: for each shared engine pool the run is on (as its heartbeat
+    last said), its measured and fair share and the other live runs on the same pool of the
+    same worker host: the run's own team's by name, another team's counted only (a team
+    sees nothing of another's runs but that they exist)."""
+    if not run.engine_pools:
+        return []
+    others = [] if run.is_terminal else list(
+        Run.objects.filter(status__in=(RunStatus.STARTING, RunStatus.RUNNING), worker_host=run.worker_host)
+        .exclude(pk=run.pk).exclude(engine_pools=[]).only("id", "name", "team_id", "engine_pools"))
+    sharing = []
+    for pool in run.engine_pools:
+        on_it = [o for o in others if any(p.get("id") == pool["id"] for p in o.engine_pools)]
+        sharing.append({"id": pool["id"], "share": pool.get("share"), "fair_share": pool.get("fair_share"),
+                        "team_runs": [{"id": o.pk, "name": o.name} for o in on_it if o.team_id == run.team_id],
+                        "other_team_runs": sum(1 for o in on_it if o.team_id != run.team_id)})
+    return sharing

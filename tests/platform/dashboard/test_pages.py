@@ -245,6 +245,25 @@ def test_compare_shows_what_differs(page_a, team_a, alice, spec):
     assert [f["field"] for f in data["hyperparameters"]["fields"]] == ["algorithm.lr", "schedule.mode"]
 
 
+def test_compare_shows_a_lora_run_beside_a_full_run(page_a, team_a, alice, spec):
+    full = submit_run(team_a, alice, spec(name="full", algorithm={"lr": 1e-4}))
+    lora = submit_run(team_a, alice, spec(name="lora", model={"path": "builtin:tiny", "lora": {
+        "rank": 8, "target_modules": ["q_proj", "v_proj"]}}, algorithm={"lr": 2e-3}))
+    for run, update in ((full, 2629632), (lora, 102528)):
+        ingest_points(run, points("reward/mean", range(3)) + points("weights/update_bytes", range(3), lambda s: update)
+                      + points("weights/model_bytes", range(3), lambda s: 2629632))
+    response = page_a.get(f"/compare/?runs={full.pk},{lora.pk}")
+    body = response.content.decode()
+    assert re.findall(r'<span class="tag" data-training="\d+">([^<]+)</span>', body) == [
+        "full model", "LoRA r=8 on q_proj, v_proj"]
+    differing = re.findall(r'<tr class="differs"[^>]*>\s*<td><code>([^<]+)</code>', body)
+    assert "model.lora.rank" in differing and "model.lora.target_modules" in differing
+    row = re.search(r'<code>model.lora.rank</code>.*?</tr>', body, re.S).group(0)
+    assert re.findall(r"<td>([^<]*)</td>", row) == ["–", "8"]
+    assert {"weights/update_bytes", "weights/model_bytes"} <= set(page_data(response)["keys"])
+    assert "LoRA r=8 on q_proj, v_proj" in page_a.get(f"/runs/{lora.pk}/").content.decode()
+
+
 def test_dataset_page_previews_rows_of_a_version(page_a, dataset_a):
     body = page_a.get(f"/datasets/{dataset_a.dataset_id}/").content.decode()
     assert "first 20 of 30 rows of v1" in body and "<th scope=\"col\">prompt</th>" in body

@@ -151,3 +151,27 @@ def test_the_builtin_reward_model_and_one_under_a_root_reach_the_engine_spec_res
     run = Run.objects.get(pk=response.json()["id"])
     assert run.spec["reward"]["model"]["path"] == str(roots / "rm-link")  # as submitted
     assert resolve_spec(run)["reward"]["model"]["path"] == str(roots / "qwen")
+
+
+def test_a_run_may_start_from_its_teams_adapter_and_never_from_another_teams(api_a, spec, team_a, team_b, alice,
+                                                                             carol, settings, roots):
+    """model.lora.init is scoped as model.path is: a LoRA run starts from an adapter of the
+    team's own runs; another team's is refused naming the field, before anything is stored."""
+    mine, theirs = submit_run(team_a, alice, spec()), submit_run(team_b, carol, spec())
+    for run in (mine, theirs):
+        (run_output_dir(run.pk) / "final_model" / "adapter").mkdir(parents=True)
+
+    def lora(path):
+        return spec(model={"path": "builtin:tiny", "lora": {"rank": 8, "init": str(path)}})
+
+    ok = api_a.post("/api/runs/", {"spec": lora(run_output_dir(mine.pk) / "final_model" / "adapter")}, format="json")
+    assert ok.status_code == 201, ok.content
+    run = Run.objects.get(pk=ok.json()["id"])
+    expected = os.path.realpath(run_output_dir(mine.pk) / "final_model" / "adapter")
+    assert run.resolved_spec["model"]["lora"]["init"] == expected
+    assert resolve_spec(run)["model"]["lora"]["init"] == expected
+    before = Run.objects.count()
+    bad = api_a.post("/api/runs/", {"spec": lora(run_output_dir(theirs.pk) / "final_model" / "adapter")},
+                     format="json")
+    assert bad.status_code == 400 and "spec.model.lora.init" in bad.json()["error"]["fields"]
+    assert Run.objects.count() == before

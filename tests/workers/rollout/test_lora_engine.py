@@ -13,46 +13,15 @@ import asyncio
 import pytest
 import torch
 
+from tests.workers.rollout.lora_adapters import RANK
+from tests.workers.rollout.lora_adapters import adapter_file as _file
+from tests.workers.rollout.lora_adapters import model_logprobs as _model_logprobs
+from tests.workers.rollout.lora_adapters import seeded_adapter as _adapter
 from workers.models.tinymodel import encode
 from workers.rollout.engine import RolloutEngine
-from workers.weights.files import write_weight_file
 from workers.weights.sync import tensors_checksum
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
-
-RANK = 8
-
-
-def _adapter(tiny_model_path, seed, scale=0.3, only_layer=None):
-    """A PEFT model of the tiny model with a seeded adapter (B = 0 for seed None; with
-    ``only_layer``, B = 0 in every other layer)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=16, target_modules=["q_proj", "o_proj", "down_proj"],
-                                            task_type="CAUSAL_LM")).eval()
-    if seed is not None:
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name and (only_layer is None or f".layers.{only_layer}." in name):
-                    p.copy_(torch.randn(p.shape, generator=gen) * scale)
-    return model
-
-
-def _file(model, folder, version):
-    from workers.train.lora import adapter_metadata, adapter_state_dict
-
-    state = {k: v.detach() for k, v in adapter_state_dict(model).items()}
-    return write_weight_file(state, str(folder / f"adapter-v{version}.safetensors"), adapter_metadata(model)), state
-
-
-def _model_logprobs(model, comp):
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([comp.prompt_ids + comp.token_ids])).logits[0].float().log_softmax(-1)
-    n = len(comp.prompt_ids)
-    return [logits[n - 1 + i, t].item() for i, t in enumerate(comp.token_ids)]
 
 
 async def _gap(engine, model, prompt="12+34="):

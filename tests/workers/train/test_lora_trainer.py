@@ -141,3 +141,23 @@ def test_trainer_ranks_train_the_adapter_and_write_it_with_its_config(tiny_model
     assert set(before) == set(after) and all(".lora_" in k for k in after)
     assert any(not torch.equal(before[k], after[k]) for k in after)
     assert json.loads(weight_file_metadata(file.path)[ADAPTER_CONFIG_KEY])["r"] == 4
+
+
+def test_a_run_starts_from_an_adapter_folder_and_refuses_one_that_does_not_fit(tiny_model_path, tmp_path):
+    """model.lora.init: the trainer's adapter is the folder's, and so are the first weights
+    the engines get; an adapter of another rank is refused naming both ranks."""
+    from safetensors.torch import load_file
+
+    from tests.workers.rollout.lora_adapters import seeded_adapter
+
+    saved = seeded_adapter(tiny_model_path, 5)  # rank 8 on q_proj, o_proj, down_proj
+    saved.save_pretrained(tmp_path / "adapter")
+    lora = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "o_proj", "down_proj"],
+            "init": str(tmp_path / "adapter")}
+    trainer = Trainer(_spec(lora=lora), tiny_model_path, threads=1)
+    expected = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    sent = load_file(trainer_weight_file(trainer, str(tmp_path), 0).path)
+    assert set(sent) == set(expected) and all(torch.equal(sent[k], expected[k]) for k in expected)
+    assert max(t.abs().max().item() for k, t in expected.items() if "lora_B" in k) > 0  # not a fresh B = 0
+    with pytest.raises(ValueError, match=r"model.lora.init: the adapter in .* has rank 8 \(model.lora.rank is 4\)"):
+        Trainer(_spec(lora={**lora, "rank": 4}), tiny_model_path, threads=1)

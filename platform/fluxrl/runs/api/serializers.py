@@ -51,6 +51,12 @@ class RunListQuerySerializer(serializers.Serializer):
     q = serializers.CharField(required=False, help_text="search in name and notes")
 
 
+class EnginePoolReportSerializer(serializers.Serializer):
+    id = serializers.RegexField(r"^[0-9a-f]{12}-[0-9]+$", max_length=40)
+    share = serializers.FloatField(min_value=0, max_value=1)
+    fair_share = serializers.FloatField(min_value=0, max_value=1)
+
+
 class RunStatusReportSerializer(serializers.Serializer):
     status = serializers.ChoiceField(choices=WORKER_STATUSES, help_text="the current status again = heartbeat")
     failure_reason = serializers.CharField(default="", allow_blank=True)
@@ -60,6 +66,9 @@ class RunStatusReportSerializer(serializers.Serializer):
         required=False, min_value=-1, max_value=MAX_STEP,
         help_text="with the first 'running' of an engine started with --resume: the checkpoint step it continues "
                   "after (-1: none found, it starts over); the platform drops the points and samples after it")
+    engine_pools = EnginePoolReportSerializer(
+        many=True, required=False, max_length=64,
+        help_text="rollout.share_engines: the shared engine pools the run is on, with its measured and fair share")
 
 
 class RunStatusSerializer(serializers.ModelSerializer):
