@@ -807,6 +807,9 @@ class RunSpec(_Strict):
             (self.resources.nodes > 1, "resources.nodes 1 (pools serve the runs of their own node)"),
             (self.resources.engine_processes is False, "resources.engine_processes left on (a pool is a process "
              "of its own)"),
+            (self.schedule.dispatch == "skew_aware", "schedule.dispatch other than 'skew_aware' (its priorities "
+             "order one run's requests; on a shared engine vLLM would compare them with other runs' and preempt "
+             "theirs)"),
         ]
         wrong = [need for bad, need in refusals if bad]
         if wrong:

@@ -179,6 +179,7 @@ class TenantEngine(RolloutEngine):
         self._update_lock = pool.update_lock
         self.tenant: Optional[TenantInfo] = None
         self.slot: Optional[int] = None
+        self.serial: Optional[int] = None  # this join's number in the pool: its share's key (slots are reused)
         self._labels: list[tuple[int, int]] = []  # (pool label, this run's version), ascending
         self._checksum: Optional[str] = None
 
@@ -297,6 +298,7 @@ class EnginePool:
         self.tenants: dict[int, TenantEngine] = {}
         self.label = 0
         self.connections = 0
+        self.joins = 0
         self.idle_since = time.monotonic()
         self._left_tokens = 0
         self._marks: collections.deque = collections.deque()  # (time, {slot: tokens}, total tokens)
@@ -308,6 +310,8 @@ class EnginePool:
                            f"taken ({SLOTS_ENV})")
         slot = free[0]
         self.tenants[slot] = tenant
+        self.joins += 1
+        tenant.serial = self.joins
         self._reweigh()
         log.info("pool %s: a run of team %s joined (slot %d; %d run(s) now)", self.config.pool_id,
                  tenant.tenant.team, slot, len(self.tenants))
@@ -335,15 +339,15 @@ class EnginePool:
         if tenant.slot is None:
             return None
         now = time.monotonic()
-        tokens = {slot: t.generated_tokens for slot, t in self.tenants.items()}
+        tokens = {t.serial: t.generated_tokens for t in self.tenants.values()}
         total = self._left_tokens + sum(tokens.values())
         if not self._marks or now - self._marks[-1][0] >= 1.0:
             self._marks.append((now, tokens, total))
         while len(self._marks) > 1 and now - self._marks[1][0] >= SHARE_WINDOW_S:
             self._marks.popleft()
         _, before, total_before = self._marks[0]
-        mine = tokens[tenant.slot] - before.get(tenant.slot, 0)
-        share = mine / (total - total_before) if total > total_before else 0.0
+        mine = tokens[tenant.serial] - before.get(tenant.serial, 0)
+        share = min(1.0, max(0.0, mine / (total - total_before))) if total > total_before else 0.0
         weights = self.seats.weights
         fair = weights.get(tenant.slot, 0.0) / (sum(weights.values()) or 1.0)
         return PoolView(id=self.config.pool_id, slot=tenant.slot, slots=self.config.slots, runs=len(self.tenants),
@@ -381,6 +385,7 @@ class _TenantServer(_Server):
 async def _serve(config: PoolConfig, announce) -> None:
     pool = EnginePool(config)
     await pool.base.start()
+    pool.idle_since = time.monotonic()  # idle from now: starting may take minutes (CUDA graphs)
     listener = wire.listen(config.engine.host, 0, key=pool_key())
     announce(wire.format_address(listener.address))
     log.info("pool %s: serving %s with %d adapter slots at %s", config.pool_id, config.engine.model_path,
@@ -505,11 +510,12 @@ def _alive(pid: int) -> bool:
 
 def pool_settings(run_engine: EngineServerConfig, lora_rank: int) -> tuple[str, EngineServerConfig]:
     """The pool a run's engine joins: its id, and the pool engine's settings. What must
-    match for runs to share is the base model and how the engine is built; the length cap
-    is the model's own (up to ``FLUXRL_POOL_MAX_MODEL_LEN``, default 4096; a run that
-    needs more gets a power of two above its need) and the adapter rank the pool's
-    the smallest vLLM rank class at or above the run's (or ``FLUXRL_POOL_MAX_LORA_RANK``, to
-    let runs of different ranks meet at a cost), so runs of different tasks meet."""
+    match for runs to share is the base model, how the engine is built and where the plan
+    puts it (its devices or cores: the pool runs where its first run's plan said); the
+    length cap is the model's own (up to ``FLUXRL_POOL_MAX_MODEL_LEN``, default 4096; a run
+    that needs more gets a power of two above its need), so runs of different tasks meet,
+    and the adapter rank cap the smallest vLLM rank class at or above the run's (or
+    ``FLUXRL_POOL_MAX_LORA_RANK``, to let runs of different ranks meet at a cost)."""
     # vLLM pads every slot to max_lora_rank, and its LoRA kernels cost in proportion (on the
     # CPU rank 64 made rank-8 adapters generate 5x slower): by default a pool serves one
     # rank class, the run's
@@ -522,7 +528,7 @@ def pool_settings(run_engine: EngineServerConfig, lora_rank: int) -> tuple[str, 
         "sleep_mode": False, "accept_timeout_s": 0.0})
     shared = engine.model_dump(include={"model_path", "dtype", "max_model_len", "max_num_seqs", "kv_cache_gb",
                                         "gpu_memory_utilization", "cpu_single_process", "enforce_eager",
-                                        "tensor_parallel", "priority_scheduling", "lora_rank", "host"})
+                                        "tensor_parallel", "priority_scheduling", "lora_rank", "host", "env"})
     digest = hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
     return f"{digest}-{run_engine.index}", engine
 

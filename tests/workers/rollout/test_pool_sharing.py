@@ -150,6 +150,24 @@ def test_a_team_weight_is_split_among_its_runs_on_the_pool(tmp_path):
     assert pool.view(a1).fair_share == 0.25
 
 
+def test_a_run_in_a_reused_slot_has_a_share_of_its_own_tokens_only(tmp_path):
+    """The slot's previous run generated 500 tokens within the share's window: the newcomer's
+    share counts its own tokens, not the difference from the old run's."""
+    pool = _pool(tmp_path, slots=2)
+    a, b = _tenant(pool, "t1"), _tenant(pool, "t2")
+    asyncio.run(a.start())
+    asyncio.run(b.start())
+    a.generated_tokens, b.generated_tokens = 500, 100
+    pool.view(b)  # a mark with a's 500
+    asyncio.run(a.leave())
+    c = _tenant(pool, "t3")
+    asyncio.run(c.start())
+    assert c.slot == 1  # a's
+    c.generated_tokens, b.generated_tokens = 30, 130
+    view = pool.view(c)
+    assert view.share == 0.5 and pool.view(b).share == 0.5  # 30 of the 60 generated since the mark
+
+
 def test_a_run_cannot_join_with_a_larger_adapter_than_the_pool_serves(tmp_path):
     pool = _pool(tmp_path)
     t = TenantEngine(pool)
@@ -185,10 +203,13 @@ def test_runs_of_similar_tasks_meet_on_one_pool_and_other_models_do_not(tmp_path
     assert pool_settings(base.model_copy(update={"model_path": str(other)}), 16)[0] != pid
     assert pool_settings(base.model_copy(update={"dtype": "bfloat16"}), 16)[0] != pid
     assert pool_settings(base.model_copy(update={"max_model_len": 300}), 16)[0] != pid
+    assert pool_settings(base.model_copy(update={"env": {"CUDA_VISIBLE_DEVICES": "1"}}), 16)[0] != pid  # elsewhere
 
 
 @pytest.mark.parametrize("change, message", [
     ({}, "model.lora"),
+    ({"model": {"lora": {"rank": 8}}, "schedule": {"dispatch": "skew_aware"}},
+     "schedule.dispatch other than 'skew_aware'"),
     ({"model": {"lora": {"rank": 8}}, "rollout": {"share_engines": True, "update_mode": "drain"}},
      "rollout.update_mode 'keep' or 'interrupt'"),
 ])
