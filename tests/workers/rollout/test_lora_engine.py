@@ -113,3 +113,23 @@ def test_an_interrupt_update_resumes_each_sequence_from_its_prefix_under_the_new
         labels, new_lp = c.versions.per_token(), _model_logprobs(new, c)
         tail = [i for i, v in enumerate(labels) if v == version]
         assert max(abs(c.logprobs[i] - new_lp[i]) for i in tail) < 1e-3
+
+
+def test_a_drain_update_lets_running_sequences_finish_under_the_old_adapter(loop, lora_engine, tiny_model_path,
+                                                                            tmp_path):
+    """update_mode drain with LoRA: the update waits for the running sequences, which finish
+    whole under the old adapter's version; the next request generates with the new one."""
+    old = _adapter(tiny_model_path, 30)
+    version = lora_engine.version + 1
+    loop.run_until_complete(lora_engine.update_weights(_file(old, tmp_path, version)[0], version))
+    new = _adapter(tiny_model_path, 31)
+    lora_engine.update_mode = "drain"
+    try:
+        comps, _ = loop.run_until_complete(_run_with_update(lora_engine, _file(new, tmp_path, version + 1)[0],
+                                                            version + 1, n=4, max_tokens=60))
+    finally:
+        lora_engine.update_mode = "keep"
+    for c in comps:
+        assert c.length == 60 and [v for v, _ in c.versions.runs] == [version]
+        assert max(abs(a - b) for a, b in zip(_model_logprobs(old, c), c.logprobs)) < 1e-3
+    assert loop.run_until_complete(_gap(lora_engine, new)) < 1e-3
