@@ -65,7 +65,9 @@ def test_a_pipeline_step_moves_both_models_as_deepspeeds_trainer_does(tiny_model
             want, got = reference.train_step(batch), pipeline.train_step(batch)
             for key in ("loss/policy", "critic/value_loss", "policy/entropy", "critic/adv_mean",
                         "critic/value_mean"):
-                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+                # abs 1e-6: loss/policy sums to ~0 (advantages are centred), where float summation
+                # order alone, which differs between CPU models, moves it by ~1e-7
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
             assert 0 <= got["pipeline/bubble"] < 1 and got["trainer/micro_batches"] == 3
         assert pipeline.version == 2
         for mine, theirs, tolerance in ((pipeline.state_dict(), reference.state_dict(), LR / 5),
