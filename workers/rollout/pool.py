@@ -323,6 +323,7 @@ class EnginePool:
             self._left_tokens += tenant.generated_tokens
         self.seats.forget(slot)
         self._reweigh()
+        self.idle_since = time.monotonic()
         log.info("pool %s: slot %d is free (%d run(s) left)", self.config.pool_id, slot, len(self.tenants))
 
     def next_label(self) -> int:
@@ -405,13 +406,16 @@ async def _serve(config: PoolConfig, announce) -> None:
                 if pool.base.dead:
                     log.error("pool %s: its engine died: exiting", config.pool_id)
                     return
-                if not servers and time.monotonic() - pool.idle_since >= config.idle_exit_s:
+                # idle: no run has joined since the last one left or connected; a connection
+                # that never joins (a refused or stuck start) does not keep the pool alive
+                if not pool.tenants and time.monotonic() - pool.idle_since >= config.idle_exit_s:
                     with _registry_lock(config.pool_id):  # no run finds it from now on
                         _registry_file(config.pool_id).unlink(missing_ok=True)
                     log.info("pool %s: idle for %g s: exiting", config.pool_id, config.idle_exit_s)
                     return
                 continue
             pool.connections += 1
+            pool.idle_since = time.monotonic()
             task = asyncio.ensure_future(_TenantServer(pool, channel).run())
             servers.add(task)
             task.add_done_callback(ended)
@@ -623,15 +627,19 @@ class PoolClient(EngineClient):
 
     async def start(self, warm_blob=None, version: int = 0) -> None:
         try:
-            await super().start(warm_blob, version)
-        except (OSError, wire.WireError):
-            if self.channel is not None:
-                raise
-            # the pool was exiting (idle) as we found it, or died and left its entry: once
-            # more, without that entry, which starts a new one
-            forget_pool(self.pool_id, self.address)
-            self.address = None
-            await super().start(warm_blob, version)
+            try:
+                await super().start(warm_blob, version)
+            except (OSError, wire.WireError):
+                if self.channel is not None:
+                    raise
+                # the pool was exiting (idle) as we found it, or died and left its entry: once
+                # more, without that entry, which starts a new one
+                forget_pool(self.pool_id, self.address)
+                self.address = None
+                await super().start(warm_blob, version)
+        except BaseException:
+            self.shutdown()  # a refused join: its connection would only keep the pool awake
+            raise
 
 
 def tenant_info(run_label: str, lora_rank: int, update_mode: str, top_p: float, top_k: int, stop: list[str],

@@ -199,6 +199,12 @@ def test_the_idle_pool_exits_and_leaves_no_registry(loop, pools, tiny_model_path
     pid_ = pool_settings(_config(tiny_model_path), 8)[0]
     info = _read_registry(pid_)
     assert info is not None
+    # a connection that never joins (a stuck or refused start) does not keep the pool awake
+    from workers.io import wire
+    from workers.rollout.pool import pool_key
+    from workers.rollout.server import REPLIES
+
+    lingering = wire.connect(wire.parse_address(info["address"]), REPLIES, pool_key())
     deadline = time.monotonic() + IDLE_S + 20
     while _read_registry(pid_) is not None and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -211,3 +217,4 @@ def test_the_idle_pool_exits_and_leaves_no_registry(loop, pools, tiny_model_path
         time.sleep(0.5)
     else:
         pytest.fail("the idle pool did not exit")
+    lingering.close()
