@@ -84,6 +84,10 @@ class TrainRequest(_Message):
     proximal_micro_batches: int = 0  # several steps: π_prox of ``proximal`` first, in this many forwards
     proximal: list[int] = []  # indices into ``samples``: those a step after the first trains on
     critic_micro_batches: int = 0  # gae: the critic's values of ``samples`` first, in this many forwards
+    # gae: indices into ``samples`` whose advantages this rank counts in the batch's statistics
+    # (whitening, critic/*): with several epochs a sample trains on more than one rank, and is
+    # counted on one of them only; None counts all of ``samples``
+    counted: Optional[list[int]] = None
     grad_scale: float
 
 
@@ -282,6 +286,10 @@ def plan_train(batch: list, spec: RunSpec, version: int, world: int) -> list[Tra
                                            for r in range(world)))
     # gae: the critic's forwards, unless the critic stage valued every sample already
     critic_micro = most if algo.advantage == "gae" and any(s.values is None for s in batch) else 0
+    owner: dict[int, int] = {}
+    for r in range(world):
+        for i in mine[r]:
+            owner.setdefault(i, r)
     requests = []
     for r in range(world):
         pos = {i: k for k, i in enumerate(mine[r])}
@@ -290,6 +298,7 @@ def plan_train(batch: list, spec: RunSpec, version: int, world: int) -> list[Tra
         requests.append(TrainRequest(samples=[_sample(batch[i]) for i in mine[r]], steps=steps,
                                      proximal_micro_batches=prox_micro, proximal=[] if single else proximal[r],
                                      critic_micro_batches=critic_micro,
+                                     counted=[k for k, i in enumerate(mine[r]) if owner[i] == r],
                                      grad_scale=float(world)))
     return requests
 
@@ -734,7 +743,8 @@ class _Rank:
         batch = self._samples(request.samples)
         sums = None
         if t.critic is not None:  # each rank's values for its samples; the statistics' sums added up below
-            batch, sums = t.critic_targets(batch, min_micro_batches=request.critic_micro_batches)
+            batch, sums = t.critic_targets(batch, min_micro_batches=request.critic_micro_batches,
+                                           counted=request.counted)
         if not single:  # every rank runs the same number of forwards (ZeRO-3 gathers in each)
             prox = t.proximal_logprobs([batch[k] for k in request.proximal],
                                        min_micro_batches=request.proximal_micro_batches)

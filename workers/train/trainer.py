@@ -510,15 +510,16 @@ class Trainer:
         """A per-generated-token field of each sample as [batch, columns], in the mask's layout."""
         return per_token([(s.prompt_ids, s.token_ids) for s in batch], columns, [getattr(s, field) for s in batch])
 
-    def critic_targets(self, batch: list[TrainSample], min_micro_batches: int = 0
-                       ) -> tuple[list[TrainSample], dict[str, float]]:
+    def critic_targets(self, batch: list[TrainSample], min_micro_batches: int = 0,
+                       counted: Optional[list[int]] = None) -> tuple[list[TrainSample], dict[str, float]]:
         """GAE (algorithm.advantage gae): the critic's values over ``batch`` (a no-grad forward,
         packed like training), and from them and each sequence's reward (on its last token) the
         advantages per token and the returns the critic trains towards. The values are also the
         clipped value loss's old values. Returns the samples with these set, and the sums their
         statistics come from (``critic_stats``; data-parallel ranks add theirs up first).
         ``min_micro_batches``: forwards to run at least, the same number on every rank (ZeRO-3
-        gathers the critic's parameters in each)."""
+        gathers the critic's parameters in each). ``counted``: the indices of the samples the
+        sums are over (ranks.py ``plan_train``: each sample on one rank only); None: all."""
         algo = self.spec.algorithm
         if kl_in_reward(algo) and self.has_reference:  # the rewards need log π_ref before GAE
             batch = self._with_reference_logprobs(batch)
@@ -543,8 +544,9 @@ class Trainer:
                 targets(i, values[row, generated_columns(len(s.prompt_ids), len(s.token_ids))].tolist())
         for _ in range(len(micro), min_micro_batches):
             self.critic.values(*self._idle_ids())
-        sums = algorithms.critic_sums([s.values for s in out], [s.returns for s in out],
-                                      [s.token_advantages for s in out])
+        stat = out if counted is None else [out[i] for i in counted]
+        sums = algorithms.critic_sums([s.values for s in stat], [s.returns for s in stat],
+                                      [s.token_advantages for s in stat])
         return whiten_targets(out, sums, algo, self._all_reduce_sum), sums
 
     def _all_reduce_sum(self, t: torch.Tensor) -> None:

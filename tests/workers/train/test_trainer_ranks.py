@@ -131,6 +131,19 @@ def test_the_plan_covers_each_step_once_with_the_whole_steps_denominator(batch):
     assert any(packed[r][k] < two[r].steps[k].micro_batches for r in range(2) for k in range(2))
 
 
+def test_with_several_epochs_each_sample_counts_once_in_the_batchs_statistics(batch):
+    """gae over ranks: with ppo_epochs 2 a sample trains on both ranks (a different split each
+    epoch), but the whitening's moments and critic/* add up over the ranks, so each sample is
+    counted on one rank only."""
+    plan = plan_train(batch, _spec(advantage="gae", minibatches=2, ppo_epochs=2), version=1, world=2)
+    held = [{tuple(s.token_ids) for s in r.samples} for r in plan]
+    assert held[0] & held[1]  # overlapping: counting every sample a rank holds would count these twice
+    counted = [tuple(r.samples[k].token_ids) for r in plan for k in r.counted]
+    assert sorted(counted) == sorted(tuple(s.token_ids) for s in batch)
+    single = plan_train(batch, _spec(advantage="gae", minibatches=1), version=1, world=2)
+    assert all(r.counted == list(range(len(r.samples))) for r in single)  # disjoint shares: all counted
+
+
 @pytest.mark.parametrize("stage,minibatches", [(2, 1), (3, 1), (2, 2), (3, 2)])
 def test_two_ranks_take_the_same_step_as_one_process(stage, minibatches, tiny_model_path, batch, tmp_path):
     spec = _spec(minibatches=minibatches, trainer={"zero_stage": stage})
@@ -163,15 +176,17 @@ CRITIC_KEYS = ("critic/value_loss", "critic/value_mean", "critic/return_mean", "
                "critic/explained_var", "loss/policy")
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_two_ranks_train_policy_and_critic_as_one_process_does(stage, tiny_model_path, batch):
+@pytest.mark.parametrize("stage,epochs", [(2, 1), (3, 1), (2, 2)])
+def test_two_ranks_train_policy_and_critic_as_one_process_does(stage, epochs, tiny_model_path, batch):
     """algorithm.advantage gae over two ranks, the critic at the same ZeRO stage: each rank's
     critic values its samples, the statistics add up over ranks, and the critic's gradients
     are scaled like the policy's. Rewards of 1e-9 keep both Adam steps linear in the
     gradient (see the module docstring): the second step's values show the first update."""
     # whitening off: whitened advantages are O(1) and Adam's steps sign-like, not linear
     # (whitening over ranks: tests/workers/train/test_advantage_whitening.py)
-    raw = _raw_spec(advantage="gae", whiten_advantages=False, trainer={"zero_stage": stage})
+    # epochs 2: two minibatches of two epochs, each sample on both ranks (counted on one)
+    raw = _raw_spec(advantage="gae", whiten_advantages=False, trainer={"zero_stage": stage},
+                    **({"minibatches": 2, "ppo_epochs": epochs} if epochs > 1 else {}))
     # critic lr 1e-8: its linear step moves the values by ~1e-8, the returns' scale, so the
     # second step's advantages stay tiny and the policy's step linear too
     spec = validate_spec({**raw, "critic": {"zero_stage": stage, "lr": 1e-8}})
