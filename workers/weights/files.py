@@ -170,6 +170,37 @@ class SpoolError(RuntimeError):
     pass
 
 
+def remove_orphan_spools(folder: Optional[str] = None) -> list[str]:
+    """Remove the spool folders (and the partial weights in them) of this user's processes
+    that are gone; returns those removed. A folder whose owner is alive, or another user's,
+    stays."""
+    parent = folder or tempfile.gettempdir()
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(parent):
+            rest = entry.name[len(WeightSpool.PREFIX):] if entry.name.startswith(WeightSpool.PREFIX) else ""
+            pid = rest.split("-", 1)[0]
+            if not pid.isdigit() or not entry.is_dir(follow_symlinks=False):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid != os.getuid() or _alive(int(pid)):
+                    continue
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
+                log.info("removed the weight spool %s of process %s, which is gone", entry.path, pid)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class WeightSpool:
     """The receiving end: chunks of one stream appended to a file of its own, in a private
     folder (0700). A stream must come in order and whole; its announced total is capped
@@ -179,9 +210,14 @@ class WeightSpool:
 
     MAX_OPEN = 2  # streams being received at once (one update, one start)
 
+    PREFIX = "fluxrl-weights-"
+
     def __init__(self, max_bytes: int, folder: Optional[str] = None):
         self.max_bytes = max_bytes
-        self.folder = tempfile.mkdtemp(prefix="fluxrl-weights-", dir=folder)
+        remove_orphan_spools(folder)
+        # the owner's pid in the name: a server killed outright (SIGKILL, OOM) cannot remove its
+        # folder, and the next spool on the node removes it for it
+        self.folder = tempfile.mkdtemp(prefix=f"{self.PREFIX}{os.getpid()}-", dir=folder)
         self._lock = threading.Lock()
         self._open: dict[int, dict] = {}  # stream -> {"fh", "path", "total", "written", "error"}
 

@@ -133,3 +133,29 @@ def test_model_bytes_count_one_copy_of_the_weights(tmp_path):
     (pickled / "pytorch_model.bin").write_bytes(b"x" * 1000)
     (pickled / "training_args.bin").write_bytes(b"x" * 100)
     assert model_state_bytes(str(pickled), "float32") == 1000
+
+
+def test_the_spool_of_a_killed_server_is_removed_by_the_next_and_a_live_ones_stays(tmp_path):
+    """An engine server killed outright (SIGKILL, the OOM killer) cannot remove its spool and
+    the partial weights in it; the next spool on the node removes it, never a live one's."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import sys; from workers.weights.files import WeightSpool\n"
+            "s = WeightSpool(1 << 20, sys.argv[1]); s.write(1, 0, 8, b'half'); print(s.folder, flush=True)\n"
+            "sys.stdin.read()")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    killed, alive = (p.stdout.readline().strip() for p in procs)
+    assert os.listdir(killed) == ["stream-1.safetensors"]
+    procs[0].send_signal(signal.SIGKILL)
+    procs[0].wait()
+    try:
+        spool = WeightSpool(1 << 20, str(tmp_path))
+        assert not os.path.exists(killed)
+        assert os.path.exists(alive) and os.path.exists(spool.folder)
+        spool.close()
+    finally:
+        procs[1].communicate(timeout=30)
+    assert procs[1].returncode == 0
