@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -130,19 +130,22 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return per_token.sum() / denominator, clip_frac
 
 
-CRITIC_SUM_KEYS = ("n", "v", "r", "r2", "d", "d2", "a", "a2")
+CRITIC_SUM_KEYS = ("n", "v", "r", "r2", "d", "d2", "a", "a2", "kl_n", "kl")
 
 
 def critic_sums(values: Sequence[Sequence[float]], returns: Sequence[Sequence[float]],
-                advantages: Sequence[Sequence[float]]) -> dict[str, float]:
+                advantages: Sequence[Sequence[float]],
+                kl: Optional[Sequence[Sequence[float]]] = None) -> dict[str, float]:
     """Per-token sums (count; values; returns and their squares; returns − values and their
-    squares; advantages and their squares) from which ``critic_stats`` follow: sums, so
+    squares; advantages and their squares; with ``kl``, the per-token log π_old − log π_ref
+    the rewards were charged and their count) from which ``critic_stats`` follow: sums, so
     data-parallel ranks can add theirs up."""
     flat = [(v, r, a) for vs, rs, As in zip(values, returns, advantages) for v, r, a in zip(vs, rs, As)]
+    kl_flat = [k for seq in kl for k in seq] if kl is not None else []
     return {"n": float(len(flat)), "v": sum(v for v, _, _ in flat), "r": sum(r for _, r, _ in flat),
             "r2": sum(r * r for _, r, _ in flat), "d": sum(r - v for v, r, _ in flat),
             "d2": sum((r - v) ** 2 for v, r, _ in flat), "a": sum(a for _, _, a in flat),
-            "a2": sum(a * a for _, _, a in flat)}
+            "a2": sum(a * a for _, _, a in flat), "kl_n": float(len(kl_flat)), "kl": sum(kl_flat)}
 
 
 def critic_stats(sums: dict[str, float]) -> dict[str, float]:
@@ -153,13 +156,16 @@ def critic_stats(sums: dict[str, float]) -> dict[str, float]:
     var_r = sums["r2"] / n - (sums["r"] / n) ** 2
     var_d = sums["d2"] / n - (sums["d"] / n) ** 2
     adv_mean = sums["a"] / n
-    return {
+    stats = {
         "critic/explained_var": 1.0 - var_d / var_r if var_r > 1e-12 else 0.0,
         "critic/value_mean": sums["v"] / n,
         "critic/return_mean": sums["r"] / n,
         "critic/adv_mean": adv_mean,
         "critic/adv_std": max(sums["a2"] / n - adv_mean ** 2, 0.0) ** 0.5,
     }
+    if sums.get("kl_n", 0.0) > 0:  # algorithm.kl_penalty 'reward': the KL the rewards paid, per token
+        stats["reward/kl"] = sums["kl"] / sums["kl_n"]
+    return stats
 
 
 @dataclass

@@ -29,7 +29,8 @@ from workers.train import algorithms
 from workers.train.batching import generated_columns, pad_sequences
 from workers.train.pipeline import Hyper, bubble_share, micro_batches
 from workers.train.pipeline_group import Optim, PipelineGroup
-from workers.train.trainer import TrainSample, step_denominator, whiten_targets, with_critic_targets
+from workers.train.trainer import (TrainSample, charged_kl, step_denominator, whiten_targets,
+                                   with_critic_targets)
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class PipelineTrainer:
             if s.values is not None:
                 out[i] = with_critic_targets(s, list(s.values), algo)
         sums = algorithms.critic_sums([s.values for s in out], [s.returns for s in out],
-                                      [s.token_advantages for s in out])
+                                      [s.token_advantages for s in out], charged_kl(out, algo))
         return whiten_targets(out, sums, algo), sums  # whitened over the whole batch (one process)
 
     def train_step(self, batch: list[TrainSample]) -> dict[str, float]:

@@ -75,6 +75,14 @@ def kl_in_reward(algo) -> bool:
     return algo.kl_coef > 0 and algo.kl_penalty == "reward"
 
 
+def charged_kl(batch: list[TrainSample], algo) -> Optional[list[list[float]]]:
+    """algorithm.kl_penalty 'reward': each sample's per-token log π_old − log π_ref, the KL its
+    rewards were charged (for the metric reward/kl); None otherwise."""
+    if not kl_in_reward(algo):
+        return None
+    return [[o - r for o, r in zip(s.behav_logprobs, s.ref_logprobs)] for s in batch]
+
+
 def with_critic_targets(sample: TrainSample, values: list[float], algo) -> TrainSample:
     """``sample`` with the critic's ``values`` and, from them and its reward (on its last
     token; with algorithm.kl_penalty 'reward' also −kl_coef·(log π_old − log π_ref) on every
@@ -546,7 +554,7 @@ class Trainer:
             self.critic.values(*self._idle_ids())
         stat = out if counted is None else [out[i] for i in counted]
         sums = algorithms.critic_sums([s.values for s in stat], [s.returns for s in stat],
-                                      [s.token_advantages for s in stat])
+                                      [s.token_advantages for s in stat], charged_kl(stat, algo))
         return whiten_targets(out, sums, algo, self._all_reduce_sum), sums
 
     def _all_reduce_sum(self, t: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ const CHARTS = [
     { key: "weights/sync_ms", name: "weight sync ms" }, { key: "weights/gen_stall_ms", name: "generation stall ms" }] },
   { id: "loss", title: "Loss, KL and clipping", y2title: "fraction / entropy", traces: [
     { key: "loss/policy", name: "policy loss" }, { key: "loss/kl", name: "KL" },
+    { key: "reward/kl", name: "KL charged to the rewards" },
     { key: "policy/clip_frac", name: "clip fraction", axis: "y2" }, { key: "policy/entropy", name: "entropy", axis: "y2" }] },
   { id: "critic", title: "Critic (algorithm.advantage gae)", advantage: "gae", y2title: "explained variance", traces: [
     { key: "critic/value_loss", name: "value loss" }, { key: "critic/explained_var", name: "explained variance", axis: "y2" },

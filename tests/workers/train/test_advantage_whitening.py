@@ -118,6 +118,17 @@ def test_the_kl_in_the_reward_is_minus_kl_coef_times_the_log_ratio_per_token():
         kl_rewards(1.0, [-1.0], [], 0.1)
 
 
+def test_the_kl_charged_to_the_rewards_is_reported_per_token_and_adds_up_over_ranks():
+    from workers.train.algorithms import critic_sums, critic_stats
+
+    values, returns, adv = [[0.0, 0.0], [0.0]], [[1.0, 1.0], [0.0]], [[1.0, 1.0], [0.0]]
+    one = critic_sums(values[:1], returns[:1], adv[:1], kl=[[0.5, -0.25]])
+    two = critic_sums(values[1:], returns[1:], adv[1:], kl=[[1.0]])
+    whole = {k: one[k] + two[k] for k in one}
+    assert critic_stats(whole)["reward/kl"] == pytest.approx((0.5 - 0.25 + 1.0) / 3, abs=1e-15)
+    assert "reward/kl" not in critic_stats(critic_sums(values, returns, adv))  # kl_penalty loss: no such metric
+
+
 def test_gae_takes_the_kl_rewards_with_kl_penalty_reward():
     algo = _algo(kl_coef=0.1, kl_penalty="reward", gamma=1.0, lam=1.0, whiten_advantages=False)
     s = TrainSample([1], [3, 4, 5], [-1.0, -2.0, -0.5], 0.0, reward=2.0, ref_logprobs=[-1.5, -1.75, -1.5])
@@ -199,7 +210,10 @@ def test_the_trainers_reference_gives_gae_its_kl_rewards(tiny_model_path):
     # values 0, γ = λ = 1: rewards to go, −0.1 a token and the reward on the last
     assert _flat(t.token_advantages for t in targets) == pytest.approx(
         [0.6, 0.7, 0.8, 0.9, -0.4, -0.3, -0.2, -0.1], abs=1e-5)
-    assert trainer.train_step(batch)["loss/kl"] == 0.0
+    stats = trainer.train_step(batch)
+    assert stats["loss/kl"] == 0.0
+    # the KL the rewards paid is reported per token: log π_old − log π_ref = 0.5 on every token
+    assert stats["reward/kl"] == pytest.approx(0.5, abs=1e-5)
 
 
 @pytest.mark.engine
