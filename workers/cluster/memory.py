@@ -8,7 +8,7 @@ count from the model's ``config.json``, instantiated on torch's meta device). Wh
 counted, per GPU, and where it comes from:
 
 - **Trainer rank** (:func:`trainer_memory`: DeepSpeed 0.19.8 under the config
-  ``workers.train.trainer.deepspeed_config`` gives it, torch AdamW): weights, gradients,
+  ``workers.train.deepspeed_setup.deepspeed_config`` gives it, torch AdamW): weights, gradients,
   the fp32 master copy and Adam's two moments, partitioned as ZeRO does (stage 1 the
   master copy and moments, 2 also the gradients, 3 also the weights), and the largest of
   the transients: the fp32 gradients flattened at the optimizer step, under ZeRO-3 the
@@ -158,7 +158,7 @@ def _kv_values_per_token(config) -> Optional[int]:
 # -- a trainer rank -------------------------------------------------------------------------
 
 def trainer_precision(dtype: str, zero_stage: int) -> str:
-    """How the trainer holds a model of ``dtype`` (``workers.train.trainer.deepspeed_config``;
+    """How the trainer holds a model of ``dtype`` (``workers.train.deepspeed_setup.deepspeed_config``;
     a test keeps the two in step): ``fp32``; ``autocast`` (bfloat16/float16 at ZeRO 0:
     fp32 parameters, gradients and AdamW, torch autocast for the matmuls); ``mixed``
     (bfloat16/float16 at ZeRO 1-3: DeepSpeed's bf16/fp16 mode, fp32 master weights,

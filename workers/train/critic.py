@@ -46,7 +46,7 @@ class ValueModel(torch.nn.Module):
 class Critic:
     def __init__(self, spec: RunSpec, model_path: str, config: dict, load_dtype: torch.dtype,
                  autocast_dtype: Optional[torch.dtype], device_type: str):
-        """``config``: the DeepSpeed config (workers/train/trainer.py deepspeed_config at the
+        """``config``: the DeepSpeed config (workers/train/deepspeed_setup.py deepspeed_config at the
         critic's ZeRO stage); ``load_dtype`` / ``autocast_dtype`` as the policy's."""
         import deepspeed
         from transformers import AutoModel
@@ -54,7 +54,11 @@ class Critic:
         self.spec = spec
         self.autocast_dtype = autocast_dtype
         self.device_type = device_type
-        model = ValueModel(AutoModel.from_pretrained(check_model_folder(model_path), dtype=load_dtype))
+        from workers.train.deepspeed_setup import partitioned_loading
+
+        with partitioned_loading(config):  # the value head, built after, is partitioned by deepspeed.initialize
+            trunk = AutoModel.from_pretrained(check_model_folder(model_path), dtype=load_dtype)
+        model = ValueModel(trunk)
         lr = spec.critic.lr or spec.algorithm.lr
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=spec.algorithm.weight_decay)
         # the caller (Trainer) has reset DeepSpeed's autocast globals for this engine

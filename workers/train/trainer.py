@@ -21,6 +21,8 @@ import torch
 
 from workers.train import algorithms
 from workers.train.batching import completion_mask, generated_columns, pad_sequences, per_token
+from workers.train.deepspeed_setup import (AUTOCAST_DTYPES, deepspeed_config, forget_earlier_autocast, init_distributed,
+                                          partitioned_loading)
 from workers.spec import RunSpec, model_dtype
 from workers.tasks.model_folder import check_model_folder
 
@@ -143,131 +145,6 @@ def _gathered_state_dict(module: torch.nn.Module, keep: bool = True) -> dict[str
     return {k: out[k] if k in out else v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
-class PrecisionError(ValueError):
-    """A model.dtype this device cannot train, with what to use instead."""
-
-
-_AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# DeepSpeed 0.19.8's dynamic loss scaling (deepspeed/runtime/constants.py FP16_*): start at
-# 2^16, halve on an overflowing step (the step is skipped), double after 1000 clean ones.
-FP16_LOSS_SCALING = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
-                     "min_loss_scale": 1}
-
-
-def deepspeed_config(spec: RunSpec, *, fp16_supported: bool = True, device: str = "cuda",
-                     zero_stage: Optional[int] = None) -> dict:
-    """The DeepSpeed config a spec trains under (no DeepSpeed started; tested as is).
-
-    Precision, by ``model.dtype`` and ``trainer.zero_stage``:
-
-    - float32: no mixed precision.
-    - bfloat16 / float16 at ZeRO 1-3: DeepSpeed's ``bf16`` / ``fp16`` mode (fp16 with dynamic
-      loss scaling), fp32 master weights, and gradients accumulated over the micro-batches in
-      fp32 (``data_types.grad_accum_dtype``: at stage 1 bf16 that selects BF16_Optimizer,
-      engine.py _do_optimizer_sanity_check; stages 2 and 3 accumulate their partitions in it).
-    - bfloat16 / float16 at ZeRO 0: ``torch_autocast`` (fp32 parameters, gradients and AdamW,
-      matmuls in the low precision; float16 adds DeepSpeed's GradScaler). DeepSpeed 0.19.8 has
-      no fp32 accumulation without ZeRO (bf16 params with grad_accum_dtype fp32 raise
-      NotImplementedError there), and its bf16 mode alone would sum micro-batch gradients in bf16.
-
-    Refused (``PrecisionError``): float16 at ZeRO 1-3 where the accelerator has no fp16
-    (DeepSpeed's CPU accelerator: only where oneDNN has fp16), which DeepSpeed would refuse with
-    "Type fp16 is not supported on your device".
-
-    ``zero_stage``: another engine's stage (the critic's, workers/train/critic.py).
-    """
-    algo, dtype = spec.algorithm, model_dtype(spec)
-    stage = spec.trainer.zero_stage if zero_stage is None else zero_stage
-    config: dict = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,  # we mark accumulation boundaries ourselves
-        "gradient_clipping": algo.grad_clip,
-        "zero_optimization": {"stage": stage},
-        "steps_per_print": 10**9,
-    }
-    if dtype == "float32":
-        return config
-    if stage == 0:
-        config["torch_autocast"] = {"enabled": True, "dtype": dtype}
-        return config
-    if dtype == "float16" and not fp16_supported:
-        raise PrecisionError(
-            f"model.dtype float16 with trainer.zero_stage {stage}: DeepSpeed's {device} accelerator has no fp16 "
-            "here (its fp16 mode needs a GPU). Use model.dtype bfloat16 (same memory, no loss scaling) or "
-            "float32, or trainer.zero_stage 0 (fp16 autocast over fp32 weights)")
-    if dtype == "bfloat16":
-        config["bf16"] = {"enabled": True}
-    else:
-        config["fp16"] = {"enabled": True, **FP16_LOSS_SCALING}
-    config["data_types"] = {"grad_accum_dtype": "fp32"}
-    return config
-
-
-def forget_earlier_autocast() -> None:
-    """DeepSpeed 0.19.8 records torch_autocast in module globals (runtime/torch_autocast.py:
-    TORCH_AUTOCAST_INITIALIZED/_DTYPE) that no later engine resets, and its ZeRO optimizers
-    read them: after an fp16-autocast engine, a plain fp32 engine in the same process would
-    take fp16 communication and loss-scaling paths. Each engine starts from a clean slate;
-    deepspeed.initialize sets them again when this config enables autocast."""
-    from deepspeed.runtime import torch_autocast
-
-    torch_autocast.TORCH_AUTOCAST_INITIALIZED = False
-    torch_autocast.TORCH_AUTOCAST_DTYPE = None
-
-
-def _init_distributed() -> None:
-    import deepspeed
-
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, value)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if not torch.cuda.is_available():
-        # No shared-memory all-reduce on gloo ranks: DeepSpeed uses it only for inference
-        # all-reduce (training goes through torch.distributed either way), and it would JIT-build
-        # the op under a lock file in ~/.cache/torch_extensions; a process killed during the
-        # build leaves the lock behind, and every later run then waits on it forever.
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    if not torch.distributed.is_initialized():
-        _init_world(backend)
-    # DeepSpeed finds the group initialised and only wraps it (deepspeed/comm/comm.py)
-    deepspeed.init_distributed(dist_backend=backend)
-
-
-def _init_world(backend: str) -> None:
-    """The DeepSpeed world's process group, on a store we bind ourselves: env:// would make
-    rank 0's store listen on every interface, open to anyone on the network."""
-    import torch.distributed as dist
-    from deepspeed.constants import default_pg_timeout
-
-    from workers.io.stores import interface_of, is_loopback, master_store
-
-    addr, rank, world = os.environ["MASTER_ADDR"], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world == 1:
-        # A single process is its own rendezvous: an in-memory store, no socket at all
-        # (several runs share a machine, and a parent that trained in-process holds ports).
-        store = dist.HashStore()
-    elif rank == 0:
-        store = master_store(addr, int(os.environ["MASTER_PORT"]), world, default_pg_timeout)
-    else:
-        store = dist.TCPStore(addr, int(os.environ["MASTER_PORT"]), world, is_master=False,
-                              timeout=default_pg_timeout)
-    if backend == "gloo" and world > 1 and is_loopback(addr) and "GLOO_SOCKET_IFNAME" not in os.environ:
-        # One machine: gloo's own pair sockets (of this group and DeepSpeed's later ones) on
-        # loopback too, not on whatever the hostname resolves to. Only in a rank's process,
-        # whose environment is its own; one in-process trainer has no peer to listen for.
-        interface = interface_of(addr)
-        if interface:
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
-    kwargs = {}
-    if backend == "nccl" and world > 1:  # as DeepSpeed's own init does: bind the group to this rank's device
-        kwargs["device_id"] = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=default_pg_timeout,
-                            **kwargs)
-
-
 # -- where a streamed step's summed gradients are divided (DeepSpeed 0.19 internals) ----------
 # finish_step(rescale=True) divides gradients that were summed over the step by a denominator
 # known only at its end. Where they are by then depends on the optimizer class DeepSpeed picked
@@ -339,7 +216,7 @@ class Trainer:
         self.model_path = model_path
         self.pad_id = pad_id  # any id: padded positions are masked out of attention and loss
         algo = spec.algorithm
-        _init_distributed()
+        init_distributed()
         from deepspeed.accelerator import get_accelerator
 
         accelerator = get_accelerator()
@@ -347,7 +224,7 @@ class Trainer:
                                   device=accelerator.device_name())
         # ZeRO 0 with bfloat16/float16: the autocast dtype (fp32 parameters, low-precision
         # matmuls); the weights that leave the trainer are cast to it. None otherwise.
-        self.autocast_dtype = _AUTOCAST_DTYPES.get(config.get("torch_autocast", {}).get("dtype"))
+        self.autocast_dtype = AUTOCAST_DTYPES.get(config.get("torch_autocast", {}).get("dtype"))
         self.device_type = accelerator.device_name()
         torch.manual_seed(spec.seed)
         # Under autocast the policy's parameters are fp32 (they are what AdamW updates). In
@@ -355,7 +232,8 @@ class Trainer:
         # master copy from the cast ones (engine.py _configure_distributed_model), so loading
         # them in fp32 first would buy nothing but twice the host memory: the spec's dtype.
         load = torch.float32 if self.autocast_dtype is not None else getattr(torch, model_dtype(spec))
-        model = AutoModelForCausalLM.from_pretrained(check_model_folder(model_path), dtype=load)
+        with partitioned_loading(config if spec.model.lora is None else {}):  # ZeRO-3 is refused with model.lora
+            model = AutoModelForCausalLM.from_pretrained(check_model_folder(model_path), dtype=load)
         if spec.trainer.gradient_checkpointing:  # the planner counts activations accordingly (cluster/memory.py)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))

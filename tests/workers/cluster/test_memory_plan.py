@@ -161,7 +161,7 @@ def test_trainer_bytes_per_parameter_by_dtype_and_stage():
 def test_the_precision_counted_is_the_trainers(dtype, stage):
     """workers/cluster/memory.py counts the precision workers/train/trainer.py configures."""
     from workers.cluster.memory import trainer_precision
-    from workers.train.trainer import deepspeed_config
+    from workers.train.deepspeed_setup import deepspeed_config
 
     config = deepspeed_config(spec({}, trainer={"zero_stage": stage}, model={"path": "m", "dtype": dtype}))
     if "torch_autocast" in config:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from workers.spec import validate_spec
-from workers.train.trainer import FP16_LOSS_SCALING, PrecisionError, deepspeed_config
+from workers.train.deepspeed_setup import FP16_LOSS_SCALING, PrecisionError, deepspeed_config
 
 
 def _spec(dtype: str, stage: int = 0, path: str = "m", **algorithm):
