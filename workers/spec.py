@@ -684,10 +684,28 @@ class ReportSpec(_Strict):
         return [name for name in ("tensorboard", "mlflow", "wandb") if getattr(self, name) is not None]
 
 
-def report_paths_outside_run(report: ReportSpec) -> list[dict[str, str]]:
+def server_origin(uri: str) -> Optional[str]:
+    """``scheme://host:port`` of an http(s) URI (lower case, the default port filled in), or None."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(uri.strip())
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+    except ValueError:
+        return None
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        return None
+    return f"{parts.scheme.lower()}://{parts.hostname.lower()}:{port}"
+
+
+def report_paths_outside_run(report: ReportSpec, mlflow_servers: Optional[list[str]] = None
+                             ) -> list[dict[str, str]]:
     """The exporter folders of ``report`` that would leave the run's output folder (an
     absolute path, '..', a file: URI), as SpecError entries: the platform refuses them, a
-    run there may write only inside its own folder. An MLflow server URI is fine."""
+    run there may write only inside its own folder. An MLflow server URI must be one of
+    ``mlflow_servers`` (origins, the platform's FLUXRL_MLFLOW_SERVERS) where that is given:
+    a worker posts to it from inside the cluster, so a team may not aim it at an address of
+    its choosing (the metadata service, an internal API)."""
     import posixpath
 
     def outside(path: str) -> bool:
@@ -701,9 +719,15 @@ def report_paths_outside_run(report: ReportSpec) -> list[dict[str, str]]:
                            "folder (relative, without '..')"})
     uri = report.mlflow.tracking_uri if report.mlflow is not None else None
     if uri is not None and ("://" in uri or uri.partition(":")[0] in ("file", "sqlite", "databricks")):
-        if not uri.startswith(("http://", "https://")):
+        origin = server_origin(uri)
+        if origin is None:
             errors.append({"field": "report.mlflow.tracking_uri", "message": "an MLflow server (http:// or https://) "
                            "or a folder inside the run's output folder"})
+        elif mlflow_servers is not None and origin not in {server_origin(a) for a in mlflow_servers}:
+            allowed = ", ".join(mlflow_servers) or "none: set FLUXRL_MLFLOW_SERVERS"
+            errors.append({"field": "report.mlflow.tracking_uri", "message": f"{origin} is not an MLflow server this "
+                           f"deployment allows (FLUXRL_MLFLOW_SERVERS: {allowed}); a folder inside the run's output "
+                           "folder always works"})
     elif uri is not None and outside(uri):
         errors.append({"field": "report.mlflow.tracking_uri", "message": "must be a folder inside the run's output "
                        "folder (relative, without '..'), or an MLflow server (http:// or https://)"})

@@ -274,6 +274,10 @@ FLUXRL_MAX_MODEL_BYTES = int(float(os.environ.get("FLUXRL_MAX_MODEL_MB", "1024")
 # shard index, ...): at most this, refused before it is read (the vocabularies tokenizer.json and
 # vocab.json are not parsed here and count only toward FLUXRL_MAX_MODEL_MB).
 FLUXRL_MAX_MODEL_JSON_BYTES = int(float(os.environ.get("FLUXRL_MAX_MODEL_JSON_MB", "4")) * 1024 * 1024)
+# MLflow servers a run's report.mlflow.tracking_uri may name (comma-separated origins,
+# https://mlflow.internal:5000): workers post to it from inside the cluster, so it is the
+# operator's list, not a team's choice. Empty: local file stores only.
+FLUXRL_MLFLOW_SERVERS = [s.strip() for s in os.environ.get("FLUXRL_MLFLOW_SERVERS", "").split(",") if s.strip()]
 FLUXRL_INGEST_MAX_POINTS = int(os.environ.get("FLUXRL_INGEST_MAX_POINTS", "1000"))
 FLUXRL_INGEST_MAX_SAMPLES = int(os.environ.get("FLUXRL_INGEST_MAX_SAMPLES", "500"))
 FLUXRL_INGEST_MAX_BYTES = int(os.environ.get("FLUXRL_INGEST_MAX_BYTES", str(1024 * 1024)))

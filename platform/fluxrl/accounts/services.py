@@ -126,7 +126,7 @@ def clean_report(report, field: str = "report") -> dict:
         fields = {".".join([field, *map(str, e["loc"])]): "unknown field" if e["type"] == "extra_forbidden"
                   else e["msg"] for e in exc.errors()}
         raise InvalidInput("; ".join(f"{k}: {v}" for k, v in fields.items()), fields=fields) from None
-    outside = {f"{field}.{e['field'].partition('.')[2]}": e["message"] for e in report_paths_outside_run(checked)}
+    outside = {f"{field}.{e['field'].partition('.')[2]}": e["message"] for e in report_paths_outside_run(checked, settings.FLUXRL_MLFLOW_SERVERS)}
     if outside:
         raise InvalidInput("; ".join(f"{k}: {v}" for k, v in outside.items()), fields=outside)
     given = checked.model_dump(mode="json", exclude_unset=True)

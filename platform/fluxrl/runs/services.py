@@ -84,7 +84,8 @@ def parse_user_spec(spec_input, team=None) -> dict:
         validated = validate_spec(spec_input)
     except SpecError as exc:
         raise spec_errors(exc.errors) from None
-    outside = report_paths_outside_run(validated.report)  # a run writes only inside its own folder
+    # a run writes only inside its own folder, or to an MLflow server the deployment allows
+    outside = report_paths_outside_run(validated.report, settings.FLUXRL_MLFLOW_SERVERS)
     if outside:
         raise spec_errors(outside)
     quotas.check_spec_ceilings(validated.to_dict())  # the deployment's per-run engines and nodes

@@ -5,7 +5,14 @@ from fluxrl.accounts.models import Team
 from fluxrl.runs.services import submit_run
 from tests.platform.conftest import make_spec
 
+import pytest
+
 URL = "/api/teams/team-a/report-defaults/"
+
+
+@pytest.fixture(autouse=True)
+def allowed_mlflow(settings):
+    settings.FLUXRL_MLFLOW_SERVERS = ["https://mlflow.example:5000"]
 TEAM_REPORT = {"mlflow": {"tracking_uri": "https://mlflow.example:5000", "experiment": "team-a", "tags": {"t": "a"}},
                "tensorboard": {}}
 
@@ -94,3 +101,24 @@ def test_a_submitted_yaml_spec_is_merged_and_a_report_outside_the_run_folder_ref
     assert report["tensorboard"] == {}
     assert_error(api_a.post("/api/runs/", {"spec": make_spec(report={"wandb": {"dir": "../../elsewhere"}}),
                                            "team": "team-a"}), 400, field="spec.report.wandb.dir")
+
+
+def test_an_mlflow_server_the_deployment_does_not_list_is_refused_for_defaults_and_runs(
+        api_a, team_a, alice, assert_error, settings):
+    """A worker posts to the tracking URI from inside the cluster: only the operator's
+    FLUXRL_MLFLOW_SERVERS may be named, never an address a team picks."""
+    from fluxrl.errors import InvalidInput
+
+    for uri in ("https://169.254.169.254/latest", "http://mlflow.example:5000", "https://mlflow.example:5001",
+                "https://evil@internal-api:5000", "https://redis.internal:6379"):
+        response = api_a.put(URL, {"report": {"mlflow": {"tracking_uri": uri}}})
+        assert_error(response, 400, field="report.mlflow.tracking_uri")
+        assert "FLUXRL_MLFLOW_SERVERS" in response.content.decode()
+        with pytest.raises(InvalidInput) as err:
+            submit_run(team_a, alice, make_spec(report={"mlflow": {"tracking_uri": uri}}))
+        assert "spec.report.mlflow.tracking_uri" in str(err.value.fields)
+    # the listed origin, whatever its case or path; a folder in the run's own output folder always
+    assert api_a.put(URL, {"report": {"mlflow": {"tracking_uri": "https://MLflow.Example:5000/api"}}}).status_code == 200
+    assert submit_run(team_a, alice, make_spec(name="local", report={"mlflow": {"tracking_uri": "mlruns"}}))
+    settings.FLUXRL_MLFLOW_SERVERS = []  # none listed: servers refused, local stores fine
+    assert_error(api_a.put(URL, {"report": TEAM_REPORT}), 400, field="report.mlflow.tracking_uri")

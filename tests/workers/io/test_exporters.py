@@ -230,6 +230,16 @@ def test_the_platform_check_refuses_folders_outside_the_run_and_accepts_servers_
     inside = ReportSpec.model_validate({"tensorboard": {"dir": "tb/x"}, "wandb": {},
                                         "mlflow": {"tracking_uri": "https://mlflow.example:5000"}})
     assert report_paths_outside_run(inside) == []
+    # with the deployment's list (the platform's FLUXRL_MLFLOW_SERVERS) only its origins pass
+    assert report_paths_outside_run(inside, ["https://mlflow.example:5000"]) == []
+    assert report_paths_outside_run(inside, ["https://MLFLOW.example:5000/"]) == []  # case, path: one origin
+    assert report_paths_outside_run(ReportSpec.model_validate({"mlflow": {"tracking_uri": "https://mlflow.example"}}),
+                                    ["https://mlflow.example:443"]) == []  # the default port filled in
+    for uri in ("http://mlflow.example:5000", "https://mlflow.example:5001", "https://169.254.169.254/"):
+        errors = report_paths_outside_run(ReportSpec.model_validate({"mlflow": {"tracking_uri": uri}}),
+                                          ["https://mlflow.example:5000"])
+        assert [e["field"] for e in errors] == ["report.mlflow.tracking_uri"], uri
+    assert "none: set FLUXRL_MLFLOW_SERVERS" in report_paths_outside_run(inside, [])[0]["message"]
 
 
 def test_the_workers_mlflow_credentials_go_only_to_its_own_server(tmp_path, monkeypatch):
