@@ -137,6 +137,33 @@ def init_world(backend: str) -> None:
                             **kwargs)
 
 
+MMAP_THRESHOLD_ENV = "FLUXRL_TRAINER_MMAP_THRESHOLD_KB"
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def limit_heap_fragmentation() -> bool:
+    """Allocations over ``FLUXRL_TRAINER_MMAP_THRESHOLD_KB`` (1024; 0 leaves glibc's default)
+    go to their own mappings, returned to the system when freed. glibc's default threshold
+    rises after each freed mapping, up to 32 MB, so a training step's activations of a few MB
+    land in the heap, whose holes later steps of other sizes cannot reuse: measured on
+    Qwen2.5-0.5B's shape (bfloat16 over fp32 weights, sync, 10 steps on a 24 GB machine) the
+    trainer's process grew 9 → 12 → 15 → 20 GB until the OOM killer ended the run at step 6;
+    with a fixed 1 MiB threshold it stayed between 6.4 and 10 GB. Fixing the threshold also
+    turns off that rise. Returns whether it was set (glibc only)."""
+    import ctypes
+    import ctypes.util
+
+    kb = int(os.environ.get(MMAP_THRESHOLD_ENV, "1024"))
+    name = ctypes.util.find_library("c")
+    if kb <= 0 or not name:
+        return False
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, kb * 1024))
+
+
 @contextlib.contextmanager
 def partitioned_loading(config: dict) -> Iterator[None]:
     """Models built inside are partitioned as they are built and loaded, when ``config`` is a

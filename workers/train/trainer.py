@@ -22,7 +22,7 @@ import torch
 from workers.train import algorithms
 from workers.train.batching import completion_mask, generated_columns, pad_sequences, per_token
 from workers.train.deepspeed_setup import (AUTOCAST_DTYPES, deepspeed_config, forget_earlier_autocast, init_distributed,
-                                          partitioned_loading)
+                                          limit_heap_fragmentation, partitioned_loading)
 from workers.spec import RunSpec, model_dtype
 from workers.tasks.model_folder import check_model_folder
 
@@ -212,6 +212,7 @@ class Trainer:
 
         if threads:
             torch.set_num_threads(threads)
+        limit_heap_fragmentation()
         self.spec = spec
         self.model_path = model_path
         self.pad_id = pad_id  # any id: padded positions are masked out of attention and loss

@@ -45,3 +45,37 @@ def test_below_zero_3_loading_is_plain(stage, tiny_model_path):
     with partitioned_loading(_config(stage)):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     assert not any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+_MALLINFO = """
+import ctypes, ctypes.util, sys
+from workers.train.deepspeed_setup import limit_heap_fragmentation
+
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                 "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.mallinfo2.restype = Info
+assert limit_heap_fragmentation() == (sys.argv[1] != "0")
+first = bytearray(8 << 20)  # mapped, whatever the threshold; once freed glibc's own threshold rises to 8 MB
+del first
+before = libc.mallinfo2().hblkhd
+second = bytearray(2 << 20)  # a 2 MB activation of the next step
+print(libc.mallinfo2().hblkhd - before >= (2 << 20))
+"""
+
+
+@pytest.mark.parametrize("kb,mapped", [("1024", True), ("0", False)])
+def test_a_trainer_maps_its_megabyte_allocations_so_freed_ones_leave_no_holes_in_the_heap(kb, mapped):
+    """glibc's default: after a mapped block is freed, blocks up to its size come from the heap
+    (where the holes they leave made a real-size trainer grow by GBs a step); with the
+    trainer's threshold (FLUXRL_TRAINER_MMAP_THRESHOLD_KB) each stays a mapping of its own."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MALLINFO, kb], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "FLUXRL_TRAINER_MMAP_THRESHOLD_KB": kb})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(mapped)
