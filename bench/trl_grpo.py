@@ -44,6 +44,8 @@ def trl_run(spec: dict, threads: int) -> dict:
     torch.set_num_threads(threads)
     tiny = spec["model"]["path"] == "builtin:tiny"
     path = tinymodel.ensure_tiny_model() if tiny else Path(spec["model"]["path"])
+    # FluxRL's trainer in bfloat16 at ZeRO 0 autocasts over fp32 weights: so does TRL's (bf16=True)
+    autocast = spec["model"].get("dtype") == "bfloat16"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path)
     task, algo, rollout, schedule = spec["task"], spec["algorithm"], spec["rollout"], spec["schedule"]
@@ -54,9 +56,10 @@ def trl_run(spec: dict, threads: int) -> dict:
     if tiny:
         evaluate = lambda: greedy_accuracy(model, held, max_new)  # noqa: E731
     else:  # a zoo folder: its manifest names the architecture (its stop ids)
-        from workers.models import modelzoo
+        from workers.models import modelzoo, realsize
 
-        arch = json.loads((path / modelzoo.MANIFEST).read_text())["arch"]
+        # a real-size folder (realsize.py) has the zoo qwen2's tokenizer and template
+        arch = "qwen2" if (path / realsize.MANIFEST).exists() else json.loads((path / modelzoo.MANIFEST).read_text())["arch"]
         evaluate = lambda: modelzoo.greedy_accuracy(model, tokenizer, held, arch, max_new)  # noqa: E731
 
     def text(turns) -> str:  # a conversational prompt or completion is a message list: its last turn
@@ -90,7 +93,7 @@ def trl_run(spec: dict, threads: int) -> dict:
     curve.append((0.0, before))
     with tempfile.TemporaryDirectory(prefix="fluxrl-trl-") as out:
         config = GRPOConfig(
-            output_dir=out, seed=spec.get("seed", 0), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+            output_dir=out, seed=spec.get("seed", 0), use_cpu=True, bf16=autocast, report_to=[], save_strategy="no",
             logging_steps=10 ** 9, dataloader_num_workers=0, disable_dropout=True, max_steps=10 ** 6,
             learning_rate=algo["lr"], lr_scheduler_type="constant_with_warmup", warmup_steps=algo.get("warmup_steps", 10),
             adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, max_grad_norm=1.0,

@@ -27,6 +27,13 @@ worker process, nothing spin-waiting, and no interpreter lock shared with the tr
 1``, where the example's decoupled PPO takes two minibatch steps and a proximal forward) and
 ``async_one_step_eta4`` (the same with ``schedule.max_staleness: 4``).
 
+``--model real-size`` runs TRL (``trl``) and the engine (``sync``, ``async``) on Qwen2.5-0.5B's
+exact shape (workers/models/realsize.py: 494 M parameters, vocabulary 151,936, random weights,
+built once under ``$FLUXRL_MODEL_CACHE``) at ``examples/own-model/real-size.yaml``'s settings:
+bfloat16 (FluxRL's trainer at ZeRO 0 autocasts over fp32 weights, and so does TRL's, with
+``bf16=True``), 4 prompts × 4 samples, 8 new tokens, one optimiser step per batch. Random
+weights learn nothing: samples/s is the measure; the reward curve is in the JSON.
+
 ``--model qwen2|llama|gpt2`` runs TRL and the engine on a chat model of that architecture
 (workers/models/modelzoo.py's shipped warm start: its own tokenizer and chat template) on a
 chat JSONL dataset of sums with a 2-digit operand, with the zoo runs' settings (lr 1e-4,
@@ -92,6 +99,7 @@ ENGINE_SYSTEMS["async_one_step"] = {"algorithm": {"minibatches": 1}}
 ENGINE_SYSTEMS["async_one_step_eta4"] = {"algorithm": {"minibatches": 1}, "schedule": {"max_staleness": 4}}
 SYSTEMS = ["plain", "trl", "sync", "async"]
 ZOO_SYSTEMS = ["trl", "async"]  # the plain loop tokenizes with the tiny model's characters only
+REAL_SIZE, REAL_SIZE_SYSTEMS = "real-size", ["trl", "sync", "async"]
 OTHER_LOOPS = ("trl",)  # systems that are neither the plain loop nor the engine
 NO_STEP_LIMIT = 10 ** 9  # the time budget stops every run
 
@@ -220,6 +228,27 @@ def zoo_spec(spec: dict, arch: str, folder: Path, eval_prompts: int) -> dict:
                          "rollout": {"max_tokens": 16}, "eval": {"prompts": min(eval_prompts, 200)}})
 
 
+def real_size_spec(spec: dict, folder: Path) -> dict:
+    """The example's spec on Qwen2.5-0.5B's shape (built once, cached) with a chat dataset of
+    sums written to ``folder``, at examples/own-model/real-size.yaml's model, algorithm, rollout
+    and trainer settings; the schedule stays the example's (async; ``sync`` overrides it)."""
+    from workers.models.modelzoo import ensure_zoo_model, write_chat_dataset
+    from workers.models.realsize import MANIFEST, build_shaped_model
+    from workers.models.tinymodel import default_cache
+
+    model = default_cache() / "qwen2.5-0.5b"
+    if not (model / MANIFEST).exists():
+        print(f"building Qwen2.5-0.5B's shape in {model} (once)", file=sys.stderr)
+        build_shaped_model("qwen2.5-0.5b", model, ensure_zoo_model("qwen2", progress=True))
+    real = yaml.safe_load((ROOT / "examples" / "own-model" / "real-size.yaml").read_text())
+    data = write_chat_dataset(folder / "chat-real-size.jsonl", 1200, two_digit=True)
+    return merged(spec, {"model": {**real["model"], "path": str(model)},
+                         "task": {"dataset": str(data), "size": 1000, "eval_size": 200},
+                         "algorithm": real["algorithm"], "rollout": real["rollout"], "trainer": real["trainer"],
+                         "schedule": {"batch_prompts": real["schedule"]["batch_prompts"]},
+                         "eval": {"prompts": real["eval"]["prompts"]}})
+
+
 def main() -> None:
     from workers.models.modelzoo import ARCHS
 
@@ -236,15 +265,17 @@ def main() -> None:
     p.add_argument("--plain-threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads of the plain loop and of TRL's (default: this machine's cores, as FluxRL uses)")
     p.add_argument("--quick", action="store_true", help="smoke check: 1 round of 15 s, 100 held-out prompts")
-    p.add_argument("--model", default="tiny", choices=("tiny", *ARCHS),
-                   help="the tiny model (default) or a zoo chat model of another architecture")
+    p.add_argument("--model", default="tiny", choices=("tiny", *ARCHS, REAL_SIZE),
+                   help="the tiny model (default), a zoo chat model of another architecture, or real-size "
+                        "(Qwen2.5-0.5B's shape, random weights: samples/s only)")
     p.add_argument("--systems", default=None,
                    help=f"comma-separated, the target setter first: plain (tiny only), trl, {', '.join(ENGINE_SYSTEMS)} "
                         f"(default: {','.join(SYSTEMS)}; on a zoo model {','.join(ZOO_SYSTEMS)})")
     p.add_argument("--json", default=None, help="default: bench/results/vs_plain.json (vs_plain-MODEL.json on a zoo model)")
     args = p.parse_args()
     tiny = args.model == "tiny"
-    systems = (args.systems or ",".join(SYSTEMS if tiny else ZOO_SYSTEMS)).split(",")
+    default = SYSTEMS if tiny else REAL_SIZE_SYSTEMS if args.model == REAL_SIZE else ZOO_SYSTEMS
+    systems = (args.systems or ",".join(default)).split(",")
     known = set(ENGINE_SYSTEMS) | set(OTHER_LOOPS) | ({"plain"} if tiny else set())
     if not set(systems) <= known or (tiny and systems[0] != "plain"):
         p.error(f"--systems: {'plain first, then ' if tiny else ''}any of {', '.join(sorted(known))}")
@@ -258,7 +289,9 @@ def main() -> None:
             "stop": {"max_minutes": args.minutes},
             "eval": {"every_steps": args.eval_every, "prompts": args.eval_prompts},
         })
-        if not tiny:
+        if args.model == REAL_SIZE:
+            spec = real_size_spec(spec, Path(tmp))
+        elif not tiny:
             spec = zoo_spec(spec, args.model, Path(tmp), args.eval_prompts)
         bar = tqdm(total=args.rounds * len(systems), desc="runs", unit="run", file=sys.stdout, dynamic_ncols=True)
 
@@ -266,9 +299,17 @@ def main() -> None:
             if system == "plain":
                 r = plain_run(spec, args.plain_threads)
             elif system == "trl":
+                import multiprocessing
+
                 from trl_grpo import trl_run
 
-                r = trl_run(spec, args.plain_threads)
+                # in a process of its own, as each engine run is: its model and Adam states are
+                # freed when it ends (in this process they stayed, 8 GB at the real size, and
+                # the next engine run had the rest of the machine's memory only); and wandb, which
+                # TRL imports, patches that process's stdout, not this one's redirect below (here
+                # its writes went round in circles: RecursionError)
+                with multiprocessing.get_context("spawn").Pool(1) as pool:
+                    r = pool.apply(trl_run, (spec, args.plain_threads))
             else:
                 r = engine_run(system, spec, Path(tmp) / tag)
             if system == systems[0]:  # each round's first system sets the round's target
