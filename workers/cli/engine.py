@@ -285,7 +285,8 @@ def main(argv=None) -> int:
 
         return serve_pool(PoolConfig.model_validate_json(sys.stdin.read()))
     if args.cmd == "engine-server":
-        from workers.rollout.server import EngineServerConfig, serve
+        from workers.rollout.messages import EngineServerConfig
+        from workers.rollout.server import serve
 
         return serve(EngineServerConfig.model_validate_json(sys.stdin.read()))
     if args.cmd == "bootstrap":

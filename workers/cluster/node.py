@@ -35,7 +35,8 @@ from typing import Annotated, Callable, Literal, Optional, Union
 from pydantic import Field, TypeAdapter
 
 from workers.io import wire
-from workers.rollout.server import EngineServerConfig, launch_server, kill_session
+from workers.rollout.client import kill_session, launch_server
+from workers.rollout.messages import EngineServerConfig
 from workers.spec import RunSpec
 from workers.train.ranks import Sample, TrainerRankError, _sample
 

@@ -14,7 +14,8 @@ from workers.io import wire
 from workers.cluster.placement import PlacementError
 from workers.rewards.service import RewardService
 from workers.rollout.engine import RolloutEngine, SamplingOptions, configure_cpu_environment
-from workers.rollout.server import EngineClient, EngineServerConfig
+from workers.rollout.client import EngineClient
+from workers.rollout.messages import EngineServerConfig
 from workers.spec import RunSpec, model_dtype
 from workers.train.reference import ReferenceStage
 from workers.train.value_stage import ValueStage

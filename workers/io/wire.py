@@ -16,7 +16,7 @@ ends present that certificate and require the peer's to chain to it. So:
   server and drive it. It can not make a process run code of its choosing through the wire:
   messages are pydantic JSON, never pickles; trainer load/save paths are confined to the
   run's folder (workers/cluster/node.py) and an engine server's environment to an allow-list
-  (workers/rollout/server.py). Anyone who can read a run process's environment has the key.
+  (workers/rollout/messages.py). Anyone who can read a run process's environment has the key.
 * Not covered: torch.distributed traffic (the trainer world, the collective weight
   broadcast) goes over its own sockets, unencrypted; keep the cluster network private.
 

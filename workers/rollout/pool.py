@@ -63,9 +63,10 @@ from pydantic import Field
 
 from workers.io import wire
 from workers.rollout.engine import RolloutEngine, SamplingOptions, configure_cpu_environment, lora_rank_class
-from workers.rollout.server import (REQUESTS, EngineClient, EngineServerConfig, HandOffRequest, JoinGroupRequest,
-                                    PoolView, SleepRequest, StartRequest, TenantInfo, UpdateRequest, WakeRequest,
-                                    _Server)
+from workers.rollout.client import EngineClient
+from workers.rollout.messages import (REQUESTS, EngineServerConfig, HandOffRequest, JoinGroupRequest, PoolView,
+                                      SleepRequest, StartRequest, TenantInfo, UpdateRequest, WakeRequest)
+from workers.rollout.server import _Server
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 with one trainer rank and one engine server), node 1 a node agent started as a separate
 process tree (``python -m workers node``) with the other trainer rank and engine server.
 The two ranks form one DeepSpeed world (ZeRO 3, gloo); the engines are served
-over the typed protocol of workers/rollout/server.py. It trains, keeps staleness within
+over the typed protocol of workers/rollout/messages.py. It trains, keeps staleness within
 η, and after every update both engines hold exactly the trainer's weights. A killed
 rank fails the run naming it, every process of the run is gone, and a resumed run
 continues from the checkpoint with no gap in its steps."""

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from workers.coord.controller import Controller
-from workers.rollout import server
+from workers.rollout import client
 from workers.spec import validate_spec
 from workers.weights.sync import tensors_checksum
 
@@ -34,14 +34,14 @@ def test_a_run_trains_on_both_transports_with_a_one_mib_cap_on_every_frame(trans
                                                                            tmp_path, monkeypatch):
     monkeypatch.setenv("FLUXRL_WIRE_MAX_BLOB_MB", "1")
     sent = []
-    read_chunks = server.read_chunks
+    read_chunks = client.read_chunks
 
     def counted(path, size=None):
         for offset, data in read_chunks(path, size):
             sent.append(len(data))
             yield offset, data
 
-    monkeypatch.setattr(server, "read_chunks", counted)
+    monkeypatch.setattr(client, "read_chunks", counted)
     steps = 3
     spec = validate_spec({
         "name": f"bounded-{transport}", "model": {"path": "builtin:tiny"},

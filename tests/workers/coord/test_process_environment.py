@@ -16,7 +16,7 @@ import pytest
 
 from workers.cluster.placement import Machine, inherited_mask, plan_gpu
 from workers.coord.processes import Processes
-from workers.rollout.server import kill_session, launch_server
+from workers.rollout.client import kill_session, launch_server
 from workers.spec import validate_spec
 
 pytestmark = [pytest.mark.engine, pytest.mark.distributed, pytest.mark.timeout(600)]

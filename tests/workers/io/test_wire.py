@@ -19,7 +19,8 @@ import pytest
 from pydantic import TypeAdapter, ValidationError
 
 from workers.io import wire
-from workers.rollout.server import REQUESTS, EngineClient, EngineServerConfig, StartRequest
+from workers.rollout.client import EngineClient
+from workers.rollout.messages import REQUESTS, EngineServerConfig, StartRequest
 from workers.cluster.node import (TO_COORDINATOR, TO_NODE, Cluster, Join, NodeError, PathRefused, TrainerCall, _call_group,
                           confined)
 from workers.rollout.engine import EngineDied

@@ -4,7 +4,7 @@ engine server's configuration (building the arguments starts no engine)."""
 import pytest
 
 from workers.rollout.engine import RolloutEngine, resolve_enforce_eager
-from workers.rollout.server import EngineServerConfig
+from workers.rollout.messages import EngineServerConfig
 from workers.spec import validate_spec
 
 

@@ -17,7 +17,8 @@ import pytest
 
 from tests.workers.helpers import perturb
 from workers.io import wire
-from workers.rollout.server import REPLIES, EngineClient, EngineServerConfig
+from workers.rollout.client import EngineClient
+from workers.rollout.messages import REPLIES, EngineServerConfig
 from workers.rollout.engine import EngineDied
 from workers.models.tinymodel import encode
 from workers.weights.broadcast import WeightBroadcaster
@@ -132,7 +133,7 @@ def test_a_collective_update_crosses_the_process_boundary(loop, server, hf_model
 
 
 def test_a_client_without_the_runs_key_is_refused(loop, tiny_model_path, monkeypatch):
-    from workers.rollout.server import launch_server, kill_session
+    from workers.rollout.client import launch_server, kill_session
 
     proc, address, _ = launch_server(EngineServerConfig(model_path=tiny_model_path, index=9))
     try:
@@ -148,7 +149,8 @@ def test_a_client_without_the_runs_key_is_refused(loop, tiny_model_path, monkeyp
 
 _LAUNCHER = """
 import json, sys, time
-from workers.rollout.server import EngineServerConfig, launch_server
+from workers.rollout.client import launch_server
+from workers.rollout.messages import EngineServerConfig
 proc, address, pid = launch_server(EngineServerConfig(model_path=sys.argv[1], index=7))
 print(json.dumps({"pid": pid}), flush=True)
 time.sleep(600)
@@ -175,7 +177,7 @@ def test_a_server_whose_launcher_is_killed_before_it_connects_exits(tiny_model_p
 
 
 def test_a_server_that_no_client_connects_to_exits_at_its_deadline(tiny_model_path):
-    from workers.rollout.server import launch_server
+    from workers.rollout.client import launch_server
 
     proc, _, _ = launch_server(EngineServerConfig(model_path=tiny_model_path, index=8, accept_timeout_s=1.0))
     try:

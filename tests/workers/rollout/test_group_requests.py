@@ -4,7 +4,8 @@ tested through the real engine in test_engine_integration.py."""
 import pytest
 
 from workers.coord.controller import Controller
-from workers.rollout.server import EngineClient, EngineServerConfig
+from workers.rollout.client import EngineClient
+from workers.rollout.messages import EngineServerConfig
 from workers.rollout.engine import RolloutEngine
 from workers.spec import validate_spec
 

@@ -14,7 +14,7 @@ from tests.workers.rollout.lora_adapters import adapter_file, model_logprobs, se
 from workers.models.tinymodel import encode
 from workers.rollout.pool import (DIR_ENV, IDLE_ENV, SLOTS_ENV, PoolClient, _read_registry, pool_settings,
                                   stop_pools)
-from workers.rollout.server import EngineServerConfig, TenantInfo
+from workers.rollout.messages import EngineServerConfig, TenantInfo
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -202,7 +202,7 @@ def test_the_idle_pool_exits_and_leaves_no_registry(loop, pools, tiny_model_path
     # a connection that never joins (a stuck or refused start) does not keep the pool awake
     from workers.io import wire
     from workers.rollout.pool import pool_key
-    from workers.rollout.server import REPLIES
+    from workers.rollout.messages import REPLIES
 
     lingering = wire.connect(wire.parse_address(info["address"]), REPLIES, pool_key())
     deadline = time.monotonic() + IDLE_S + 20

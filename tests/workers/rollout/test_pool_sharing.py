@@ -7,7 +7,7 @@ import pytest
 
 from workers.rollout.engine import extend_track
 from workers.rollout.pool import EnginePool, FairSeats, PoolConfig, TenantEngine, pool_settings
-from workers.rollout.server import EngineServerConfig, TenantInfo
+from workers.rollout.messages import EngineServerConfig, TenantInfo
 from workers.rollout.staleness import VersionTrack
 from workers.spec import SpecError, validate_spec
 

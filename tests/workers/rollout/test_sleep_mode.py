@@ -10,7 +10,8 @@ import pytest
 
 from workers.cluster.placement import Machine, PlacementError, plan_placement
 from workers.rollout.engine import RolloutEngine
-from workers.rollout.server import EngineServerConfig, SleepRequest, WakeRequest, _Server
+from workers.rollout.messages import EngineServerConfig, SleepRequest, WakeRequest
+from workers.rollout.server import _Server
 from workers.spec import validate_spec
 
 

@@ -1,0 +1,444 @@
+"""The client of a rollout engine server (server.py), over the typed protocol of
+messages.py.
+
+:class:`EngineClient` has ``RolloutEngine``'s interface, so the controller schedules
+engines the same way wherever they run. It starts a server on this node
+(:func:`launch_server`) or connects to one a node agent started. The client notices a
+dead server within moments (its process exits or its connection closes; a remote machine
+that goes silent, by the heartbeat) and then answers pending generations as
+``engine_died`` (continued elsewhere from the prompt) and other calls with
+:class:`~workers.rollout.engine.EngineDied`.
+
+A collective weight update needs every engine at a barrier: the client holds it, and
+answers the server's ``ArrivedEvent`` with a ``GoRequest``.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Optional
+
+from workers.io import wire
+from workers.io.lifetime import launcher_env
+from workers.rollout.engine import Completion, EngineDied, EngineRPCTimeout, RolloutEngine, UpdateTiming
+from workers.rollout.messages import (REPLIES, ArrivedEvent, ChecksumRequest, CompletionReply, EngineServerConfig,
+                                      EngineStats, ErrorReply, GenerateRequest, GoRequest, GroupRequest,
+                                      HandOffRequest, JoinGroupRequest, PingRequest, PongReply, PoolView, SampleReply,
+                                      ShutdownRequest, SleepRequest, StartRequest, TenantInfo, UpdateRequest,
+                                      WakeRequest, WeightChunkRequest, WireCompletion)
+from workers.rollout.staleness import VersionTrack
+from workers.weights.files import WeightFile, read_chunks
+
+if TYPE_CHECKING:
+    from workers.weights.broadcast import CollectiveWeights
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+
+
+def _from_wire(w: WireCompletion) -> Completion:
+    track = VersionTrack()
+    for version, n in w.versions:
+        track.add(version, n)
+    return Completion(list(w.prompt_ids), list(w.token_ids), list(w.logprobs), track, w.finish_reason,
+                      w.start_version, w.started_at, w.finished_at, w.resubmits, w.engine)
+
+
+_request_ids = itertools.count(1)
+
+
+class EngineClient:
+    """``RolloutEngine``'s interface for an engine server. ``address=None`` starts the
+    server here (a child process in a session of its own, so its vLLM core goes with it);
+    otherwise it connects to one a node agent started."""
+
+    def __init__(self, config: EngineServerConfig, address: Optional[str] = None, pid: Optional[int] = None):
+        self.config = config
+        self.index, self.update_mode = config.index, config.update_mode
+        self.address, self.server_pid = address, pid
+        self.proc: Optional[subprocess.Popen] = None
+        self.channel: Optional[wire.Channel] = None
+        self.active: dict[object, float] = {}  # one key per running sequence -> time sent
+        self.updates: list[UpdateTiming] = []
+        self.version = 0
+        self.generated_tokens = 0
+        self.worker_count = 1
+        self.sleep_mode, self.asleep = config.sleep_mode, None  # as RolloutEngine's
+        self._core_pids: list[int] = []
+        self._busy_s, self._running, self._stats_at = 0.0, False, time.perf_counter()
+        self._core_dead = False
+        self._gone: Optional[str] = None  # why the server is considered dead
+        self._pending: dict[int, tuple[asyncio.Future, object]] = {}
+        self._streams: dict[int, asyncio.Queue] = {}  # group request id -> its samples as they come
+        self._weights: dict[int, "CollectiveWeights"] = {}
+        self._last_heard = time.monotonic()
+        self._closing = False
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.key: Optional[bytes] = None  # the wire key (None: the run's); a shared pool's is the node's
+        self.tenant: Optional[TenantInfo] = None  # on a shared engine pool: this run
+        self.pool: Optional[PoolView] = None  # on a shared engine pool: the newest view of it
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self, warm_blob: "bytes | WeightFile | None" = None, version: int = 0) -> None:
+        self._loop = asyncio.get_running_loop()
+        if self.address is None:
+            self.address, self.server_pid = await asyncio.to_thread(self._launch)
+        self.channel = await asyncio.to_thread(wire.connect, wire.parse_address(self.address), REPLIES, self.key)
+        self._last_heard = time.monotonic()
+        threading.Thread(target=self._read, name=f"engine-client-{self.index}", daemon=True).start()
+        if isinstance(warm_blob, WeightFile):
+            stream = await self._send_file(warm_blob)
+            ready = await self._request(StartRequest(id=next(_request_ids), version=version, weights_stream=stream,
+                                                     tenant=self.tenant), timed=False)
+        else:
+            ready = await self._request(StartRequest(id=next(_request_ids), version=version, tenant=self.tenant),
+                                        warm_blob, timed=False)
+        self._core_pids, self.worker_count = list(ready.core_pids), ready.worker_count
+        threading.Thread(target=self._beat, name=f"engine-heartbeat-{self.index}", daemon=True).start()
+        log.info("rollout engine %d serving at %s (pid %s)", self.index, self.address, self.server_pid)
+
+    def _launch(self) -> tuple[str, int]:
+        self.proc, address, pid = launch_server(self.config)
+        return address, pid
+
+    def request_shutdown(self) -> None:
+        """Ask the server to stop, without waiting (``shutdown`` waits): several engines then
+        shut down at once."""
+        if self.channel is not None and self._gone is None and not self._closing:
+            try:
+                self.channel.send(ShutdownRequest())
+            except OSError:
+                pass
+        self._closing = True
+
+    def shutdown(self) -> None:
+        self.request_shutdown()
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+            kill_session(self.proc.pid)
+            self.proc.wait()
+            self.proc = None
+        self._mark_gone("shut down")
+        if self.channel is not None:
+            self.channel.close()
+
+    @property
+    def dead(self) -> bool:
+        return self._gone is not None or self._core_dead
+
+    def core_pids(self) -> list[int]:
+        return list(self._core_pids)
+
+    def busy_seconds(self, now: Optional[float] = None) -> float:
+        now = time.perf_counter() if now is None else now
+        return self._busy_s + (now - self._stats_at if self._running and not self.dead else 0.0)
+
+    @property
+    def busy_s(self) -> float:
+        return self._busy_s
+
+    # -- calls ---------------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float,
+                       seed: Optional[int] = None, ignore_eos: bool = False, priority: int = 0) -> Completion:
+        request = GenerateRequest(id=next(_request_ids), prompt_ids=list(prompt_ids), max_tokens=max_tokens,
+                                  temperature=temperature, seed=seed, ignore_eos=ignore_eos, priority=priority)
+        self.active[request.id] = time.perf_counter()
+        try:
+            reply = await self._request(request, timed=False)
+        finally:
+            self.active.pop(request.id, None)
+        return reply
+
+    # the in-process engine's collection, over this class's stream_group
+    generate_group = RolloutEngine.generate_group
+
+    async def stream_group(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
+                           seed: Optional[int] = None, ignore_eos: bool = False, priority: int = 0):
+        """``RolloutEngine.stream_group`` on the server: ``(index, Completion)`` as each sample
+        finishes there. If the server dies, the samples not yet back end as ``engine_died``
+        with no tokens (the controller continues them elsewhere)."""
+        request = GroupRequest(id=next(_request_ids), prompt_ids=list(prompt_ids), n=n, max_tokens=max_tokens,
+                               temperature=temperature, seed=seed, ignore_eos=ignore_eos, priority=priority)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request.id] = queue
+        keys = [(request.id, i) for i in range(n)]
+        for key in keys:
+            self.active[key] = time.perf_counter()
+        ending = asyncio.ensure_future(self._request(request, timed=False))
+        ending.add_done_callback(lambda _: queue.put_nowait(None))
+        received: set[int] = set()
+        try:
+            while len(received) < n:
+                item = await queue.get()
+                if item is None:  # the stream's end: its count, an error, or a dead server
+                    ending.result()  # raises the server's error
+                    break
+                index, comp = item
+                received.add(index)
+                self.active.pop(keys[index], None)
+                yield index, comp
+            for i in sorted(set(range(n)) - received):
+                yield i, self._died_unstarted(prompt_ids)
+        finally:
+            self._streams.pop(request.id, None)
+            for key in keys:
+                self.active.pop(key, None)
+            if not ending.done():
+                ending.cancel()
+            elif not ending.cancelled():
+                ending.exception()  # retrieved: a consumer that stopped early does not want it
+
+    async def hand_off(self, count: int) -> int:
+        return (await self._request(HandOffRequest(id=next(_request_ids), count=count))).value
+
+    async def join_weight_group(self, info: dict) -> list[int]:
+        return (await self._request(JoinGroupRequest(id=next(_request_ids), info=info))).value
+
+    async def weights_checksum(self) -> Optional[str]:
+        return (await self._request(ChecksumRequest(id=next(_request_ids)))).value
+
+    async def sleep(self) -> float:
+        seconds = float((await self._request(SleepRequest(id=next(_request_ids)))).value)
+        self.asleep = "all"
+        return seconds
+
+    async def wake_up(self, tags: Optional[list[str]] = None) -> float:
+        if self.asleep is None:
+            return 0.0
+        seconds = float((await self._request(WakeRequest(id=next(_request_ids), tags=tags))).value)
+        self.asleep = "kv_cache" if tags == ["weights"] else None
+        return seconds
+
+    async def update_weights(self, weights: "bytes | WeightFile | CollectiveWeights", version: int) -> UpdateTiming:
+        rid = next(_request_ids)
+        if isinstance(weights, WeightFile):
+            stream = await self._send_file(weights)
+            reply = await self._request(UpdateRequest(id=rid, version=version, weights_stream=stream), timed=False)
+        elif isinstance(weights, (bytes, bytearray, memoryview)):
+            reply = await self._request(UpdateRequest(id=rid, version=version), bytes(weights), timed=False)
+        else:
+            self._weights[rid] = weights
+            try:
+                reply = await self._request(UpdateRequest(id=rid, version=version, collective_meta=weights.meta),
+                                            timed=False)
+            finally:
+                self._weights.pop(rid, None)
+        self.version = max(self.version, reply.version)
+        timing = UpdateTiming(reply.version, reply.sync_ms, reply.load_ms)
+        self.updates.append(timing)
+        return timing
+
+    async def _send_file(self, weights: WeightFile) -> int:
+        """Send a weight file as a stream of bounded chunks (files.chunk_bytes), off the
+        event loop; its id, for the request that uses it."""
+        stream = next(_request_ids)
+        if self._gone is not None:
+            return stream  # the request that names it fails as every call to a gone server does
+
+        def send() -> None:
+            for offset, data in read_chunks(weights.path):
+                self.channel.send(WeightChunkRequest(id=stream, offset=offset, total=weights.size), data)
+
+        try:
+            await asyncio.to_thread(send)
+        except OSError:
+            self._mark_gone("its connection broke")
+        return stream
+
+    async def _request(self, request, blob: Optional[bytes] = None, timed: bool = True):
+        """Send, await the reply (its own id), raise its error in this process's terms."""
+        if self._gone is not None:
+            return self._when_gone(request)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[request.id] = (future, request)
+        try:
+            if blob:  # a big attachment is written off the event loop
+                await asyncio.to_thread(self.channel.send, request, blob)
+            else:
+                self.channel.send(request)
+        except OSError:
+            self._pending.pop(request.id, None)
+            self._mark_gone("its connection broke")
+            return self._when_gone(request)
+        try:
+            if timed:
+                return await asyncio.wait_for(asyncio.shield(future), self.config.rpc_timeout_s)
+            return await future
+        except asyncio.TimeoutError:
+            raise EngineRPCTimeout(f"rollout engine {self.index} did not answer {request.kind} within "
+                                   f"{self.config.rpc_timeout_s:g} s (rollout.rpc_timeout_s)") from None
+        finally:
+            self._pending.pop(request.id, None)
+
+    def _when_gone(self, request):
+        """A generation that cannot finish here ends as ``engine_died`` with no tokens (the
+        controller continues it on another engine); any other call raises."""
+        if isinstance(request, GroupRequest):
+            return request.n  # the stream ends; its missing samples end as engine_died
+        if isinstance(request, GenerateRequest):
+            return self._died_unstarted(request.prompt_ids)
+        raise EngineDied(f"rollout engine {self.index} died ({self._gone}) during {request.kind}")
+
+    def _died_unstarted(self, prompt_ids: list[int]) -> Completion:
+        """A generation lost with its server: no tokens back, to be redone elsewhere."""
+        now = time.time()
+        return Completion(list(prompt_ids), [], [], VersionTrack(), "engine_died", self.version, now, now, 0,
+                          self.index)
+
+    # -- the connection ---------------------------------------------------------------------------
+    def _read(self) -> None:
+        try:
+            while True:
+                reply, _ = self.channel.recv()
+                self._last_heard = time.monotonic()
+                self._loop.call_soon_threadsafe(self._on_reply, reply)
+        except EOFError:
+            why = "its connection closed"
+        except Exception as exc:  # noqa: BLE001 - TLS error, bad or oversized frame: the channel is closed
+            why = f"its connection failed ({type(exc).__name__}: {exc})"
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._mark_gone, why)
+
+    def _on_reply(self, reply) -> None:
+        stats = getattr(reply, "stats", None)
+        if stats is not None:
+            self._take_stats(stats, full=not isinstance(reply, PongReply))
+        if isinstance(reply, ArrivedEvent):
+            asyncio.ensure_future(self._arrive(reply.id))
+            return
+        if isinstance(reply, SampleReply):
+            queue = self._streams.get(reply.id)
+            if queue is not None:
+                queue.put_nowait((reply.index, _from_wire(reply.completion)))
+            return
+        entry = self._pending.get(reply.id)
+        if entry is None or entry[0].done():
+            return
+        future, request = entry
+        if isinstance(reply, ErrorReply):
+            future.set_exception(_error(reply, self.index))
+        elif isinstance(reply, CompletionReply):
+            future.set_result(_from_wire(reply.completion))
+        else:
+            future.set_result(reply)
+
+    def _take_stats(self, stats: EngineStats, full: bool) -> None:
+        self._core_dead = stats.dead
+        self.generated_tokens = max(self.generated_tokens, stats.generated_tokens)
+        if not full:  # a heartbeat: counters only
+            return
+        self._busy_s, self._running, self._stats_at = stats.busy_s, stats.running, time.perf_counter()
+        self.version = max(self.version, stats.version)
+        if stats.pool is not None:
+            self.pool = stats.pool
+        for version, ms in stats.stalls.items():
+            for u in self.updates:
+                if u.version == version and u.gen_stall_ms is None:
+                    u.gen_stall_ms = ms
+
+    async def _arrive(self, update_id: int) -> None:
+        weights = self._weights.get(update_id)
+        failure = None
+        try:
+            if weights is None:
+                raise RuntimeError("no such update")
+            await weights.arrive()
+        except Exception as exc:  # noqa: BLE001 - the server's receive raises it
+            failure = f"{type(exc).__name__}: {exc}"
+        try:
+            self.channel.send(GoRequest(id=update_id, failure=failure))
+        except OSError:
+            self._mark_gone("its connection broke")
+
+    def _beat(self) -> None:
+        """A thread of its own, so that a busy event loop (a long synchronous call in the
+        coordinator) is not mistaken for a dead server."""
+        while self._gone is None and not self._closing:
+            time.sleep(HEARTBEAT_S)
+            why = None
+            if self.proc is not None and self.proc.poll() is not None:
+                why = f"its process exited with code {self.proc.returncode}"
+            elif self.proc is None and time.monotonic() - self._last_heard > self.config.heartbeat_timeout_s:
+                # a remote server (a local one is watched by its process, and a dead process
+                # closes the connection at once): silence means its machine or network is gone
+                why = f"no heartbeat for {self.config.heartbeat_timeout_s:g} s"
+            else:
+                try:
+                    self.channel.send(PingRequest())
+                except OSError:
+                    why = "its connection broke"
+            if why is not None:
+                if not self._closing and not self._loop.is_closed():
+                    self._loop.call_soon_threadsafe(self._mark_gone, why)
+                return
+
+    def _mark_gone(self, why: str) -> None:
+        if self._gone is not None:
+            return
+        self._gone = why
+        if why != "shut down":
+            log.warning("rollout engine %d (server pid %s) is gone: %s", self.index, self.server_pid, why)
+        for future, request in list(self._pending.values()):
+            if not future.done():
+                try:
+                    future.set_result(self._when_gone(request))
+                except EngineDied as exc:
+                    future.set_exception(exc)
+        self._pending.clear()
+
+
+def _error(reply: ErrorReply, index: int) -> BaseException:
+    from workers.weights.broadcast import WeightBroadcastError
+
+    known = {"EngineDied": EngineDied, "EngineRPCTimeout": EngineRPCTimeout, "WeightBroadcastError": WeightBroadcastError}
+    if reply.error_type in known:
+        return known[reply.error_type](reply.message)
+    return RuntimeError(f"rollout engine {index}: {reply.error_type}: {reply.message}")
+
+
+def launch_server(config: EngineServerConfig) -> tuple[subprocess.Popen, str, int]:
+    """Start an engine server on this node (in a session of its own, so that killing the
+    session takes its vLLM core too); returns the process, its address and pid."""
+    wire.cluster_key()  # the child inherits the run's key through the environment
+    # The plan's environment from exec on (not only once the server reads its config): what
+    # a library reads at import (OpenMP's pool size) is then the plan's too, and
+    # /proc/<pid>/environ shows where the process was put.
+    proc = subprocess.Popen([sys.executable, "-m", "workers", "engine-server"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, **config.env, **launcher_env()},
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    proc.stdin.write(config.model_dump_json().encode())
+    proc.stdin.close()
+    line = proc.stdout.readline()
+    if not line:
+        code = proc.wait()
+        raise RuntimeError(f"rollout engine {config.index}'s server exited with code {code} before listening")
+    # vLLM may print to stdout later: keep the pipe drained, into this process's stderr
+    threading.Thread(target=_forward, args=(proc.stdout,), daemon=True).start()
+    announced = json.loads(line)
+    return proc, announced["address"], announced["pid"]
+
+
+def _forward(stream) -> None:
+    for line in iter(stream.readline, b""):
+        sys.stderr.write(line.decode(errors="replace"))
+
+
+def kill_session(pid: int) -> None:
+    """The server and everything it started (vLLM's core process)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
