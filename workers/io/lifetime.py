@@ -29,6 +29,17 @@ POLL_S = 0.5  # how long an orphan may live on, at most (about)
 LAUNCHER_ENV = "FLUXRL_LAUNCHER_PID"
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts: it may not be signalled, but it is there)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def launcher_env() -> dict[str, str]:
     """What a launcher adds to the environment of a child that calls ``exit_with_parent``."""
     return {LAUNCHER_ENV: str(os.getpid())}

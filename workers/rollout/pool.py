@@ -62,6 +62,7 @@ from typing import Hashable, Optional
 from pydantic import Field
 
 from workers.io import wire
+from workers.io.lifetime import pid_alive
 from workers.rollout.engine import RolloutEngine, SamplingOptions, configure_cpu_environment, lora_rank_class
 from workers.rollout.client import EngineClient
 from workers.rollout.messages import (REQUESTS, EngineServerConfig, HandOffRequest, JoinGroupRequest, PoolView,
@@ -503,16 +504,6 @@ def _read_registry(pid: str) -> Optional[dict]:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def pool_settings(run_engine: EngineServerConfig, lora_rank: int) -> tuple[str, EngineServerConfig]:
     """The pool a run's engine joins: its id, and the pool engine's settings. What must
     match for runs to share is the base model, how the engine is built and where the plan
@@ -559,7 +550,7 @@ def join_pool(run_engine: EngineServerConfig, lora_rank: int) -> tuple[str, int,
     pid_, engine = pool_settings(run_engine, lora_rank)
     with _registry_lock(pid_):
         info = _read_registry(pid_)
-        if info is not None and _alive(int(info["pid"])):
+        if info is not None and pid_alive(int(info["pid"])):
             return info["address"], int(info["pid"]), pid_
         config = PoolConfig(pool_id=pid_, engine=engine, slots=int(os.environ.get(SLOTS_ENV, "4")),
                             idle_exit_s=float(os.environ.get(IDLE_ENV, "120")))

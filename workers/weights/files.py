@@ -22,6 +22,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Optional
 
+from workers.io.lifetime import pid_alive
+
 if TYPE_CHECKING:
     import torch
 
@@ -183,22 +185,12 @@ def remove_orphan_spools(folder: Optional[str] = None) -> list[str]:
             if not pid.isdigit() or not entry.is_dir(follow_symlinks=False):
                 continue
             with contextlib.suppress(OSError):
-                if entry.stat(follow_symlinks=False).st_uid != os.getuid() or _alive(int(pid)):
+                if entry.stat(follow_symlinks=False).st_uid != os.getuid() or pid_alive(int(pid)):
                     continue
                 shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(entry.path)
                 log.info("removed the weight spool %s of process %s, which is gone", entry.path, pid)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class WeightSpool:
