@@ -138,6 +138,8 @@ check trainer-fp16 1 "bench/gpu_trainer.py: fp16, ZeRO 0 (autocast + GradScaler)
     "$PY" bench/gpu_trainer.py --stages 0 2 --dtype float16 --steps 3
 check kl-start 1 "bench/gpu_kl_start.py: the policy's forward with gradients and the frozen KL reference's without give identical log-probs (the KL starts at 0)" \
     "$PY" bench/gpu_kl_start.py
+check stages-gpu 1 "bench/gpu_stages.py: the reward model, KL reference and critic-copy scorers on cuda against the CPU (fp32 1e-4; bf16 autocast 0.1), micro-batches split by tokens" \
+    "$PY" bench/gpu_stages.py
 check_engine disaggregated 2 "workers run gpu_specs/disaggregated.yaml: trainer GPU 0, engine GPU 1, async, CUDA graphs" \
     run_spec disaggregated
 check_engine colocated 1 "workers run gpu_specs/colocated.yaml: engine and trainer on one GPU, sync, the engine asleep (vLLM sleep level 1) through every trainer step" \
@@ -146,6 +148,8 @@ check_engine tp2 3 "workers run gpu_specs/tp2.yaml: one engine over 2 GPUs (tens
     run_spec tp2
 check_engine collective 2 "workers run gpu_specs/collective.yaml: weights over NCCL to an engine server process" \
     run_spec collective
+check_engine stages 2 "workers run gpu_specs/stages.yaml: reward model, KL reference and critic-copy workers on trainer GPU 0 (inference_gpu: trainer), GAE, engine GPU 1" \
+    run_spec stages
 check_engine zero3 3 "workers run gpu_specs/zero3.yaml: 2 trainer ranks ZeRO-3 + KL, engine on a third GPU" \
     run_spec zero3
 check build-05b 1 "build a 0.5B-class Qwen2 locally (build-model qwen2 + Qwen2.5-0.5B's body: 0.36 B parameters with its 2048-token vocabulary)" build_05b

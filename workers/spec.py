@@ -598,6 +598,11 @@ class ResourcesSpec(_Strict):
                                   "the coordinator's event loop")
     colocate: bool = Field(False, description="engines share the trainer's GPUs (schedule.mode sync, GPUs only); "
                            "they sleep through each trainer step (vLLM sleep mode) and wake for the update")
+    inference_gpu: Literal["trainer", "engine", "own"] = Field(
+        "trainer", description="GPU plans: where the inference stage's workers (reward.model, algorithm.kl_reference "
+        "'stage', critic.forward 'stage') compute, all on node 0: 'trainer' shares trainer rank 0's GPU, 'engine' "
+        "the first engine's (in what its vLLM share leaves), 'own' takes the next GPU after the trainer's and the "
+        "engines'. The planner counts their weights and forwards there; CPU plans ignore it")
 
     @field_validator("nodes")
     @classmethod
@@ -630,6 +635,9 @@ class InferenceSpec(_Strict):
     max_wait_ms: float = Field(20.0, ge=0, le=10_000, description="how long a partial micro-batch waits for more")
     timeout_s: float = Field(120.0, gt=0, le=3600, description="a forward slower than this fails the run")
     threads: int = Field(1, ge=1, le=256, description="CPU threads of each stage worker")
+    micro_batch_tokens: int = Field(4096, ge=16, le=1 << 22, description="padded tokens per forward at most: a "
+                                    "micro-batch longer than this is split into forwards that fit, so the KL "
+                                    "reference's full-vocabulary logits stay within what the planner counts")
 
 
 def _switch(value):

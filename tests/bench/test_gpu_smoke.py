@@ -68,7 +68,8 @@ esac
 """)  # two GPUs; every command passes
     assert result.returncode == 0, result.stderr
     rows = _rows(result.stdout)
-    for name in ("trainer-bf16", "trainer-fp16", "disaggregated", "colocated", "collective", "build-05b"):
+    for name in ("trainer-bf16", "trainer-fp16", "stages-gpu", "disaggregated", "colocated", "stages", "collective",
+                 "build-05b"):
         assert rows[name][1] == "ok", rows[name]
         assert float(rows[name][2]) >= 0 and rows[name][3] == "2345"  # the most on any one GPU
     assert "vLLM sleep level 1" in rows["colocated"][4]  # colocated runs asleep through the trainer's steps

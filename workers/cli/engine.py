@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -198,6 +199,11 @@ def cmd_plan(args) -> int:
                       gpu_memory_gib=here.gpu_memory_gib if args.gpus is None else args.gpu_memory_gib)
     try:
         model = ModelSize(args.params) if args.params else model_size(resolve_model_path(spec.model.path), spec.model.lora)
+        if spec.reward.model is not None:  # its folder, so that the plan counts its size on its GPU
+            from workers.models.reward_model import resolve_reward_model_path
+
+            with contextlib.suppress(ValueError, OSError):  # not a local folder: planned as of unknown size
+                spec.reward.model.path = resolve_reward_model_path(spec.reward.model.path)
         print(plan_placement(spec, machine, model).describe())
     except (PlacementError, ValueError, OSError) as exc:
         print(f"does not fit: {exc}", file=sys.stderr)

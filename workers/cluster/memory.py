@@ -76,6 +76,9 @@ ZERO3_SUB_GROUP = 10**9  # DeepSpeed's stage3 sub_group_size default: the parame
 # ZeRO stage: the peaks measured on one H200 (PyTorch 2.11, DeepSpeed 0.19.8) with the tiny
 # model, whose own states are 0.01 GiB (docs/benchmarks.md, "On a GPU"; ZeRO 1 taken as 2's).
 RUNTIME_GIB = {0: 1.4, 1: 2.3, 2: 2.3, 3: 2.7}
+# An inference stage's worker (plain torch, no NCCL or DeepSpeed): its CUDA context and
+# cuBLAS workspace. Estimated, not measured: no such worker has run on a GPU yet.
+STAGE_RUNTIME_GIB = 0.8
 # Values a decoder layer keeps per token for the backward, in units of the hidden size h and
 # the MLP's width i: the attention block's inputs, q, k, v and output (about 8 h with grouped
 # K/V heads), the gated MLP's gate, up and product (3 i); SDPA/flash attention keeps no
@@ -101,24 +104,27 @@ class ModelSize:
     layers: Optional[int] = None
     vocab: Optional[int] = None
     adapter: Optional[int] = None  # model.lora: the adapter's parameters (the only ones that train)
+    saved_dtype: Optional[str] = None  # the dtype its config names (how a reward model's folder loads)
 
 
-def model_size(path: str, lora=None) -> Optional[ModelSize]:
+def model_size(path: str, lora=None, head: str = "causal-lm") -> Optional[ModelSize]:
     """The model in folder ``path``: its exact parameter count (built from ``config.json``
     on the meta device: no weights read, tied embeddings counted once). None when
     ``path`` is not a model folder, or the config cannot be built (logged). ``lora``
-    (``model.lora``): also the adapter's parameters, counted on the same meta model."""
+    (``model.lora``): also the adapter's parameters, counted on the same meta model.
+    ``head``: "sequence-classification" for a reward model (a score head, no LM head)."""
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         return None
     check_model_folder(path)  # before AutoConfig reads it: a redirect is an error, not an unknown size
     try:
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
         config = AutoConfig.from_pretrained(path)
+        auto = AutoModelForSequenceClassification if head == "sequence-classification" else AutoModelForCausalLM
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = auto.from_config(config)
         params = sum(p.numel() for p in model.parameters())
         largest = max((p.numel() for p in model.parameters()), default=0)
         adapter = None
@@ -130,7 +136,9 @@ def model_size(path: str, lora=None) -> Optional[ModelSize]:
         logger.warning("model %s: parameter count unknown (%s: %s); GPU memory is not checked",
                        path, type(exc).__name__, exc)
         return None
-    return ModelSize(params, _kv_values_per_token(config), largest, **_shape(config), adapter=adapter)
+    saved = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32").replace("torch.", "")
+    return ModelSize(params, _kv_values_per_token(config), largest, **_shape(config), adapter=adapter,
+                     saved_dtype=saved if saved in DTYPE_BYTES else "float32")
 
 
 def _shape(config) -> dict:
@@ -312,6 +320,22 @@ def forward_memory(model: ModelSize, tokens: int, dtype: str, zero_stage: int,
     return activations, logits
 
 
+def inference_forward_gib(model: ModelSize, tokens: int, act_bytes: int, logits: bool, sort: bool) -> float:
+    """GiB of one no-grad forward of ``tokens`` padded tokens in an inference stage's worker
+    (nothing is kept for a backward): one layer's values and the residual stream
+    (``ACTIVATION_VALUES`` + 2 h per token, in ``act_bytes``) and, for the KL reference
+    (``logits``), the full-vocabulary logits: the model's output, its fp32 ``.float()`` and
+    temperature-scaled copies and the log-softmax (``act_bytes`` + 12 per entry), plus a
+    sort's values and int64 indices (12) when top-k/top-p truncate. 0 when the shape is unknown."""
+    if not (model.hidden and model.vocab):
+        return 0.0
+    per_layer = (ACTIVATION_VALUES[0] + 2) * model.hidden + ACTIVATION_VALUES[1] * (model.intermediate or 4 * model.hidden)
+    total = tokens * per_layer * act_bytes
+    if logits:
+        total += tokens * model.vocab * (act_bytes + 12 + (12 if sort else 0))
+    return total / GIB
+
+
 def trainer_rank_peak_gib(spec: "RunSpec", model: ModelSize, ranks: int, dtype: Optional[str] = None) -> float:
     """A trainer rank's planned peak, GiB: its runtime buffers, states, the critic's, the KL
     reference and the largest transient (the step's, ZeRO-3's gather, or a micro-batch's
@@ -325,7 +349,7 @@ def trainer_rank_peak_gib(spec: "RunSpec", model: ModelSize, ranks: int, dtype: 
               if spec.algorithm.advantage == "gae" else None)
     return (RUNTIME_GIB[stage] + mem.weights_gib + mem.gradients_gib + mem.optimizer_gib
             + (critic.weights_gib + critic.gradients_gib + critic.optimizer_gib if critic else 0.0)
-            + (mem.reference_gib if spec.algorithm.kl_coef > 0 else 0.0)
+            + (mem.reference_gib if trainer_holds_reference(spec) else 0.0)
             + max(mem.transient_gib, mem.cast_gib + activations + logits))
 
 
@@ -408,10 +432,44 @@ class MemoryPlan:
         return lines
 
 
-def plan_memory(spec: "RunSpec", plan, gpu_memory_gib: float, model: ModelSize) -> MemoryPlan:
+def trainer_holds_reference(spec: "RunSpec") -> bool:
+    """The trainer loads a KL reference model of its own: kl_coef > 0, in the trainer (not the
+    inference stage), without model.lora (whose reference is the base model, adapter off)."""
+    return spec.algorithm.kl_coef > 0 and spec.algorithm.kl_reference != "stage" and spec.model.lora is None
+
+
+def inference_items(spec: "RunSpec", p, model: ModelSize, reward_model: Optional[ModelSize], dtype: str,
+                    forwarding: bool) -> list[Item]:
+    """What an inference stage's worker (``p``, role "inference") holds on its GPU: a CUDA
+    context, its model (the KL reference and the critic's copy in the trainer's load dtype,
+    the reward model in its folder's), and while the rollout generates (``forwarding``) a
+    forward of ``inference.micro_batch_tokens`` tokens (the workers split micro-batches to that)."""
+    stage = spec.trainer.zero_stage
+    tokens = spec.inference.micro_batch_tokens
+    items = [Item(p.name, "CUDA context (estimated)", STAGE_RUNTIME_GIB, "inference")]
+    if p.label == "reward model":
+        if reward_model is None:
+            return items + [Item(p.name, "model (size unknown: not counted)", 0.0, "inference")]
+        rm_bytes = DTYPE_BYTES[reward_model.saved_dtype or "float32"]
+        items.append(Item(p.name, "reward model", reward_model.params * rm_bytes / GIB, "inference"))
+        forward = inference_forward_gib(reward_model, tokens, rm_bytes, logits=False, sort=False)
+    else:
+        weights = trainer_memory(model.params, dtype, stage, 1).reference_gib  # fp32 under autocast, else lp
+        act = 4 if trainer_precision(dtype, stage) == "fp32" else DTYPE_BYTES[dtype]
+        reference = p.label == "KL reference stage"
+        items.append(Item(p.name, "reference model" if reference else "critic's copy", weights, "inference"))
+        truncated = spec.rollout.top_p < 1 or spec.rollout.top_k > 0
+        forward = inference_forward_gib(model, tokens, act, logits=reference, sort=truncated)
+    if forwarding and forward:
+        items.append(Item(p.name, f"a forward of {tokens} tokens", forward, "inference"))
+    return items
+
+
+def plan_memory(spec: "RunSpec", plan, gpu_memory_gib: float, model: ModelSize,
+                reward_model: Optional[ModelSize] = None) -> MemoryPlan:
     """What each GPU of ``plan`` (a GPU ``workers.cluster.placement.Plan``, not imported: the
     planner imports this module) holds on GPUs of ``gpu_memory_gib``; see the module's
-    docstring for each item."""
+    docstring for each item. ``reward_model``: the size of reward.model's folder, if known."""
     dtype, stage, ranks = model_dtype(spec, on_gpu=True), spec.trainer.zero_stage, len(plan.trainers)
     lp = DTYPE_BYTES[dtype]
     model_gib = model.params * lp / GIB  # what the engines hold and receive: the weights in the model's dtype
@@ -423,7 +481,7 @@ def plan_memory(spec: "RunSpec", plan, gpu_memory_gib: float, model: ModelSize) 
     forward_gib = trainer.cast_gib + activations + logits
     forward_what = (f"a micro-batch's forward (activations {activations:.1f}, full-vocabulary logits {logits:.1f}"
                     + (f", autocast's weight copies {trainer.cast_gib:.1f}" if trainer.cast_gib else "") + ")")
-    reference = spec.algorithm.kl_coef > 0 and spec.model.lora is None  # LoRA: the base model is the reference
+    reference = trainer_holds_reference(spec)
     collective = spec.rollout.weight_transport == "collective"
     receive_gib = 2 * max(BUCKET_BYTES, (model.largest or 0) * lp) / GIB
     capacity = gpu_memory_gib
@@ -433,10 +491,12 @@ def plan_memory(spec: "RunSpec", plan, gpu_memory_gib: float, model: ModelSize) 
     share = 0.0
     for phase in phases:
         for p in plan.processes:
-            owner = p.name if p.role == "engine" else f"trainer rank {p.index}"
+            owner = f"trainer rank {p.index}" if p.role == "trainer" else p.name
             for gpu in p.gpus:
                 items = loads[phase].setdefault((p.node, gpu), [])
-                if p.role == "trainer":
+                if p.role == "inference":  # forwards while the rollout generates, weights always
+                    items += inference_items(spec, p, model, reward_model, dtype, phase in ("", "generating"))
+                elif p.role == "trainer":
                     items += [Item(owner, "CUDA context and runtime buffers (measured)", RUNTIME_GIB[stage], "runtime"),
                               Item(owner, "weights", trainer.weights_gib, "trainer"),
                               Item(owner, "gradients", trainer.gradients_gib, "trainer"),
@@ -481,7 +541,9 @@ def plan_memory(spec: "RunSpec", plan, gpu_memory_gib: float, model: ModelSize) 
              ("reference", "set algorithm.kl_coef 0 (its reference model is a full copy on every trainer GPU)"),
              ("engine", "lower resources.gpu_memory_utilization" + (", or set resources.colocate false"
                                                                       if plan.colocate else "")),
-             ("receive", "set rollout.weight_transport rpc (it receives the weights in host memory)"))
+             ("receive", "set rollout.weight_transport rpc (it receives the weights in host memory)"),
+             ("inference", f"lower inference.micro_batch_tokens (now {spec.inference.micro_batch_tokens}) or move "
+                           f"the inference stage (resources.inference_gpu, now '{spec.resources.inference_gpu}')"))
     gpus = tuple(GpuLoad(node, gpu, tuple(items), phase) for phase in phases
                  for (node, gpu), items in sorted(loads[phase].items()))
     return MemoryPlan(capacity, gpus, trainer, engine_weights, share, share - engine_weights if plan.engines else 0.0,

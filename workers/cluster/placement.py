@@ -37,7 +37,13 @@ Layouts:
   optimizer states stay on the GPU beside the engines' share, so a colocated GPU plan
   needs the model's size. vLLM has sleep mode only on GPUs: a CPU plan refuses colocation.
 
-On GPUs a node's cores are split evenly among the processes on it. Trainer ranks split
+- **The inference stage on GPUs** (``reward.model``, ``algorithm.kl_reference: stage``,
+  ``critic.forward: stage``): each worker is a process of its own on node 0, all on the GPU
+  ``resources.inference_gpu`` names: trainer rank 0's (default), the first engine's (in what
+  vLLM's share leaves) or one of their own after the trainer's and the engines'. The memory
+  plan counts their models and forwards on it. On a CPU plan they run on the CPU, unbound.
+
+On GPUs a node's cores are split evenly among the trainer and engine processes on it. Trainer ranks split
 evenly over the nodes (rank r on node ``r // (ranks / nodes)``); engines are spread over
 the nodes in contiguous, balanced groups (an engine never spans nodes).
 """
@@ -58,12 +64,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DTYPE_BYTES", "Machine", "MemoryPlan", "ModelSize", "PlacementError", "Plan", "Process", "TrainerMemory",
+__all__ = ["CRITIC_STAGE", "DTYPE_BYTES", "INFERENCE_STAGES", "REFERENCE_STAGE", "REWARD_MODEL", "Machine", "MemoryPlan", "ModelSize", "PlacementError", "Plan", "Process", "TrainerMemory",
            "check_memory", "check_trainer_memory", "detect_machine", "format_cores",
-           "inherited_mask", "model_size",
+           "inference_stages", "inherited_mask", "model_size",
            "plan_cpu", "plan_gpu", "plan_placement", "trainer_memory"]
 
-Role = Literal["trainer", "engine"]
+Role = Literal["trainer", "engine", "inference"]
 
 ENGINE_GPU_MEMORY_UTILIZATION = 0.9  # an engine alone on its GPUs (vLLM's default)
 COLOCATED_GPU_MEMORY_UTILIZATION = 0.5  # engines sharing GPUs with the trainer's weights and optimizer
@@ -155,10 +161,11 @@ class Process:
     local_rank: Optional[int] = None  # trainer ranks only
     gpu_memory_utilization: Optional[float] = None  # engines on GPUs only
     cuda_devices: tuple[str, ...] = ()  # per entry of gpus
+    label: str = ""  # the inference stage's workers: which ("reward model", "KL reference stage", "critic stage")
 
     @property
     def name(self) -> str:
-        return f"{self.role} {self.index}"
+        return self.label or f"{self.role} {self.index}"
 
     @property
     def cpu_bind(self) -> str:
@@ -187,6 +194,11 @@ class Plan:
     @property
     def engines(self) -> tuple[Process, ...]:
         return tuple(p for p in self.processes if p.role == "engine")
+
+    def inference(self, label: str) -> Optional[Process]:
+        """The inference stage's worker ``label`` (:data:`INFERENCE_STAGES`) on a GPU plan, None
+        where it is not placed (a CPU plan: the worker runs on the CPU, unbound)."""
+        return next((p for p in self.processes if p.role == "inference" and p.label == label), None)
 
     def engine_single_process(self, setting: Optional[bool]) -> bool:
         """rollout.cpu_single_process for its engines: by default vLLM runs inside a CPU
@@ -300,7 +312,10 @@ def plan_placement(spec: "RunSpec", machine: Optional[Machine] = None, model: Op
                 "together while the engines generate")
         logger.debug("GPU memory not checked: the size of model.path %r is unknown", spec.model.path)
         return plan
-    memory = check_memory(spec, plan, machine, model)
+    reward_model = None
+    if spec.reward.model is not None:  # a folder by now (the controller resolved builtin: names)
+        reward_model = model_size(spec.reward.model.path, head="sequence-classification")
+    memory = check_memory(spec, plan, machine, model, reward_model)
     return replace(plan, memory=memory)
 
 
@@ -394,8 +409,49 @@ def plan_gpu(spec: "RunSpec", machine: Machine) -> Plan:
             engines.append(Process("engine", first_engine + j, node, block, len(block), gpus=gpus,
                                    cuda_visible_devices=",".join(devices), gpu_memory_utilization=utilization,
                                    cuda_devices=devices))
+    stages = _inference_stages(spec, machine, ranks_per_node, engines_per_node[0], tp, per_node, colocate)
     overlapped = spec.schedule.mode == "async" or spec.schedule.stream_train
-    return Plan("gpu", nodes, per_node, tp, colocate, overlapped, tuple(trainers + engines), engine_processes=True)
+    return Plan("gpu", nodes, per_node, tp, colocate, overlapped, tuple(trainers + engines + stages),
+                engine_processes=True)
+
+
+REWARD_MODEL, REFERENCE_STAGE, CRITIC_STAGE = "reward model", "KL reference stage", "critic stage"
+INFERENCE_STAGES = (REWARD_MODEL, REFERENCE_STAGE, CRITIC_STAGE)
+
+
+def inference_stages(spec: "RunSpec") -> list[str]:
+    """The inference stage's workers a run starts (each a process of its own beside the coordinator)."""
+    return [label for label, used in ((REWARD_MODEL, spec.reward.model is not None),
+                                      (REFERENCE_STAGE, spec.algorithm.kl_reference == "stage"),
+                                      (CRITIC_STAGE, spec.critic.forward == "stage")) if used]
+
+
+def _inference_stages(spec: "RunSpec", machine: Machine, ranks: int, engines: int, tp: int, per_node: int,
+                      colocate: bool) -> list[Process]:
+    """The inference stage's workers on node 0, all on the GPU ``resources.inference_gpu``
+    names: trainer rank 0's, the first engine's, or one of their own after both."""
+    labels = inference_stages(spec)
+    if not labels:
+        return []
+    where = spec.resources.inference_gpu
+    if where == "trainer":
+        gpu = 0
+    elif where == "engine":
+        if not engines:
+            raise PlacementError("resources.inference_gpu 'engine': node 0 runs no engine, so the inference stage "
+                                 "(" + ", ".join(labels) + ") has no engine GPU to share; use 'trainer' or 'own'")
+        gpu = 0 if colocate else ranks
+    else:
+        gpu = max(ranks, engines * tp) if colocate else ranks + engines * tp
+        if gpu >= per_node:
+            raise PlacementError(f"resources.inference_gpu 'own': node 0 has {per_node} GPUs and the trainer and "
+                                 f"the engines take {gpu}, so none is left for the inference stage ("
+                                 + ", ".join(labels) + "); use 'trainer' or 'engine', or give the run one GPU more")
+    threads = {REWARD_MODEL: spec.reward.model.threads if spec.reward.model else 1}
+    cores = tuple(range(machine.cpu_cores))  # not bound: they run between the trainer's and engines' bursts
+    return [Process("inference", i, 0, cores, threads.get(label, spec.inference.threads), gpus=(gpu,),
+                    cuda_visible_devices=machine.device_id(gpu), cuda_devices=(machine.device_id(gpu),), label=label)
+            for i, label in enumerate(labels)]
 
 
 def _ranks_per_node(ranks: int, nodes: int) -> int:
@@ -426,13 +482,15 @@ def _blocks(cores: list[int], count: int) -> list[tuple[int, ...]]:
 
 # -- memory (workers/cluster/memory.py) ----------------------------------------------------
 
-def check_memory(spec: "RunSpec", plan: Plan, machine: Machine, model: ModelSize) -> Optional[MemoryPlan]:
-    """What each GPU of ``plan`` holds for a model of ``model``'s size; a GPU that cannot
-    hold it refuses the run (PlacementError naming the GPU, every item on it and what
-    would lower the largest). CPU plans are not checked (None)."""
+def check_memory(spec: "RunSpec", plan: Plan, machine: Machine, model: ModelSize,
+                 reward_model: Optional[ModelSize] = None) -> Optional[MemoryPlan]:
+    """What each GPU of ``plan`` holds for a model of ``model``'s size (and reward.model's,
+    ``reward_model``, when known); a GPU that cannot hold it refuses the run (PlacementError
+    naming the GPU, every item on it and what would lower the largest). CPU plans are not
+    checked (None)."""
     if plan.device != "gpu":
         return None
-    memory = plan_memory(spec, plan, machine.gpu_memory_gib, model)
+    memory = plan_memory(spec, plan, machine.gpu_memory_gib, model, reward_model)
     problem = memory.problem()
     if problem:
         raise PlacementError(problem)

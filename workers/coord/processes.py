@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from workers.io import wire
-from workers.cluster.placement import PlacementError
+from workers.cluster.placement import CRITIC_STAGE, REFERENCE_STAGE, REWARD_MODEL, PlacementError
 from workers.rewards.service import RewardService
 from workers.rollout.engine import RolloutEngine, SamplingOptions, configure_cpu_environment
 from workers.rollout.client import EngineClient
@@ -60,17 +60,12 @@ class Processes:
     def start(self, place) -> None:
         """The reward service, the placement (``place()``: the plan) and this machine's CPU
         environment."""
-        self.rewards = RewardService(self.spec.reward)
         self.plan = plan = place()
         described = plan.describe()  # before anything starts: where each process runs, what each GPU holds
         logger.info("placement: %s", described)
         (self.out / "plan.txt").write_text(described + "\n", encoding="utf-8")
-        if plan.device == "gpu" and self.spec.algorithm.kl_reference == "stage":
-            raise PlacementError("algorithm.kl_reference 'stage': the inference stage's worker runs on the CPU and "
-                                 "is not placed on a GPU yet; on GPUs leave the reference in the trainer ('trainer')")
-        if plan.device == "gpu" and self.spec.critic.forward == "stage":
-            raise PlacementError("critic.forward 'stage': the inference stage's worker runs on the CPU and is not "
-                                 "placed on a GPU yet; on GPUs leave the critic's forward in the trainer ('trainer')")
+        self.rewards = RewardService(self.spec.reward, model_placement=plan.inference(REWARD_MODEL),
+                                     model_max_tokens=self.spec.inference.micro_batch_tokens)
         on_cpu = plan.device == "cpu"
         # In one process (no engine processes) every engine and the trainer share node 0's cores.
         configure_cpu_environment(plan.cpu_bind("engine") if on_cpu else None, self.spec.rollout.kv_cache_gb)
@@ -78,9 +73,12 @@ class Processes:
     async def start_trainer(self, checked):
         spec, res = self.spec, self.spec.resources
         if spec.trainer.pipeline.stages > 1:  # RLHFuse's fused actor-critic pipeline, its stages processes
-            if self.plan.device != "cpu":
-                raise PlacementError("trainer.pipeline runs its stages on the CPU (gloo) and is not placed on GPUs "
-                                     "yet: on GPUs leave trainer.pipeline.stages at 1 (DeepSpeed's trainer)")
+            if self.plan.device != "cpu":  # its stages pass activations through gloo, in host memory
+                raise PlacementError("trainer.pipeline.stages > 1: the fused actor-critic pipeline passes each "
+                                     "micro-batch's activations between its stage processes over gloo in host "
+                                     "memory and trains in fp32 without DeepSpeed: it is built for CPU stage "
+                                     "processes, and neither the planner nor its stages place it on GPUs; on GPUs "
+                                     "leave trainer.pipeline.stages at 1 (DeepSpeed's trainer)")
             from workers.train.pipeline_trainer import PipelineTrainer
 
             self.trainer = await asyncio.to_thread(PipelineTrainer, spec, spec.model.path,
@@ -98,10 +96,10 @@ class Processes:
             self.trainer = await asyncio.to_thread(Trainer, spec, spec.model.path,
                                                    self.plan.threads("trainer") if on_cpu else None, checked.pad_id)
         if spec.algorithm.kl_reference == "stage":  # the run's starting model, frozen, in a worker of its own
-            self.reference = ReferenceStage(spec, spec.model.path, checked.pad_id)
+            self.reference = ReferenceStage(spec, spec.model.path, checked.pad_id, self.plan.inference(REFERENCE_STAGE))
             await asyncio.to_thread(self.reference.start)
         if spec.critic.forward == "stage":  # a copy of the critic, loaded from the trainer's (Controller.setup)
-            self.critic_stage = ValueStage(spec, spec.model.path, checked.pad_id)
+            self.critic_stage = ValueStage(spec, spec.model.path, checked.pad_id, self.plan.inference(CRITIC_STAGE))
             await asyncio.to_thread(self.critic_stage.start)
         return self.trainer
 

@@ -8,6 +8,9 @@ worker that dies, stalls or fails to load is a ``LocalWorkerError`` that says wh
 The worker reads end of stream when the coordinator closes its end or dies, and exits
 (while it loads or answers, its parent watch ends it: workers/io/lifetime.py).
 
+``token_chunks`` splits a micro-batch into forwards of at most ``inference.micro_batch_tokens``
+padded tokens, so that a GPU worker's forward stays within what the memory planner counts.
+
 ``MicroBatcher`` gathers the items of callers that arrive close together (samples that
 finish generating in the same moments) into batches of at most ``size``, waiting at most
 ``max_wait_s`` for a partial one, and runs one call per batch in a thread.
@@ -24,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from workers.io.lifetime import exit_with_parent, launcher_env
 
@@ -97,13 +100,22 @@ def serve(fd: int, load: Callable[[], tuple[Callable[[dict], dict], dict]]) -> i
         send_frame(sock, reply)
 
 
+def stage_env(placement) -> dict[str, str]:
+    """The environment that puts an inference-stage worker on its GPU: ``placement`` is its
+    process in a GPU plan (workers/cluster/placement.py, role "inference"), None on a CPU plan."""
+    if placement is None or placement.cuda_visible_devices is None:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": placement.cuda_visible_devices}
+
+
 class LocalWorker:
     """The coordinator's end: starts ``python -m module <fd> <config JSON>`` and calls it."""
 
     def __init__(self, name: str, module: str, config: dict, threads: int = 1, timeout_s: float = 120.0,
-                 start_timeout_s: float = 300.0):
+                 start_timeout_s: float = 300.0, env: Optional[dict[str, str]] = None):
         self.name = name  # for messages: "the reward model", "the KL reference"
         self.module, self.config, self.threads = module, config, threads
+        self.env = dict(env or {})  # on top of this process's: where the plan puts it (CUDA_VISIBLE_DEVICES)
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.proc: Optional[subprocess.Popen] = None
         self.hello: dict = {}
@@ -116,7 +128,7 @@ class LocalWorker:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", self.module, str(child.fileno()), json.dumps(self.config)],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True, cwd=_ROOT,
-                env={**os.environ, "OMP_NUM_THREADS": str(self.threads), **launcher_env()})
+                env={**os.environ, "OMP_NUM_THREADS": str(self.threads), **self.env, **launcher_env()})
         finally:
             child.close()
         self._sock = parent
@@ -171,6 +183,23 @@ class LocalWorker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def token_chunks(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], max_tokens: int) -> list[list[int]]:
+    """Indices of ``pairs`` in consecutive chunks whose padded forward (count x the longest)
+    holds at most ``max_tokens`` tokens; a pair longer than that goes alone. An inference
+    stage splits a micro-batch this way so that its full-vocabulary logits stay bounded."""
+    chunks: list[list[int]] = []
+    width = 0
+    for i, (p, t) in enumerate(pairs):
+        length = len(p) + len(t)
+        if chunks and (len(chunks[-1]) + 1) * max(width, length) <= max_tokens:
+            chunks[-1].append(i)
+            width = max(width, length)
+        else:
+            chunks.append([i])
+            width = length
+    return chunks
 
 
 class MicroBatcher:

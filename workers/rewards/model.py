@@ -19,7 +19,7 @@ import math
 import sys
 from typing import Optional
 
-from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, serve
+from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, serve, stage_env, token_chunks
 from workers.tasks.model_folder import check_model_folder
 
 logger = logging.getLogger(__name__)
@@ -31,15 +31,18 @@ class Scorer:
     """The model and its tokenizer, as the worker runs them (also usable in-process by
     the builder and the tests: the same tokenization, the same forward)."""
 
-    def __init__(self, path: str, threads: int = 1):
+    def __init__(self, path: str, threads: int = 1, device: str = "cpu", max_tokens: int = 1 << 22):
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         torch.set_num_threads(threads)
         self.torch = torch
+        self.device = torch.device(device)  # "cuda" in a GPU plan: the GPU its CUDA_VISIBLE_DEVICES names
         check_model_folder(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, use_safetensors=True).eval()
+        # in the folder's own dtype (the planner counts it so: workers/cluster/memory.py)
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            path, use_safetensors=True).to(self.device).eval()
         if self.model.config.num_labels != 1:
             raise RewardModelError(f"reward.model.path {path!r} has {self.model.config.num_labels} labels; a reward "
                                    "model has one (its logit is the reward)")
@@ -49,14 +52,22 @@ class Scorer:
         self.pad_id = pad
         self.model.config.pad_token_id = pad
         self.max_length = int(getattr(self.model.config, "max_position_embeddings", 0) or 1024)
+        self.max_tokens = max_tokens  # inference.micro_batch_tokens: padded tokens per forward
 
     def ids(self, text: str) -> list[int]:
         ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
         return ids[-self.max_length:]
 
     def logits(self, texts: list[str]) -> list[float]:
-        torch = self.torch
         seqs = [self.ids(t) or [self.pad_id] for t in texts]
+        out = [0.0] * len(seqs)
+        for chunk in token_chunks([(s, ()) for s in seqs], self.max_tokens):
+            for i, logit in zip(chunk, self._forward([seqs[i] for i in chunk])):
+                out[i] = logit
+        return out
+
+    def _forward(self, seqs: list[list[int]]) -> list[float]:
+        torch = self.torch
         width = max(map(len, seqs))
         ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -64,16 +75,21 @@ class Scorer:
             ids[i, : len(s)] = torch.tensor(s)
             mask[i, : len(s)] = 1
         with torch.no_grad():  # HF reads each row at its last token that is not the pad id
-            return [float(x) for x in self.model(input_ids=ids, attention_mask=mask).logits[:, 0]]
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+            return [float(x) for x in logits[:, 0].float().cpu()]
 
 
 class RewardModelClient:
     """Starts the worker, batches texts into its forwards and turns logits into rewards."""
 
-    def __init__(self, spec):
+    def __init__(self, spec, placement=None, max_tokens: int = 1 << 22):
         self.spec = spec  # workers.spec.RewardModelSpec, its path resolved to a folder
-        self.worker = LocalWorker("the reward model", "workers.rewards.model", {"path": spec.path,
-                                  "threads": spec.threads}, threads=spec.threads, timeout_s=spec.timeout_s)
+        # placement: its process in a GPU plan (role "inference"), None on a CPU plan;
+        # max_tokens: inference.micro_batch_tokens, the padded tokens of one forward
+        self.worker = LocalWorker("the reward model", "workers.rewards.model",
+                                  {"path": spec.path, "threads": spec.threads,
+                                   "device": "cuda" if placement else "cpu", "max_tokens": max_tokens},
+                                  threads=spec.threads, timeout_s=spec.timeout_s, env=stage_env(placement))
         self.batcher = MicroBatcher(self.forward, spec.micro_batch, spec.max_wait_ms / 1000)
 
     def start(self) -> None:
@@ -117,7 +133,7 @@ class RewardModelClient:
 
 
 def _load(config: dict):
-    scorer = Scorer(config["path"], config["threads"])
+    scorer = Scorer(config["path"], config["threads"], config.get("device", "cpu"), config.get("max_tokens", 1 << 22))
     return (lambda request: {"logits": scorer.logits([str(t) for t in request["texts"]])},
             {"max_length": scorer.max_length})
 

@@ -53,7 +53,10 @@ class _Component:
 
 
 class RewardService:
-    def __init__(self, spec: RewardSpec, fail_fast_after: int = 16):
+    def __init__(self, spec: RewardSpec, fail_fast_after: int = 16, model_placement=None,
+                 model_max_tokens: int = 1 << 22):
+        """``model_placement``: the reward model's process in a GPU plan (role "inference"),
+        None to run it on the CPU; ``model_max_tokens``: padded tokens per forward of it."""
         self.spec = spec
         self.fail_fast_after = fail_fast_after
         self.scored = 0
@@ -78,7 +81,7 @@ class RewardService:
         else:
             uses_code = spec.function == "user"
         if spec.model is not None:
-            self.model = RewardModelClient(spec.model)
+            self.model = RewardModelClient(spec.model, model_placement, model_max_tokens)
             self.model.start()  # raises RewardModelError for a folder that cannot be loaded
         if uses_code:
             self._sandbox = RewardSandbox(spec.code or "", timeout_s=spec.timeout_s, memory_mb=spec.memory_mb)

@@ -11,7 +11,9 @@ trainer loads no reference and runs one forward less per micro-batch.
 The log-probs are the trainer's own (``Trainer._logprobs``): the logits over the rollout
 temperature, truncated by its top-k/top-p as vLLM sampled, in the trainer's precision
 (fp32 weights under autocast for bfloat16/float16 at ZeRO 0, the spec's dtype otherwise).
-The worker runs on the CPU; a GPU plan refuses the stage until it is placed on a device.
+On a GPU plan the worker computes on the GPU ``resources.inference_gpu`` names, and the
+planner counts its weights and its forward there (workers/cluster/memory.py); a micro-batch
+is split into forwards of at most ``inference.micro_batch_tokens`` padded tokens.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import json
 import logging
 import sys
 
-from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, serve
+from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, serve, stage_env, token_chunks
 from workers.spec import model_dtype
 from workers.tasks.model_folder import check_model_folder
 
@@ -30,54 +32,67 @@ class ReferenceScorer:
     """The reference model and the trainer's log-prob rule (in the worker, or in-process)."""
 
     def __init__(self, path: str, dtype: str, zero_stage: int, temperature: float, top_k: int, top_p: float,
-                 pad_id: int, threads: int = 1):
+                 pad_id: int, threads: int = 1, device: str = "cpu", max_tokens: int = 1 << 22):
         import torch
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
         self.torch = torch
+        self.device = torch.device(device)  # "cuda" in a GPU plan: the GPU its CUDA_VISIBLE_DEVICES names
         # As the trainer: fp32 weights under autocast at ZeRO 0 with a low precision, else that dtype
         self.autocast = getattr(torch, dtype) if dtype != "float32" and zero_stage == 0 else None
         load = torch.float32 if self.autocast is not None else getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(check_model_folder(path), dtype=load).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(check_model_folder(path), dtype=load).to(self.device).eval()
         self.model.requires_grad_(False)
         self.temperature = max(temperature, 1e-5)
         self.top_k, self.top_p, self.pad_id = top_k, top_p, pad_id
+        self.max_tokens = max_tokens  # inference.micro_batch_tokens: padded tokens per forward
 
     def logprobs(self, items: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """Per generated token, log π_ref(token | prefix), for (prompt_ids, token_ids) pairs."""
+        out: list[list[float]] = [[] for _ in items]
+        for chunk in token_chunks(items, self.max_tokens):
+            for i, logp in zip(chunk, self._forward([items[i] for i in chunk])):
+                out[i] = logp
+        return out
+
+    def _forward(self, items: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         import contextlib
 
         from workers.train.algorithms import token_logprobs
-
         from workers.train.batching import generated_columns, pad_sequences
 
         torch = self.torch
-        ids, att = pad_sequences(items, self.pad_id)
-        cast = (torch.autocast(device_type="cpu", dtype=self.autocast) if self.autocast is not None
+        ids, att = (t.to(self.device) for t in pad_sequences(items, self.pad_id))
+        cast = (torch.autocast(device_type=self.device.type, dtype=self.autocast) if self.autocast is not None
                 else contextlib.nullcontext())
         with torch.no_grad():
             with cast:
                 logits = self.model(input_ids=ids, attention_mask=att).logits[:, :-1].float() / self.temperature
             logp, _ = token_logprobs(logits, ids[:, 1:], top_k=self.top_k, top_p=self.top_p)
+        logp = logp.cpu()
         return [logp[i, generated_columns(len(p), len(t))].tolist() for i, (p, t) in enumerate(items)]
 
 
-def scorer_config(spec, model_path: str, pad_id: int) -> dict:
+def scorer_config(spec, model_path: str, pad_id: int, device: str = "cpu") -> dict:
+    """The worker's configuration; ``device`` "cuda" when the plan gives the stage a GPU
+    (the trainer's precision there: ``model_dtype`` decided for a GPU)."""
     ro = spec.rollout
-    return {"path": model_path, "dtype": model_dtype(spec), "zero_stage": spec.trainer.zero_stage,
-            "temperature": ro.temperature, "top_k": ro.top_k, "top_p": ro.top_p, "pad_id": pad_id,
-            "threads": spec.inference.threads}
+    return {"path": model_path, "dtype": model_dtype(spec, on_gpu=device == "cuda" or None),
+            "zero_stage": spec.trainer.zero_stage, "temperature": ro.temperature, "top_k": ro.top_k,
+            "top_p": ro.top_p, "pad_id": pad_id, "threads": spec.inference.threads, "device": device,
+            "max_tokens": spec.inference.micro_batch_tokens}
 
 
 class ReferenceStage:
-    """The coordinator's end: ``await logprobs(prompt_ids, token_ids)`` per finished sample."""
+    """The coordinator's end: ``await logprobs(prompt_ids, token_ids)`` per finished sample.
+    ``placement``: the plan's process for it on a GPU plan (its CUDA_VISIBLE_DEVICES), else None."""
 
-    def __init__(self, spec, model_path: str, pad_id: int):
+    def __init__(self, spec, model_path: str, pad_id: int, placement=None):
         inf = spec.inference
         self.worker = LocalWorker("the KL reference stage", "workers.train.reference",
-                                  scorer_config(spec, model_path, pad_id), threads=inf.threads,
-                                  timeout_s=inf.timeout_s)
+                                  scorer_config(spec, model_path, pad_id, "cuda" if placement else "cpu"),
+                                  threads=inf.threads, timeout_s=inf.timeout_s, env=stage_env(placement))
         self.batcher = MicroBatcher(self._forward, inf.micro_batch, inf.max_wait_ms / 1000)
 
     def start(self) -> None:

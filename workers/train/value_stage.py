@@ -17,8 +17,9 @@ finished, at most as many steps behind as the sample itself (``critic_stage/lag`
 trainer's version at the step minus the version that valued each sample, averaged).
 
 The values are the trainer's own rule (``ValueModel``, the same precision: fp32 weights
-under autocast for bfloat16/float16 at ZeRO 0, the spec's dtype otherwise). The worker runs
-on the CPU; a GPU plan refuses the stage until it is placed on a device.
+under autocast for bfloat16/float16 at ZeRO 0, the spec's dtype otherwise). On a GPU plan
+the worker computes on the GPU ``resources.inference_gpu`` names (the planner counts it there),
+in forwards of at most ``inference.micro_batch_tokens`` padded tokens.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, serve
+from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, serve, stage_env, token_chunks
 from workers.spec import model_dtype
 from workers.tasks.model_folder import check_model_folder
 
@@ -42,7 +43,8 @@ WEIGHTS_FILE = "critic.safetensors"
 class ValueScorer:
     """The value model and the trainer critic's forward rule (in the worker, or in-process)."""
 
-    def __init__(self, path: str, dtype: str, zero_stage: int, pad_id: int, threads: int = 1):
+    def __init__(self, path: str, dtype: str, zero_stage: int, pad_id: int, threads: int = 1, device: str = "cpu",
+                 max_tokens: int = 1 << 22):
         import torch
         from transformers import AutoModel
 
@@ -50,19 +52,21 @@ class ValueScorer:
 
         torch.set_num_threads(threads)
         self.torch = torch
+        self.device = torch.device(device)  # "cuda" in a GPU plan: the GPU its CUDA_VISIBLE_DEVICES names
         # As the trainer's critic: fp32 weights under autocast at ZeRO 0 with a low precision, else that dtype
         self.autocast = getattr(torch, dtype) if dtype != "float32" and zero_stage == 0 else None
         load = torch.float32 if self.autocast is not None else getattr(torch, dtype)
-        self.model = ValueModel(AutoModel.from_pretrained(check_model_folder(path), dtype=load)).eval()
+        self.model = ValueModel(AutoModel.from_pretrained(check_model_folder(path), dtype=load)).to(self.device).eval()
         self.model.requires_grad_(False)
         self.pad_id = pad_id
+        self.max_tokens = max_tokens  # inference.micro_batch_tokens: padded tokens per forward
         self.version = -1  # no weights from the trainer yet: values are refused until the first load
 
     def load(self, file: str, version: int) -> None:
         """The trainer critic's full weights, as ``Trainer.critic_state_dict`` wrote them."""
         from safetensors.torch import load_file
 
-        tensors = load_file(file)
+        tensors = load_file(file, device=str(self.device))
         missing, unexpected = self.model.load_state_dict(tensors, strict=False)
         if missing or unexpected:
             raise ValueError(f"the critic's weights do not fit the value model: missing {missing[:3]}, "
@@ -71,36 +75,46 @@ class ValueScorer:
 
     def values(self, items: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """Per generated token, the value before it is emitted, for (prompt_ids, token_ids) pairs."""
-        import contextlib
-
         if self.version < 0:
             raise RuntimeError("the critic stage has no weights from the trainer yet")
+        out: list[list[float]] = [[] for _ in items]
+        for chunk in token_chunks(items, self.max_tokens):
+            for i, values in zip(chunk, self._forward([items[i] for i in chunk])):
+                out[i] = values
+        return out
+
+    def _forward(self, items: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        import contextlib
+
         from workers.train.batching import generated_columns, pad_sequences
 
         torch = self.torch
-        ids, att = pad_sequences(items, self.pad_id)
-        cast = (torch.autocast(device_type="cpu", dtype=self.autocast) if self.autocast is not None
+        ids, att = (t.to(self.device) for t in pad_sequences(items, self.pad_id))
+        cast = (torch.autocast(device_type=self.device.type, dtype=self.autocast) if self.autocast is not None
                 else contextlib.nullcontext())
         with torch.no_grad(), cast:
-            values = self.model(ids, att)[:, :-1].float()
+            values = self.model(ids, att)[:, :-1].float().cpu()
         # position t values the state before token t+1
         return [values[i, generated_columns(len(p), len(t))].tolist() for i, (p, t) in enumerate(items)]
 
 
-def scorer_config(spec, model_path: str, pad_id: int) -> dict:
-    return {"path": model_path, "dtype": model_dtype(spec), "zero_stage": spec.trainer.zero_stage,
-            "pad_id": pad_id, "threads": spec.inference.threads}
+def scorer_config(spec, model_path: str, pad_id: int, device: str = "cpu") -> dict:
+    """The worker's configuration; ``device`` "cuda" when the plan gives the stage a GPU."""
+    return {"path": model_path, "dtype": model_dtype(spec, on_gpu=device == "cuda" or None),
+            "zero_stage": spec.trainer.zero_stage, "pad_id": pad_id, "threads": spec.inference.threads,
+            "device": device, "max_tokens": spec.inference.micro_batch_tokens}
 
 
 class ValueStage:
     """The coordinator's end: ``await values(prompt_ids, token_ids)`` per finished sample,
-    ``load(state_dict, version)`` after each trainer step."""
+    ``load(state_dict, version)`` after each trainer step. ``placement``: the plan's process
+    for it on a GPU plan (its CUDA_VISIBLE_DEVICES), else None."""
 
-    def __init__(self, spec, model_path: str, pad_id: int):
+    def __init__(self, spec, model_path: str, pad_id: int, placement=None):
         inf = spec.inference
         self.worker = LocalWorker("the critic stage", "workers.train.value_stage",
-                                  scorer_config(spec, model_path, pad_id), threads=inf.threads,
-                                  timeout_s=inf.timeout_s)
+                                  scorer_config(spec, model_path, pad_id, "cuda" if placement else "cpu"),
+                                  threads=inf.threads, timeout_s=inf.timeout_s, env=stage_env(placement))
         self.batcher = MicroBatcher(self._forward, inf.micro_batch, inf.max_wait_ms / 1000)
         self.folder = tempfile.mkdtemp(prefix="fluxrl-critic-")  # 0700: the weights pass through here
         self.version = -1  # of the weights the worker holds

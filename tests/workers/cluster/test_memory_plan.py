@@ -188,7 +188,7 @@ def test_model_size_counts_parameters_on_the_meta_device(tmp_path):
     # (the largest tensor: an MLP projection, 64 x 128, above the 100 x 64 embedding)
     assert model_size(_tiny_llama(tmp_path / "untied")) == ModelSize(2 * 36992 + 2 * 6400 + 64, 2 * 2 * 2 * 16,
                                                                      64 * 128, hidden=64, intermediate=128,
-                                                                     layers=2, vocab=100)
+                                                                     layers=2, vocab=100, saved_dtype="float32")
     assert model_size(_tiny_llama(tmp_path / "tied", tied=True)).params == 2 * 36992 + 6400 + 64
     assert model_size(str(tmp_path / "none")) is None
     # the planner reads model.path itself (the controller has resolved it by then); CPU plans are not counted

@@ -48,6 +48,17 @@ def test_texts_that_finish_together_share_micro_batches_and_score_what_the_model
     assert all(0.0 < s < 1.0 for s in scores)  # output: probability
 
 
+def test_texts_over_micro_batch_tokens_are_scored_in_forwards_that_fit_with_the_same_logits(rm_path):
+    texts = [f"{a}+{b}={a + b}" + " ok" * (a % 4) for a, b in zip(range(12), range(30, 42))]
+    capped = Scorer(rm_path, max_tokens=24)
+    sizes = []
+    forward = capped._forward
+    capped._forward = lambda seqs: sizes.append(len(seqs) * max(map(len, seqs))) or forward(seqs)
+    got, want = capped.logits(texts), Scorer(rm_path).logits(texts)
+    assert len(sizes) > 1 and all(size <= 24 for size in sizes)
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5
+
+
 def test_the_shipped_reward_model_tells_right_from_wrong_as_its_manifest_states(rm_path):
     from transformers import AutoModelForCausalLM
 

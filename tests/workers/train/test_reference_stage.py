@@ -54,6 +54,20 @@ def test_the_stage_computes_the_trainers_own_reference_log_probs_under_truncatio
     assert all(math.isfinite(v) for x in stage for v in x)
 
 
+def test_a_micro_batch_over_micro_batch_tokens_is_split_into_forwards_with_the_same_log_probs(tiny_model_path, hf):
+    batch = _batch(hf, n=6)
+    items = [(s.prompt_ids, s.token_ids) for s in batch]
+    whole = ReferenceScorer(**scorer_config(_spec("stage"), tiny_model_path, pad_id=0))
+    capped = ReferenceScorer(**scorer_config(_spec("stage", micro_batch_tokens=16), tiny_model_path, pad_id=0))
+    widths = []
+    forward = capped._forward
+    capped._forward = lambda chunk: widths.append(max(len(p) + len(t) for p, t in chunk) * len(chunk)) or forward(chunk)
+    got, want = capped.logprobs(items), whole.logprobs(items)
+    assert len(widths) > 1 and all(w <= 16 or w == max(len(p) + len(t) for p, t in items) for w in widths)
+    assert [len(x) for x in got] == [len(t) for _, t in items]
+    assert max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x, y)) < 1e-5
+
+
 def test_a_step_on_the_stages_log_probs_is_the_step_with_the_reference_in_the_trainer(tiny_model_path, hf):
     batch = _batch(hf)
     inside = Trainer(_spec("trainer"), tiny_model_path, threads=1)

@@ -53,6 +53,21 @@ def test_the_stage_values_samples_as_the_trainers_critic_does_before_and_after_a
     assert max(abs(v) for x in inside for v in x) > 1e-3  # a trained head, not two zero heads
 
 
+def test_a_micro_batch_over_micro_batch_tokens_is_valued_in_forwards_that_fit(tiny_model_path):
+    trainer = Trainer(_spec("trainer"), tiny_model_path, threads=1)
+    batch = _uneven(trainer)
+    trainer.train_step(batch)  # a trained head: values that differ per token
+    items = [(s.prompt_ids, s.token_ids) for s in batch]
+    whole = _ship(trainer, ValueScorer(**scorer_config(_spec("stage"), tiny_model_path, pad_id=0)), 1)
+    capped = _ship(trainer, ValueScorer(**scorer_config(_spec("stage", micro_batch_tokens=16), tiny_model_path,
+                                                        pad_id=0)), 1)
+    sizes = []
+    forward = capped._forward
+    capped._forward = lambda chunk: sizes.append(len(chunk)) or forward(chunk)
+    assert _gap(capped.values(items), whole.values(items)) < 1e-5
+    assert sum(sizes) == len(items) and len(sizes) > 1
+
+
 def _ship(trainer: Trainer, scorer: ValueScorer, version: int) -> ValueScorer:
     from workers.weights.sync import serialize_state_dict
 
