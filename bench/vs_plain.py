@@ -232,14 +232,10 @@ def real_size_spec(spec: dict, folder: Path) -> dict:
     """The example's spec on Qwen2.5-0.5B's shape (built once, cached) with a chat dataset of
     sums written to ``folder``, at examples/own-model/real-size.yaml's model, algorithm, rollout
     and trainer settings; the schedule stays the example's (async; ``sync`` overrides it)."""
-    from workers.models.modelzoo import ensure_zoo_model, write_chat_dataset
-    from workers.models.realsize import MANIFEST, build_shaped_model
-    from workers.models.tinymodel import default_cache
+    from workers.models.modelzoo import write_chat_dataset
+    from workers.models.realsize import ensure_shaped_model
 
-    model = default_cache() / "qwen2.5-0.5b"
-    if not (model / MANIFEST).exists():
-        print(f"building Qwen2.5-0.5B's shape in {model} (once)", file=sys.stderr)
-        build_shaped_model("qwen2.5-0.5b", model, ensure_zoo_model("qwen2", progress=True))
+    model = ensure_shaped_model("qwen2.5-0.5b")
     real = yaml.safe_load((ROOT / "examples" / "own-model" / "real-size.yaml").read_text())
     data = write_chat_dataset(folder / "chat-real-size.jsonl", 1200, two_digit=True)
     return merged(spec, {"model": {**real["model"], "path": str(model)},

@@ -61,3 +61,16 @@ def build_shaped_model(shape: str, out_dir, tokenizer_from: Path, seed: int = 0)
     shutil.rmtree(out, ignore_errors=True)
     staging.rename(out)
     return out
+
+
+def ensure_shaped_model(shape: str = "qwen2.5-0.5b") -> Path:
+    """The folder of ``shape`` under the model cache ($FLUXRL_MODEL_CACHE), built once with the
+    zoo's qwen2 tokenizer (the benches' real-size model)."""
+    from workers.models.modelzoo import ensure_zoo_model
+    from workers.models.tinymodel import default_cache
+
+    folder = default_cache() / shape
+    if not (folder / MANIFEST).exists():
+        log.info("building %s's shape in %s (once)", shape, folder)
+        build_shaped_model(shape, folder, ensure_zoo_model("qwen2", progress=True))
+    return folder

@@ -1,5 +1,5 @@
 """workers/train/deepspeed_setup.py: at ZeRO-3 a model is partitioned as it is built and loaded
-(deepspeed.zero.Init through transformers), so no rank holds a whole copy first; at other
+(deepspeed.zero.Init through transformers), so no rank's device takes a whole copy first; at other
 stages, and after the block, loading is plain. (The configs themselves: test_precision.py.)"""
 import pytest
 import torch
