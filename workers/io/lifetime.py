@@ -40,6 +40,16 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def pid_namespace() -> int:
+    """This process's PID namespace (the inode of /proc/self/ns/pid; 0 where there is none to
+    read). Containers that share a folder such as /tmp see each other's processes under other
+    pids, or not at all: a pid is only meaningful beside its namespace."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def launcher_env() -> dict[str, str]:
     """What a launcher adds to the environment of a child that calls ``exit_with_parent``."""
     return {LAUNCHER_ENV: str(os.getpid())}

@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Optional
 
-from workers.io.lifetime import pid_alive
+from workers.io.lifetime import pid_alive, pid_namespace
 
 if TYPE_CHECKING:
     import torch
@@ -174,16 +174,20 @@ class SpoolError(RuntimeError):
 
 def remove_orphan_spools(folder: Optional[str] = None) -> list[str]:
     """Remove the spool folders (and the partial weights in them) of this user's processes
-    that are gone; returns those removed. A folder whose owner is alive, or another user's,
-    stays."""
+    that are gone; returns those removed. A folder whose owner is alive, another user's, or
+    one made in another PID namespace (a container sharing the folder: its pid means nothing
+    here, alive or not) stays. Names: ``fluxrl-weights-<namespace>-<pid>-<random>``."""
     parent = folder or tempfile.gettempdir()
+    namespace = str(pid_namespace())
     removed = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(parent):
             rest = entry.name[len(WeightSpool.PREFIX):] if entry.name.startswith(WeightSpool.PREFIX) else ""
-            pid = rest.split("-", 1)[0]
-            if not pid.isdigit() or not entry.is_dir(follow_symlinks=False):
+            parts = rest.split("-")
+            if len(parts) != 3 or parts[0] != namespace or not parts[1].isdigit() \
+                    or not entry.is_dir(follow_symlinks=False):
                 continue
+            pid = parts[1]
             with contextlib.suppress(OSError):
                 if entry.stat(follow_symlinks=False).st_uid != os.getuid() or pid_alive(int(pid)):
                     continue
@@ -207,9 +211,9 @@ class WeightSpool:
     def __init__(self, max_bytes: int, folder: Optional[str] = None):
         self.max_bytes = max_bytes
         remove_orphan_spools(folder)
-        # the owner's pid in the name: a server killed outright (SIGKILL, OOM) cannot remove its
-        # folder, and the next spool on the node removes it for it
-        self.folder = tempfile.mkdtemp(prefix=f"{self.PREFIX}{os.getpid()}-", dir=folder)
+        # the owner's PID namespace and pid in the name: a server killed outright (SIGKILL, OOM)
+        # cannot remove its folder, and the next spool in its namespace removes it for it
+        self.folder = tempfile.mkdtemp(prefix=f"{self.PREFIX}{pid_namespace()}-{os.getpid()}-", dir=folder)
         self._lock = threading.Lock()
         self._open: dict[int, dict] = {}  # stream -> {"fh", "path", "total", "written", "error"}
 

@@ -159,3 +159,23 @@ def test_the_spool_of_a_killed_server_is_removed_by_the_next_and_a_live_ones_sta
     finally:
         procs[1].communicate(timeout=30)
     assert procs[1].returncode == 0
+
+
+def test_a_spool_of_another_pid_namespace_stays_whatever_its_pid_means_here(tmp_path):
+    """Containers sharing /tmp see each other's processes under other pids or not at all: a
+    folder named by another PID namespace is never swept (its owner may well be alive), one
+    of this namespace whose pid is gone is."""
+    from workers.io.lifetime import pid_namespace
+    from workers.weights.files import remove_orphan_spools
+
+    gone = 2**22 + 12345  # above any pid_max: no such process
+    here, elsewhere, legacy = (tmp_path / f"fluxrl-weights-{ns}{gone}-abcd1234" for ns in
+                               (f"{pid_namespace()}-", f"{pid_namespace() + 1}-", ""))
+    for folder in (here, elsewhere, legacy):
+        folder.mkdir()
+        (folder / "stream-1.safetensors").write_bytes(b"half")
+    assert remove_orphan_spools(str(tmp_path)) == [str(here)]
+    assert not here.exists() and elsewhere.exists() and legacy.exists()
+    spool = WeightSpool(1 << 20, str(tmp_path))
+    assert os.path.basename(spool.folder).startswith(f"fluxrl-weights-{pid_namespace()}-{os.getpid()}-")
+    spool.close()
