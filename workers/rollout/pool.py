@@ -62,7 +62,7 @@ from typing import Hashable, Optional
 from pydantic import Field
 
 from workers.io import wire
-from workers.io.lifetime import pid_alive
+from workers.io.lifetime import pid_alive, pid_namespace
 from workers.rollout.engine import RolloutEngine, SamplingOptions, configure_cpu_environment, lora_rank_class
 from workers.rollout.client import EngineClient
 from workers.rollout.messages import (REQUESTS, EngineServerConfig, HandOffRequest, JoinGroupRequest, PoolView,
@@ -483,13 +483,20 @@ def pool_key() -> bytes:
     return bytes.fromhex(text)
 
 
+def _registry_name(pool_id: str) -> str:
+    """A pool's registry entry, lock and log are named by its id and this PID namespace: a
+    container sharing the folder sees other pids (a pid of its registry could name an
+    unrelated process here), so each namespace keeps entries of its own."""
+    return f"{pool_id}.ns{pid_namespace()}"
+
+
 def _registry_file(pid: str) -> Path:
-    return pool_dir() / f"{pid}.json"
+    return pool_dir() / f"{_registry_name(pid)}.json"
 
 
 @contextlib.contextmanager
 def _registry_lock(pid: str):
-    with open(pool_dir() / f"{pid}.lock", "a") as fh:
+    with open(pool_dir() / f"{_registry_name(pid)}.lock", "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
@@ -558,7 +565,7 @@ def join_pool(run_engine: EngineServerConfig, lora_rank: int) -> tuple[str, int,
         repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         # A session of its own, not the run's: the pool outlives the run that started it.
         # Its log is its own, not the starting run's (which that run's team can read).
-        with open(pool_dir() / f"{pid_}.log", "ab") as log_file:
+        with open(pool_dir() / f"{_registry_name(pid_)}.log", "ab") as log_file:
             proc = subprocess.Popen([sys.executable, "-m", "workers", "engine-pool"], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=log_file, start_new_session=True,
                                     env=_pool_env(engine), cwd=repo)
@@ -568,7 +575,7 @@ def join_pool(run_engine: EngineServerConfig, lora_rank: int) -> tuple[str, int,
         if not line:
             code = proc.wait()
             raise RuntimeError(f"shared engine pool {pid_} exited with code {code} before listening (its log: "
-                               f"{pool_dir() / f'{pid_}.log'})")
+                               f"{pool_dir() / f'{_registry_name(pid_)}.log'})")
         threading.Thread(target=_drain, args=(proc,), daemon=True).start()
         announced = json.loads(line)
         _registry_file(pid_).write_text(json.dumps({**announced, "started_at": time.time(),
@@ -593,9 +600,10 @@ def _drain(proc: subprocess.Popen) -> None:
 
 
 def stop_pools() -> int:
-    """Stop every pool of this node (tests, an operator): SIGTERM each; returns how many."""
+    """Stop every pool of this node's PID namespace (tests, an operator): SIGKILL each process
+    group; returns how many. Entries of other namespaces name pids that mean nothing here."""
     stopped = 0
-    for path in pool_dir().glob("*.json"):
+    for path in pool_dir().glob(f"*.ns{pid_namespace()}.json"):
         with contextlib.suppress(OSError, ValueError, KeyError):
             pid = int(json.loads(path.read_text())["pid"])
             os.killpg(pid, signal.SIGKILL)

@@ -220,3 +220,34 @@ def test_a_spec_that_cannot_share_engines_is_refused_by_the_field_that_asks(tiny
         spec[section] = {**spec.get(section, {}), **values}
     with pytest.raises(SpecError, match=f"rollout.share_engines needs {message}"):
         validate_spec(spec)
+
+
+def test_the_registry_is_kept_per_pid_namespace_and_stop_pools_kills_only_its_own(tmp_path, monkeypatch):
+    """Containers sharing FLUXRL_POOL_DIR see each other's processes under other pids: an entry
+    of another PID namespace is neither read (its pid could name an unrelated process here)
+    nor killed by stop_pools."""
+    import json
+    import subprocess
+    import sys
+
+    from workers.io.lifetime import pid_alive, pid_namespace
+    from workers.rollout.pool import DIR_ENV, _read_registry, _registry_file, stop_pools
+
+    folder = tmp_path / "pools"
+    folder.mkdir(mode=0o700)
+    monkeypatch.setenv(DIR_ENV, str(folder))
+    ours, theirs = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+                    for _ in range(2))
+    try:
+        _registry_file("p1").write_text(json.dumps({"address": "127.0.0.1:1", "pid": ours.pid}))
+        (folder / f"p1.ns{pid_namespace() + 1}.json").write_text(json.dumps({"address": "x", "pid": theirs.pid}))
+        assert _registry_file("p1").name == f"p1.ns{pid_namespace()}.json"
+        assert _read_registry("p1")["pid"] == ours.pid
+        assert _read_registry("p2") is None
+        assert stop_pools() == 1
+        ours.wait(timeout=10)
+        assert pid_alive(theirs.pid) and (folder / f"p1.ns{pid_namespace() + 1}.json").exists()
+    finally:
+        for p in (ours, theirs):
+            p.kill()
+            p.wait()
