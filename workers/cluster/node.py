@@ -38,7 +38,8 @@ from workers.io import wire
 from workers.rollout.client import kill_session, launch_server
 from workers.rollout.messages import EngineServerConfig
 from workers.spec import RunSpec
-from workers.train.ranks import Sample, TrainerRankError, _sample
+from workers.train.rank_messages import Sample
+from workers.train.ranks import TrainerRankError, _sample
 
 log = logging.getLogger(__name__)
 
@@ -395,7 +396,7 @@ class ClusterTrainer:
 
 # -- the agent's side ------------------------------------------------------------------------
 def _call_group(group, call: TrainerCall, run_dir: str = "") -> None:
-    from workers.train.ranks import _Rank
+    from workers.train.rank_process import _Rank
 
     batch = _Rank._samples(call.samples)
     if call.method == "train_step":

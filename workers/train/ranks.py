@@ -1,9 +1,10 @@
 """The trainer as N DeepSpeed ranks, each in its own process: data parallel at any
 ZeRO stage (gloo on the CPU, NCCL on GPUs), a drop-in for ``Trainer`` in the controller.
 
-``TrainerGroup`` starts this node's ranks (multiprocessing *spawn*) and talks to them
-over pipes with typed messages (``TrainerRequest`` / ``TrainerReply``). Several groups
-with the same master address and port, one per node, form one world.
+``TrainerGroup`` starts this node's ranks (multiprocessing *spawn*; a rank's side:
+rank_process.py) and talks to them over pipes with typed messages (rank_messages.py:
+``TrainerRequest`` / ``TrainerReply``). Several groups with the same master address and
+port, one per node, form one world.
 
 The objective is that of one ``Trainer`` on the whole batch. The parent plans every
 optimiser step for the whole world: each step's samples are split over the ranks by
@@ -19,24 +20,25 @@ import logging
 import multiprocessing
 import os
 import signal
-import sys
 import threading
 import time
-import traceback
 import weakref
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Annotated, Literal, NoReturn, Optional, Union
+from typing import TYPE_CHECKING, NoReturn, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
-
-from workers.io.lifetime import exit_with_parent
 from workers.io.ports import free_port
 from workers.spec import RunSpec
+from workers.train.rank_messages import (_REPLIES, AccumulateRequest, BeginStepRequest, ErrorReply, FinishStepRequest,
+                                         FormWeightGroupRequest, HostWeightGroupRequest, LeaveWeightGroupRequest,
+                                         LoadStateRequest, PrepareWeightsRequest, Sample, SaveRequest,
+                                         SaveStateRequest, SendWeightsRequest, ShutdownRequest, StateDictRequest,
+                                         StepShare, TrainRequest, WeightGroupReply, _RankConfig)
+from workers.train.rank_process import _rank_main
 
 if TYPE_CHECKING:  # torch and DeepSpeed load in a rank only after its environment is set
     import torch
 
-    from workers.train.trainer import Trainer, TrainSample
+    from workers.train.trainer import TrainSample
     from workers.weights.files import WeightFile
 
 log = logging.getLogger(__name__)
@@ -52,187 +54,6 @@ class TrainerRankError(RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.exitcode = exitcode
-
-
-# -- messages ------------------------------------------------------------------------
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Sample(_Message):
-    prompt_ids: list[int]
-    token_ids: list[int]
-    behav_logprobs: list[float]
-    advantage: float
-    prox_logprobs: Optional[list[float]] = None
-    reward: float = 0.0  # algorithm.advantage gae: each rank's critic turns it into per-token advantages
-    values: Optional[list[float]] = None  # critic.forward stage: the critic's values, from the inference stage
-    ref_logprobs: Optional[list[float]] = None  # algorithm.kl_reference stage: log π_ref, from the inference stage
-
-
-class StepShare(_Message):
-    """One rank's part of one optimiser step."""
-    samples: list[int]  # indices into the request's samples
-    denominator: float  # of the whole step, over all ranks
-    micro_batches: int  # the most any rank packs in this step
-
-
-class TrainRequest(_Message):
-    kind: Literal["train"] = "train"
-    samples: list[Sample]  # every sample this rank trains on in this batch
-    steps: list[StepShare]
-    proximal_micro_batches: int = 0  # several steps: π_prox of ``proximal`` first, in this many forwards
-    proximal: list[int] = []  # indices into ``samples``: those a step after the first trains on
-    critic_micro_batches: int = 0  # gae: the critic's values of ``samples`` first, in this many forwards
-    # gae: indices into ``samples`` whose advantages this rank counts in the batch's statistics
-    # (whitening, critic/*): with several epochs a sample trains on more than one rank, and is
-    # counted on one of them only; None counts all of ``samples``
-    counted: Optional[list[int]] = None
-    grad_scale: float
-
-
-class BeginStepRequest(_Message):
-    kind: Literal["begin_step"] = "begin_step"
-
-
-class AccumulateRequest(_Message):
-    kind: Literal["accumulate"] = "accumulate"
-    samples: list[Sample]
-    denominator: float
-    last: bool
-    micro_batches: int
-    grad_scale: float
-
-
-class FinishStepRequest(_Message):
-    kind: Literal["finish_step"] = "finish_step"
-    sequences: int
-    rescale: bool
-    denominator: Optional[float]  # of the whole streamed step over all ranks
-
-
-class StateDictRequest(_Message):
-    kind: Literal["state_dict"] = "state_dict"
-    model: Literal["policy", "critic"] = "policy"  # critic: for the critic stage (workers/train/value_stage.py)
-    path: Optional[str] = None  # rank 0 writes a safetensors file there (node 0's disk) instead of replying a blob
-
-
-class SaveRequest(_Message):
-    kind: Literal["save"] = "save"
-    path: str
-
-
-class SaveStateRequest(_Message):
-    kind: Literal["save_state"] = "save_state"
-    folder: str
-
-
-class LoadStateRequest(_Message):
-    kind: Literal["load_state"] = "load_state"
-    folder: str
-
-
-class ShutdownRequest(_Message):
-    kind: Literal["shutdown"] = "shutdown"
-
-
-# The weight group (workers/weights/broadcast.py) with global rank 0 as its rank 0: the
-# weights go from the rank that gathers them straight to the engines.
-class HostWeightGroupRequest(_Message):
-    kind: Literal["host_weight_group"] = "host_weight_group"
-    host: str
-    world: int
-    backend: str
-    timeout_s: float
-
-
-class FormWeightGroupRequest(_Message):
-    kind: Literal["form_weight_group"] = "form_weight_group"
-
-
-class PrepareWeightsRequest(_Message):
-    kind: Literal["prepare_weights"] = "prepare_weights"  # every rank: ZeRO-3 gathers
-    version: int
-    bucket_bytes: int
-
-
-class SendWeightsRequest(_Message):
-    kind: Literal["send_weights"] = "send_weights"
-
-
-class LeaveWeightGroupRequest(_Message):
-    kind: Literal["leave_weight_group"] = "leave_weight_group"
-
-
-TrainerRequest = Annotated[
-    Union[TrainRequest, BeginStepRequest, AccumulateRequest, FinishStepRequest, StateDictRequest, SaveRequest,
-          SaveStateRequest, LoadStateRequest, ShutdownRequest, HostWeightGroupRequest, FormWeightGroupRequest,
-          PrepareWeightsRequest, SendWeightsRequest, LeaveWeightGroupRequest],
-    Field(discriminator="kind"),
-]
-
-
-class ReadyReply(_Message):
-    kind: Literal["ready"] = "ready"
-    rank: int
-    pid: int
-    version: int
-
-
-class DoneReply(_Message):
-    kind: Literal["done"] = "done"
-    rank: int
-    version: int
-
-
-class StatsReply(_Message):
-    kind: Literal["stats"] = "stats"
-    rank: int
-    version: int
-    stats: dict[str, Union[int, float]]  # reduced over all ranks: every rank sends the same
-
-
-class StateReply(_Message):
-    kind: Literal["state"] = "state"
-    rank: int
-    blob: Optional[bytes] = None  # safetensors bytes of the full state dict, from global rank 0 only
-    checksum: Optional[str] = None  # tensors_checksum of it, computed in rank 0
-
-
-class WeightGroupReply(_Message):
-    """Rank 0 on the weight group. ``error``: the group failed (not the rank: it trains on)."""
-    kind: Literal["weight_group"] = "weight_group"
-    rank: int
-    port: Optional[int] = None
-    nccl_id: Optional[str] = None  # NCCL: the unique id rank 0 minted, for the engines' join RPC
-    meta: Optional[dict] = None
-    error: Optional[str] = None
-
-
-class ErrorReply(_Message):
-    kind: Literal["error"] = "error"
-    rank: int
-    error: str
-    traceback: str
-
-
-TrainerReply = Annotated[
-    Union[ReadyReply, DoneReply, StatsReply, StateReply, WeightGroupReply, ErrorReply],
-    Field(discriminator="kind"),
-]
-
-_REQUESTS: TypeAdapter = TypeAdapter(TrainerRequest)
-_REPLIES: TypeAdapter = TypeAdapter(TrainerReply)
-
-
-class _RankConfig(_Message):
-    spec: RunSpec
-    model_path: str
-    threads: Optional[int]
-    pad_id: int
-    rank: int
-    parent_pid: int
-    env: dict[str, str]
 
 
 # -- planning (parent side) --------------------------------------------------------------
@@ -627,7 +448,6 @@ def _stop(procs: list, conns: list[Connection], grace: float) -> None:
         conn.close()
 
 
-# -- a rank ----------------------------------------------------------------------------------
 _ENVIRON_LOCK = threading.Lock()
 
 
@@ -649,242 +469,3 @@ def _exec_environment(env: dict[str, str]):
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-
-
-def _rank_main(config: _RankConfig, conn: Connection) -> None:
-    os.environ.update(config.env)  # before torch.distributed / DeepSpeed read it
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops its ranks itself
-    exit_with_parent(config.parent_pid)  # even while blocked in a collective
-    code = 0
-    try:
-        rank = _Rank(config)
-        conn.send(ReadyReply(rank=config.rank, pid=os.getpid(), version=rank.trainer.version).model_dump())
-        while True:
-            try:
-                request = _REQUESTS.validate_python(conn.recv())
-            except EOFError:  # the parent closed its end
-                break
-            if isinstance(request, ShutdownRequest):
-                break
-            conn.send(rank.handle(request).model_dump())
-    except BaseException as exc:  # noqa: BLE001 — reported to the parent, then this rank exits
-        log.exception("trainer rank %d failed", config.rank)
-        code = 1
-        try:
-            conn.send(ErrorReply(rank=config.rank, error=f"{type(exc).__name__}: {exc}",
-                                 traceback=traceback.format_exc(limit=8)).model_dump())
-        except Exception:  # noqa: BLE001
-            pass
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter teardown: process-group destructors can block on peers that are gone.
-    os._exit(code)
-
-
-class _Rank:
-    def __init__(self, config: _RankConfig):
-        from workers.train.trainer import Trainer
-
-        self.rank = config.rank
-        self.spec = config.spec
-        self.trainer: Trainer = Trainer(config.spec, config.model_path, config.threads, config.pad_id)
-        self.weights = _RankZeroWeights(self.trainer) if self.rank == 0 else None
-
-    def handle(self, request) -> BaseModel:
-        t = self.trainer
-        if isinstance(request, TrainRequest):
-            return self._train(request)
-        if isinstance(request, (HostWeightGroupRequest, FormWeightGroupRequest, SendWeightsRequest,
-                                LeaveWeightGroupRequest)):
-            if self.weights is None:
-                return DoneReply(rank=self.rank, version=t.version)
-            return self.weights.handle(request)
-        if isinstance(request, PrepareWeightsRequest):
-            # a collective under ZeRO-3: every rank takes part, the sender (rank 0) keeps the copy
-            state = t.state_dict(keep=self.weights is not None)
-            if self.weights is None:
-                return DoneReply(rank=self.rank, version=t.version)
-            return self.weights.prepare(state, request)
-        if isinstance(request, BeginStepRequest):
-            t.begin_step()
-        elif isinstance(request, AccumulateRequest):
-            t.accumulate(self._samples(request.samples), request.denominator, request.last,
-                         grad_scale=request.grad_scale, min_micro_batches=request.micro_batches)
-        elif isinstance(request, FinishStepRequest):
-            t.finish_step(request.sequences, request.rescale, denominator=request.denominator)
-            return self._stats([t._acc], t._acc["seconds"], single=True, critic_sums=t.critic_sums)
-        elif isinstance(request, StateDictRequest):
-            return self._state(request.model, request.path)
-        elif isinstance(request, SaveRequest):
-            if self.rank == 0:
-                t.save(request.path)
-            elif self.spec.trainer.zero_stage == 3:
-                t.state_dict(keep=False)  # rank 0's save gathers the shards: a collective
-        elif isinstance(request, SaveStateRequest):
-            t.save_state(request.folder)
-        elif isinstance(request, LoadStateRequest):
-            t.load_state(request.folder)
-        else:
-            raise TypeError(f"unexpected request {request.kind!r}")
-        return DoneReply(rank=self.rank, version=t.version)
-
-    @staticmethod
-    def _samples(samples: list[Sample]) -> list[TrainSample]:
-        from workers.train.trainer import TrainSample
-
-        return [TrainSample(s.prompt_ids, s.token_ids, s.behav_logprobs, s.advantage, s.prox_logprobs,
-                            reward=s.reward, values=s.values, ref_logprobs=s.ref_logprobs) for s in samples]
-
-    def _train(self, request: TrainRequest) -> StatsReply:
-        """``Trainer.train_step`` on this rank's shares of the planned steps."""
-        t, t0 = self.trainer, time.perf_counter()
-        algo = self.spec.algorithm
-        single = algo.minibatches == 1 and algo.ppo_epochs == 1
-        batch = self._samples(request.samples)
-        sums = None
-        if t.critic is not None:  # each rank's values for its samples; the statistics' sums added up below
-            batch, sums = t.critic_targets(batch, min_micro_batches=request.critic_micro_batches,
-                                           counted=request.counted)
-        if not single:  # every rank runs the same number of forwards (ZeRO-3 gathers in each)
-            prox = t.proximal_logprobs([batch[k] for k in request.proximal],
-                                       min_micro_batches=request.proximal_micro_batches)
-            for k, p in zip(request.proximal, prox):
-                batch[k].prox_logprobs = p
-        steps = []
-        for step in request.steps:
-            t.begin_step()
-            t.accumulate([batch[i] for i in step.samples], denominator=step.denominator, last=True,
-                         grad_scale=request.grad_scale, min_micro_batches=step.micro_batches)
-            steps.append(dict(t._optimizer_step()))
-        t.version += 1
-        return self._stats(steps, time.perf_counter() - t0, single, sums)
-
-    def _stats(self, steps: list[dict], seconds: float, single: bool,
-               critic_sums: Optional[dict[str, float]] = None) -> StatsReply:
-        """The step's statistics over all ranks, as ``Trainer`` reports them for one process:
-        the losses are already shares of the whole step's (divided by its denominator), so
-        they and the token counts add up; the time is the slowest rank's."""
-        import torch
-        import torch.distributed as dist
-
-        from workers.train.algorithms import CRITIC_SUM_KEYS, critic_stats
-
-        keys = ("loss", "kl", "clip", "entropy", "tokens", "padded", "micro", "dropped", "value_loss", "value_clip")
-        device = self.trainer.engine.device
-        sums = torch.tensor([[float(st[k]) for k in keys] for st in steps], dtype=torch.float64, device=device)
-        slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
-        critic = (torch.tensor([critic_sums[k] for k in CRITIC_SUM_KEYS], dtype=torch.float64, device=device)
-                  if critic_sums is not None else None)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            if critic is not None:
-                dist.all_reduce(critic, op=dist.ReduceOp.SUM)
-        rows = [dict(zip(keys, row)) for row in sums.tolist()]
-        seconds = max(float(slowest.item()), 1e-9)
-        tokens = max(sum(r["tokens"] for r in rows), 1)
-        stats: dict[str, Union[int, float]] = {
-            "loss/policy": sum(r["loss"] for r in rows) / len(rows),
-            "loss/kl": sum(r["kl"] for r in rows) / len(rows),
-            "policy/clip_frac": sum(r["clip"] for r in rows) / tokens,
-            "policy/behav_dropped_frac": sum(r["dropped"] for r in rows) / tokens,
-            "policy/entropy": sum(r["entropy"] for r in rows) / tokens,
-            "trainer/tokens_per_s": sum(r["padded"] for r in rows) / seconds,
-            "trainer/micro_batches": int(sum(r["micro"] for r in rows)),
-        }
-        if not single:
-            stats["trainer/optimizer_steps"] = len(rows)
-        if critic is not None:
-            stats |= critic_stats(dict(zip(CRITIC_SUM_KEYS, critic.tolist())))
-            stats["critic/value_loss"] = sum(r["value_loss"] for r in rows) / len(rows)
-            stats["critic/value_clip_frac"] = sum(r["value_clip"] for r in rows) / tokens
-        stats["trainer/step_s"] = seconds
-        return StatsReply(rank=self.rank, version=self.trainer.version, stats=stats)
-
-    def _state(self, model: str = "policy", path: Optional[str] = None) -> StateReply:
-        t = self.trainer
-        read = t.critic_state_dict if model == "critic" else t.state_dict
-        stage = self.spec.critic.zero_stage if model == "critic" else self.spec.trainer.zero_stage
-        if self.rank != 0:
-            if stage == 3:
-                read(keep=False)  # the gather is a collective: every rank takes part, rank 0 keeps the copy
-            return StateReply(rank=self.rank)
-        from workers.weights.files import write_weight_file
-        from workers.weights.sync import serialize_state_dict, tensors_checksum
-
-        state = read()
-        if path is not None:  # no copy of the model in a message: the file is the coordinator's to send
-            # the engines hash what they load (the resume check); model.lora: the adapter's config rides along
-            write_weight_file(state, path, t.weight_metadata() if model == "policy" else None)
-            return StateReply(rank=self.rank)
-        return StateReply(rank=self.rank, blob=serialize_state_dict(state), checksum=tensors_checksum(state))
-
-
-class _RankZeroWeights:
-    """Global rank 0 as rank 0 of the weight group. A failure of the group is reported,
-    not raised: the trainer is fine, the coordinator forms the group again."""
-
-    def __init__(self, trainer: "Trainer"):
-        self.trainer = trainer
-        self.group = None
-        self.forming: Optional[threading.Thread] = None
-        self.formed: dict = {}
-        self.meta: Optional[dict] = None
-        self.sources: list = []
-
-    def _reply(self, **fields) -> WeightGroupReply:
-        return WeightGroupReply(rank=0, **fields)
-
-    def handle(self, request) -> WeightGroupReply:
-        from workers.weights.broadcast import host_group
-
-        try:
-            if isinstance(request, HostWeightGroupRequest):
-                self.close()
-                device = self.trainer.engine.device if request.backend == "nccl" else None
-                join, form = host_group(request.host, request.world, request.backend, request.timeout_s, device)
-                self.formed = {}
-
-                def run() -> None:  # blocks until the engines joined; the rank answers meanwhile
-                    try:
-                        self.formed["group"] = form()
-                    except BaseException as exc:  # noqa: BLE001
-                        self.formed["error"] = f"{type(exc).__name__}: {exc}"
-
-                self.forming = threading.Thread(target=run, name="weight-group-form", daemon=True)
-                self.forming.start()
-                return self._reply(port=join["port"], nccl_id=join.get("nccl_id"))
-            if isinstance(request, FormWeightGroupRequest):
-                if self.forming is not None:
-                    self.forming.join()
-                if "error" in self.formed or "group" not in self.formed:
-                    return self._reply(error=self.formed.get("error", "the weight group was never hosted"))
-                self.group = self.formed["group"]
-                return self._reply()
-            if isinstance(request, SendWeightsRequest):
-                if self.group is None or self.meta is None:
-                    return self._reply(error="no weight group, or nothing prepared to send")
-                group, key = self.group, self.meta["abort_key"]
-                try:
-                    group.send(self.meta, self.sources, lambda: group.abort_requested(key))
-                finally:
-                    self.meta, self.sources = None, []
-                return self._reply()
-            if isinstance(request, LeaveWeightGroupRequest):
-                self.close()
-                return self._reply()
-        except Exception as exc:  # noqa: BLE001 - the group's failure, reported
-            log.warning("trainer rank 0: weight group: %s", exc)
-            return self._reply(error=f"{type(exc).__name__}: {exc}")
-        raise TypeError(f"unexpected request {request.kind!r}")
-
-    def prepare(self, state: dict, request: PrepareWeightsRequest) -> WeightGroupReply:
-        from workers.weights.broadcast import describe_state_dict
-
-        self.meta, self.sources = describe_state_dict(state, request.version, request.bucket_bytes)
-        return self._reply(meta=self.meta)
-
-    def close(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None

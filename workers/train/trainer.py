@@ -438,7 +438,7 @@ class Trainer:
 
     def _all_reduce_sum(self, t: torch.Tensor) -> None:
         """``t`` summed over the data-parallel ranks, in place (nothing to do on one). Every
-        rank calls ``critic_targets`` for each step (ranks.py ``_train``) and for each streamed
+        rank calls ``critic_targets`` for each step (rank_process.py ``_train``) and for each streamed
         part (``accumulate``, even with an empty share), so the collective always meets."""
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             on = t.to(self.engine.device)

@@ -380,7 +380,7 @@ class LocalSender:
 
 
 class RankZeroSender:
-    """Rank 0 of the weight group is trainer rank 0's own process (workers/train/ranks.py):
+    """Rank 0 of the weight group is trainer rank 0's own process (workers/train/rank_process.py):
     the weights go from where they are gathered straight to the engines, never through
     this process. ``trainer`` is a ``TrainerGroup`` (or ``ClusterTrainer``) holding global
     rank 0; ``prepare`` is a collective of every rank (ZeRO-3 gathers)."""
