@@ -200,6 +200,13 @@ class Controller:
                 pids[f"engine {engine.index} server"] = engine.server_pid
             for k, pid in enumerate(engine.core_pids()):
                 pids[f"engine {engine.index} vLLM core" + (f" {k}" if k else "")] = pid
+        # the inference stage's workers (named as the plan names them)
+        rewards, procs = self.processes.rewards, self.processes
+        for name, worker in (("reward model", rewards.model if rewards else None),
+                             ("KL reference stage", procs.reference), ("critic stage", procs.critic_stage)):
+            proc = getattr(worker, "proc", None)
+            if proc is not None and proc.poll() is None:
+                pids[name] = proc.pid
         peaks = {name: peak_resident_gib(pid) for name, pid in pids.items()}
         return {name: round(gib, 2) for name, gib in peaks.items() if gib is not None}
 
