@@ -185,14 +185,14 @@ class LocalWorker:
                 self.proc.wait()
 
 
-def token_chunks(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], max_tokens: int) -> list[list[int]]:
-    """Indices of ``pairs`` in consecutive chunks whose padded forward (count x the longest)
-    holds at most ``max_tokens`` tokens; a pair longer than that goes alone. An inference
-    stage splits a micro-batch this way so that its full-vocabulary logits stay bounded."""
+def token_chunks(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices of sequences of ``lengths`` tokens in consecutive chunks whose padded forward
+    (count x the longest) holds at most ``max_tokens`` tokens; a longer sequence goes alone.
+    An inference stage splits a micro-batch this way so that its full-vocabulary logits stay
+    bounded."""
     chunks: list[list[int]] = []
     width = 0
-    for i, (p, t) in enumerate(pairs):
-        length = len(p) + len(t)
+    for i, length in enumerate(lengths):
         if chunks and (len(chunks[-1]) + 1) * max(width, length) <= max_tokens:
             chunks[-1].append(i)
             width = max(width, length)
@@ -200,6 +200,17 @@ def token_chunks(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], max_token
             chunks.append([i])
             width = length
     return chunks
+
+
+def forward_in_chunks(items: Sequence, lengths: Sequence[int], max_tokens: int,
+                      forward: Callable[[list], list]) -> list:
+    """``forward`` over ``items`` in the chunks :func:`token_chunks` makes of them, the results
+    back in the items' order."""
+    out: list = [None] * len(items)
+    for chunk in token_chunks(lengths, max_tokens):
+        for i, result in zip(chunk, forward([items[i] for i in chunk])):
+            out[i] = result
+    return out
 
 
 class MicroBatcher:

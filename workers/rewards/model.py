@@ -19,7 +19,7 @@ import math
 import sys
 from typing import Optional
 
-from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, serve, stage_env, token_chunks
+from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, forward_in_chunks, serve, stage_env
 from workers.tasks.model_folder import check_model_folder
 
 logger = logging.getLogger(__name__)
@@ -60,11 +60,7 @@ class Scorer:
 
     def logits(self, texts: list[str]) -> list[float]:
         seqs = [self.ids(t) or [self.pad_id] for t in texts]
-        out = [0.0] * len(seqs)
-        for chunk in token_chunks([(s, ()) for s in seqs], self.max_tokens):
-            for i, logit in zip(chunk, self._forward([seqs[i] for i in chunk])):
-                out[i] = logit
-        return out
+        return forward_in_chunks(seqs, [len(s) for s in seqs], self.max_tokens, self._forward)
 
     def _forward(self, seqs: list[list[int]]) -> list[float]:
         torch = self.torch

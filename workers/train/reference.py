@@ -21,7 +21,7 @@ import json
 import logging
 import sys
 
-from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, serve, stage_env, token_chunks
+from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, forward_in_chunks, serve, stage_env
 from workers.spec import model_dtype
 from workers.tasks.model_folder import check_model_folder
 
@@ -50,11 +50,7 @@ class ReferenceScorer:
 
     def logprobs(self, items: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """Per generated token, log π_ref(token | prefix), for (prompt_ids, token_ids) pairs."""
-        out: list[list[float]] = [[] for _ in items]
-        for chunk in token_chunks(items, self.max_tokens):
-            for i, logp in zip(chunk, self._forward([items[i] for i in chunk])):
-                out[i] = logp
-        return out
+        return forward_in_chunks(items, [len(p) + len(t) for p, t in items], self.max_tokens, self._forward)
 
     def _forward(self, items: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         import contextlib

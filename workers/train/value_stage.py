@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, serve, stage_env, token_chunks
+from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, forward_in_chunks, serve, stage_env
 from workers.spec import model_dtype
 from workers.tasks.model_folder import check_model_folder
 
@@ -77,11 +77,7 @@ class ValueScorer:
         """Per generated token, the value before it is emitted, for (prompt_ids, token_ids) pairs."""
         if self.version < 0:
             raise RuntimeError("the critic stage has no weights from the trainer yet")
-        out: list[list[float]] = [[] for _ in items]
-        for chunk in token_chunks(items, self.max_tokens):
-            for i, values in zip(chunk, self._forward([items[i] for i in chunk])):
-                out[i] = values
-        return out
+        return forward_in_chunks(items, [len(p) + len(t) for p, t in items], self.max_tokens, self._forward)
 
     def _forward(self, items: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         import contextlib
