@@ -15,9 +15,15 @@ counted, per GPU, and where it comes from:
   full weights gathered for a weight sync (``Trainer.state_dict`` gathers every
   parameter at once), under autocast the low-precision weight copies the forward keeps
   for the backward.
-- **KL reference** (``algorithm.kl_coef > 0``): a full copy on every trainer GPU, in the
-  dtype the policy was loaded in (fp32 under autocast; ``Trainer.__init__`` moves it to
-  the rank's device, ZeRO never shards it).
+- **KL reference** (``algorithm.kl_coef > 0``, in the trainer): a full copy on every trainer
+  GPU, in the dtype the policy was loaded in (fp32 under autocast; ``Trainer.__init__`` moves
+  it to the rank's device, ZeRO never shards it).
+- **The inference stage's workers** (``reward.model``, ``kl_reference: stage``,
+  ``critic.forward: stage``; :func:`inference_items`), on the GPU ``resources.inference_gpu``
+  names: a CUDA context each (``STAGE_RUNTIME_GIB``, estimated), the model (the reference and
+  the critic's copy as the trainer loads them, the reward model in its folder's dtype) and,
+  while the rollout generates, one no-grad forward of ``inference.micro_batch_tokens`` tokens
+  (:func:`inference_forward_gib`; the reference's with its full-vocabulary logits).
 - **Engine** (vLLM): ``gpu_memory_utilization`` x the GPU's memory, all of it: vLLM
   requests that share at start-up and sizes its KV cache to fill what its weights
   (split over ``tensor_parallel``) and activations leave of it
