@@ -36,3 +36,7 @@ def test_the_real_size_example_trains_three_steps_and_reports_each_processs_peak
     peaks = result["memory_peak_gib"]
     assert {"coordinator", "engine 0 server", "engine 0 vLLM core"} <= set(peaks), peaks
     assert sum(peaks.values()) < 22, peaks  # it fits this 24 GB machine in bfloat16
+    # the host-memory planner, within 25% of each process's measured peak
+    planned = result["memory_plan_gib"]
+    assert set(planned) == set(peaks), (planned, peaks)
+    assert all(abs(planned[name] - peaks[name]) <= 0.25 * peaks[name] for name in peaks), (planned, peaks)

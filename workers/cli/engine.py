@@ -171,6 +171,7 @@ def cmd_run(args) -> int:
         "idle_generation": round(result.idle_generation, 3), "idle_training": round(result.idle_training, 3),
         "skipped_prompts": result.skipped_prompts,
         "memory_peak_gib": result.memory_peak_gib,  # per process on this node (VmHWM)
+        "memory_plan_gib": result.memory_plan_gib,  # the host-memory planner's figure per process (CPU plans)
         **({"exporters": result.exporters} if result.exporters else {}),  # report.*: "ok" or why one was dropped
     }
     (out / "result.json").write_text(json.dumps(summary, indent=2))
@@ -196,7 +197,8 @@ def cmd_plan(args) -> int:
     here = detect_machine()
     machine = Machine(cpu_cores=args.cpu_cores or here.cpu_cores,
                       gpus_per_node=here.gpus_per_node if args.gpus is None else args.gpus,
-                      gpu_memory_gib=here.gpu_memory_gib if args.gpus is None else args.gpu_memory_gib)
+                      gpu_memory_gib=here.gpu_memory_gib if args.gpus is None else args.gpu_memory_gib,
+                      host_memory_gib=here.host_memory_gib)
     try:
         model = ModelSize(args.params) if args.params else model_size(resolve_model_path(spec.model.path), spec.model.lora)
         if spec.reward.model is not None:  # its folder, so that the plan counts its size on its GPU

@@ -75,6 +75,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GIB = 2**30
+# The inference stage's workers, by the names the plan, the logs and result.json give them
+REWARD_MODEL, REFERENCE_STAGE, CRITIC_STAGE = "reward model", "KL reference stage", "critic stage"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ADAM_TEMPORARY_BYTES = 4  # per parameter updated: torch's multi-tensor AdamW's sqrt(v)
 ZERO3_SUB_GROUP = 10**9  # DeepSpeed's stage3 sub_group_size default: the parameters one step call updates
@@ -453,7 +455,7 @@ def inference_items(spec: "RunSpec", p, model: ModelSize, reward_model: Optional
     stage = spec.trainer.zero_stage
     tokens = spec.inference.micro_batch_tokens
     items = [Item(p.name, "CUDA context (estimated)", STAGE_RUNTIME_GIB, "inference")]
-    if p.label == "reward model":
+    if p.label == REWARD_MODEL:
         if reward_model is None:
             return items + [Item(p.name, "model (size unknown: not counted)", 0.0, "inference")]
         rm_bytes = DTYPE_BYTES[reward_model.saved_dtype or "float32"]
@@ -462,7 +464,7 @@ def inference_items(spec: "RunSpec", p, model: ModelSize, reward_model: Optional
     else:
         weights = trainer_memory(model.params, dtype, stage, 1).reference_gib  # fp32 under autocast, else lp
         act = 4 if trainer_precision(dtype, stage) == "fp32" else DTYPE_BYTES[dtype]
-        reference = p.label == "KL reference stage"
+        reference = p.label == REFERENCE_STAGE
         items.append(Item(p.name, "reference model" if reference else "critic's copy", weights, "inference"))
         truncated = spec.rollout.top_p < 1 or spec.rollout.top_k > 0
         forward = inference_forward_gib(model, tokens, act, logits=reference, sort=truncated)

@@ -15,7 +15,9 @@ the GPUs its parent was given. Every node is assumed to have the planner's mask.
 GPU memory (workers/cluster/memory.py) is counted before anything starts when the
 model's size is known (``plan_placement``'s ``model``, or the model folder at
 ``model.path``): a GPU that cannot hold what the plan puts on it refuses the run,
-naming what is there.
+naming what is there. On a CPU plan each process's host memory is counted the same way
+(workers/cluster/host_memory.py), and a node whose processes need more than it has refuses
+the run.
 
 Layouts:
 
@@ -55,8 +57,9 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal, Mapping, Optional
 
-from workers.cluster.memory import (DTYPE_BYTES, MemoryPlan, ModelSize, TrainerMemory, model_size, plan_memory,
-                                    trainer_memory)
+from workers.cluster.host_memory import HostMemoryPlan, host_memory_gib, plan_host_memory
+from workers.cluster.memory import (CRITIC_STAGE, DTYPE_BYTES, REFERENCE_STAGE, REWARD_MODEL, MemoryPlan, ModelSize,
+                                    TrainerMemory, model_size, plan_memory, trainer_memory)
 from workers.spec import model_dtype
 
 if TYPE_CHECKING:
@@ -65,7 +68,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["CRITIC_STAGE", "DTYPE_BYTES", "INFERENCE_STAGES", "REFERENCE_STAGE", "REWARD_MODEL", "Machine", "MemoryPlan", "ModelSize", "PlacementError", "Plan", "Process", "TrainerMemory",
-           "check_memory", "check_trainer_memory", "detect_machine", "format_cores",
+           "check_host_memory", "check_memory", "check_trainer_memory", "detect_machine", "format_cores",
            "inference_stages", "inherited_mask", "model_size",
            "plan_cpu", "plan_gpu", "plan_placement", "trainer_memory"]
 
@@ -88,9 +91,10 @@ class Machine:
     gpus_per_node: int = 0
     gpu_memory_gib: float = 0.0  # per GPU (the smallest, if they differ)
     visible_devices: Optional[tuple[str, ...]] = None
+    host_memory_gib: float = 0.0  # per node (MemTotal); 0: unknown, CPU plans not memory-checked
 
     def __post_init__(self):
-        if self.cpu_cores < 1 or self.gpus_per_node < 0 or self.gpu_memory_gib < 0 or (
+        if self.cpu_cores < 1 or self.gpus_per_node < 0 or self.gpu_memory_gib < 0 or self.host_memory_gib < 0 or (
                 self.visible_devices is not None and len(self.visible_devices) < self.gpus_per_node):
             raise ValueError(f"not a machine: {self}")
 
@@ -122,24 +126,25 @@ def detect_machine(env: Optional[Mapping[str, str]] = None) -> Machine:
     """This host: ``os.cpu_count()`` cores and the GPUs this process may use: those its
     inherited ``CUDA_VISIBLE_DEVICES`` names (none when it is empty), which the plan's
     ids are mapped through."""
-    cores = os.cpu_count() or 1
+    cores, host = os.cpu_count() or 1, host_memory_gib()
     mask = inherited_mask(env)
     if mask == ():
-        return Machine(cpu_cores=cores, visible_devices=())
+        return Machine(cpu_cores=cores, visible_devices=(), host_memory_gib=host)
     try:
         import torch
     except ImportError:
-        return Machine(cpu_cores=cores)
+        return Machine(cpu_cores=cores, host_memory_gib=host)
     if not torch.cuda.is_available():
-        return Machine(cpu_cores=cores)
+        return Machine(cpu_cores=cores, host_memory_gib=host)
     count = torch.cuda.device_count()  # torch applies the mask it saw when CUDA started
     if mask is not None:
         count = min(count, len(mask))
         mask = mask[:count]
     if count == 0:
-        return Machine(cpu_cores=cores, visible_devices=mask)
+        return Machine(cpu_cores=cores, visible_devices=mask, host_memory_gib=host)
     memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(count)) / 2**30
-    return Machine(cpu_cores=cores, gpus_per_node=count, gpu_memory_gib=round(memory, 1), visible_devices=mask)
+    return Machine(cpu_cores=cores, gpus_per_node=count, gpu_memory_gib=round(memory, 1), visible_devices=mask,
+                   host_memory_gib=host)
 
 
 @dataclass(frozen=True)
@@ -182,6 +187,7 @@ class Plan:
     overlapped: bool  # generation and training run at once (async mode, or sync with stream_train)
     processes: tuple[Process, ...] = field(default_factory=tuple)
     memory: Optional[MemoryPlan] = None  # GPU plans whose model size was known: what each GPU holds
+    host_memory: Optional[HostMemoryPlan] = None  # CPU plans whose model size was known: what each process holds
     # Each rollout engine in a server process of its own: the default, and always on GPUs (only a
     # process of its own starts with the plan's CUDA_VISIBLE_DEVICES; engines inside the
     # coordinator would all land on its first visible GPU, each asking for its memory share of it).
@@ -270,6 +276,8 @@ class Plan:
                 lines.append("  colocated engines sleep while the trainer steps (vLLM sleep level 1: weights to host "
                              "memory, KV cache freed), and wake for the weight update and generation")
             lines += self.memory.describe() if self.memory else ["  GPU memory not checked (model size unknown)"]
+        elif self.host_memory is not None:
+            lines += self.host_memory.describe()
         return "\n".join(lines)
 
 
@@ -293,7 +301,8 @@ def plan_placement(spec: "RunSpec", machine: Optional[Machine] = None, model: Op
     has them; a spec that asks for GPUs on a machine without any is refused. On GPUs the
     memory is checked (:func:`check_memory`) with ``model``'s size, by default the model
     folder's at ``model.path`` (the controller has resolved it by then); a GPU plan whose
-    model size is unknown is not checked, except that colocation is refused."""
+    model size is unknown is not checked, except that colocation is refused. On the CPU
+    each process's host memory is (:func:`check_host_memory`)."""
     machine = machine or detect_machine()
     res = spec.resources
     if machine.gpus_per_node == 0:
@@ -301,7 +310,7 @@ def plan_placement(spec: "RunSpec", machine: Optional[Machine] = None, model: Op
         if wanted:
             name = "resources.gpus" if res.gpus else "resources.gpus_per_node"
             raise PlacementError(f"{name}: the run asks for {wanted} GPU(s), the machine has none")
-        return plan_cpu(spec, machine)
+        return check_host_memory(spec, plan_cpu(spec, machine), machine, model)
     plan = plan_gpu(spec, machine)
     model = model or model_size(spec.model.path, spec.model.lora)
     if model is None:
@@ -312,11 +321,33 @@ def plan_placement(spec: "RunSpec", machine: Optional[Machine] = None, model: Op
                 "together while the engines generate")
         logger.debug("GPU memory not checked: the size of model.path %r is unknown", spec.model.path)
         return plan
-    reward_model = None
-    if spec.reward.model is not None:  # a folder by now (the controller resolved builtin: names)
-        reward_model = model_size(spec.reward.model.path, head="sequence-classification")
-    memory = check_memory(spec, plan, machine, model, reward_model)
+    memory = check_memory(spec, plan, machine, model, _reward_model_size(spec))
     return replace(plan, memory=memory)
+
+
+def _reward_model_size(spec: "RunSpec") -> Optional[ModelSize]:
+    if spec.reward.model is None:
+        return None
+    return model_size(spec.reward.model.path, head="sequence-classification")  # a folder by now (resolved)
+
+
+def check_host_memory(spec: "RunSpec", plan: Plan, machine: Machine, model: Optional[ModelSize] = None) -> Plan:
+    """``plan`` (a CPU plan) with what each of its processes holds in host memory
+    (workers/cluster/host_memory.py), for ``model``'s size (default: model.path's); a node whose
+    processes need more than ``machine.host_memory_gib`` refuses the run (PlacementError naming
+    each process and what lowers it), unless FLUXRL_SKIP_HOST_MEMORY_CHECK=1. Unknown model
+    size: the plan as it is."""
+    model = model or model_size(spec.model.path, spec.model.lora)
+    if model is None:
+        logger.debug("host memory not planned: the size of model.path %r is unknown", spec.model.path)
+        return plan
+    host = plan_host_memory(spec, plan, model, machine.host_memory_gib, _reward_model_size(spec))
+    problem = host.problem()
+    if problem and os.environ.get("FLUXRL_SKIP_HOST_MEMORY_CHECK") != "1":
+        raise PlacementError(problem + " (FLUXRL_SKIP_HOST_MEMORY_CHECK=1 starts it anyway)")
+    if problem:
+        logger.warning("%s; started anyway (FLUXRL_SKIP_HOST_MEMORY_CHECK=1)", problem)
+    return replace(plan, host_memory=host)
 
 
 def plan_cpu(spec: "RunSpec", machine: Machine) -> Plan:
@@ -415,7 +446,6 @@ def plan_gpu(spec: "RunSpec", machine: Machine) -> Plan:
                 engine_processes=True)
 
 
-REWARD_MODEL, REFERENCE_STAGE, CRITIC_STAGE = "reward model", "KL reference stage", "critic stage"
 INFERENCE_STAGES = (REWARD_MODEL, REFERENCE_STAGE, CRITIC_STAGE)
 
 
@@ -486,8 +516,8 @@ def check_memory(spec: "RunSpec", plan: Plan, machine: Machine, model: ModelSize
                  reward_model: Optional[ModelSize] = None) -> Optional[MemoryPlan]:
     """What each GPU of ``plan`` holds for a model of ``model``'s size (and reward.model's,
     ``reward_model``, when known); a GPU that cannot hold it refuses the run (PlacementError
-    naming the GPU, every item on it and what would lower the largest). CPU plans are not
-    checked (None)."""
+    naming the GPU, every item on it and what would lower the largest). CPU plans: None
+    (:func:`check_host_memory` counts their host memory)."""
     if plan.device != "gpu":
         return None
     memory = plan_memory(spec, plan, machine.gpu_memory_gib, model, reward_model)

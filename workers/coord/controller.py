@@ -406,6 +406,8 @@ class Controller:
             await asyncio.to_thread(self.trainer.save, str(final))
             self.result.final_model = str(final)
             self.result.memory_peak_gib = self._memory_peaks()
+            host = getattr(self.processes.plan, "host_memory", None)
+            self.result.memory_plan_gib = host.by_process() if host is not None else {}
             failed = False
             return self.result
         finally:

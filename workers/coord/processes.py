@@ -30,11 +30,12 @@ def placement(spec: RunSpec):
     """Where every process runs (workers/cluster/placement.py): this machine describes every node."""
     import torch
 
-    from workers.cluster.placement import Machine, detect_machine, plan_cpu, plan_placement
+    from workers.cluster.host_memory import host_memory_gib
+    from workers.cluster.placement import Machine, detect_machine, plan_placement
 
     if torch.cuda.is_available():
         return plan_placement(spec, detect_machine())
-    return plan_cpu(spec, Machine(cpu_cores=os.cpu_count() or 1))
+    return plan_placement(spec, Machine(cpu_cores=os.cpu_count() or 1, host_memory_gib=host_memory_gib()))
 
 
 class Processes:

@@ -33,6 +33,7 @@ class RunResult:
     idle_generation: float = 0.0  # share of wall time no request was running (mean over engines)
     idle_training: float = 0.0  # share of wall time the trainer was not computing
     memory_peak_gib: dict[str, float] = field(default_factory=dict)  # each process's peak resident memory
+    memory_plan_gib: dict[str, float] = field(default_factory=dict)  # CPU plans: the planner's figure per process
     exporters: dict[str, str] = field(default_factory=dict)  # report.*: "ok" or the error that dropped one
 
     @property

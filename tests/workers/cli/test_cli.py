@@ -100,7 +100,12 @@ def test_demo_spec_trains_within_the_staleness_bound_reports_metrics_and_raises_
     peaks = result["memory_peak_gib"]
     assert {"coordinator", "engine 0 server", "engine 0 vLLM core"} <= set(peaks), peaks
     assert all(0.05 < gib < 20 for gib in peaks.values()), peaks
+    # the host-memory planner's figure for each of them (its runtimes were measured with this model)
+    planned = result["memory_plan_gib"]
+    assert set(planned) == set(peaks), (planned, peaks)
+    assert all(abs(planned[name] - peaks[name]) <= 0.5 * peaks[name] for name in peaks), (planned, peaks)
     assert (tmp_path / "out" / "plan.txt").read_text().startswith("cpu plan: 1 node(s)")
+    assert "engine 0 vLLM core: 1.8 GiB of host memory" in (tmp_path / "out" / "plan.txt").read_text()
     # The shipped model's held-out greedy accuracy, as the docs state it (+-2 prompts:
     # float rounding may flip a near-tie on another CPU).
     assert result["accuracy_before"] == pytest.approx(shipped_manifest()["demo_accuracy"], abs=0.0051), result

@@ -375,6 +375,7 @@ def test_detect_machine_counts_only_the_visible_gpus(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 8)
     monkeypatch.setattr("torch.cuda.get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr("workers.cluster.placement.host_memory_gib", lambda: 0.0)
     assert detect_machine({"CUDA_VISIBLE_DEVICES": "4,5"}) == \
         Machine(cpu_cores=16, gpus_per_node=2, gpu_memory_gib=80.0, visible_devices=("4", "5"))
     assert detect_machine({}) == Machine(cpu_cores=16, gpus_per_node=8, gpu_memory_gib=80.0)

@@ -63,6 +63,7 @@ def test_an_async_rlhf_run_scores_with_the_reward_model_and_trains_and_checkpoin
     assert controller.trainer.reference is None  # the trainer held no reference
     # every process's peak memory, the inference stage's workers by the names the plan gives them
     assert all(result.memory_peak_gib[name] > 0.05 for name in ("reward model", "KL reference stage", "critic stage"))
+    assert {"reward model", "KL reference stage", "critic stage"} <= set(result.memory_plan_gib)  # and planned
     assert controller.rewards.model.proc.poll() is not None  # the stage workers ended with the run
     assert controller.processes.reference.proc.poll() is not None
     # the critic's forward: in the stage for every trained sample, none of them held-out ones
