@@ -149,12 +149,19 @@ class _Node:
         self.watch: Optional[wire.Channel] = None
 
 
+WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+
+
 class Cluster:
     """The rendezvous on node 0: waits for every other node's agent, hands out the
     assignments, and carries trainer calls to the agents."""
 
     def __init__(self, rendezvous: str, nodes: int, join_timeout_s: float = 600.0):
         self.host, port = wire.parse_address(rendezvous)
+        if self.host in WILDCARDS:  # it is handed to the other nodes as the trainer world's master address
+            raise ValueError(f"--rendezvous {rendezvous}: a wildcard address listens everywhere and names no host "
+                             "the other nodes can reach; give node 0's own address on the cluster network "
+                             "(e.g. --rendezvous 10.0.0.1:29400)")
         wire.shared_key()
         self.nodes: dict[int, _Node] = {}
         self._listener = wire.listen(self.host, port)

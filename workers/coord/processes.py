@@ -135,7 +135,7 @@ class Processes:
 
         cluster.on_failure = node_failed
         try:
-            master_addr = cluster.host if cluster.host not in ("0.0.0.0", "") else "127.0.0.1"
+            master_addr = cluster.host  # node 0's own address (Cluster refuses a wildcard)
             master_port = free_port(master_addr)
             ranks = len(self.plan.on_node(0, "trainer"))
             for node in range(1, nodes):

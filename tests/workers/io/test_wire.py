@@ -247,6 +247,22 @@ def test_connect_gives_up_on_a_server_that_never_answers(fast_deadline):
         assert fast_deadline <= time.monotonic() - started < fast_deadline + 1.0
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "[::]"])
+def test_a_wildcard_rendezvous_is_refused_before_it_listens(host, monkeypatch):
+    """Its host becomes the trainer world's master address on every node: a wildcard would
+    send them to their own loopback."""
+    from workers.cluster.node import Cluster
+
+    monkeypatch.setenv(wire.KEY_ENV, KEY.hex())
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(ValueError, match=r"names no host the other nodes can reach; give node 0's own address"):
+        Cluster(f"{host}:{port}", 2, 5.0)
+    with socket.create_server(("127.0.0.1", port)):  # nothing took the port
+        pass
+
+
 def test_the_rendezvous_serves_agents_past_a_silent_connection(fast_deadline, monkeypatch):
     from workers.cluster.node import _connect
 
