@@ -27,7 +27,7 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 from workers.io import wire
-from workers.io.lifetime import launcher_env
+from workers.io.lifetime import file_view, launcher_env
 from workers.rollout.engine import Completion, EngineDied, EngineRPCTimeout, RolloutEngine, UpdateTiming
 from workers.rollout.messages import (REPLIES, ArrivedEvent, ChecksumRequest, CompletionReply, EngineServerConfig,
                                       EngineStats, ErrorReply, GenerateRequest, GoRequest, GroupRequest,
@@ -56,6 +56,8 @@ def _from_wire(w: WireCompletion) -> Completion:
 _request_ids = itertools.count(1)
 
 
+BY_PATH_ENV = "FLUXRL_WEIGHTS_BY_PATH"  # "0": every update over the wire, even to a server on this host
+
 class EngineClient:
     """``RolloutEngine``'s interface for an engine server. ``address=None`` starts the
     server here (a child process in a session of its own, so its vLLM core goes with it);
@@ -74,6 +76,7 @@ class EngineClient:
         self.worker_count = 1
         self.sleep_mode, self.asleep = config.sleep_mode, None  # as RolloutEngine's
         self._core_pids: list[int] = []
+        self.same_files = False  # known once the server is ready
         self._busy_s, self._running, self._stats_at = 0.0, False, time.perf_counter()
         self._core_dead = False
         self._gone: Optional[str] = None  # why the server is considered dead
@@ -103,6 +106,9 @@ class EngineClient:
             ready = await self._request(StartRequest(id=next(_request_ids), version=version, tenant=self.tenant),
                                         warm_blob, timed=False)
         self._core_pids, self.worker_count = list(ready.core_pids), ready.worker_count
+        # a server that sees this process's files takes weight files by their path (no wire, no spool)
+        self.same_files = (bool(ready.file_view) and ready.file_view == file_view()
+                           and os.environ.get(BY_PATH_ENV, "1") != "0")
         threading.Thread(target=self._beat, name=f"engine-heartbeat-{self.index}", daemon=True).start()
         log.info("rollout engine %d serving at %s (pid %s)", self.index, self.address, self.server_pid)
 
@@ -223,7 +229,9 @@ class EngineClient:
 
     async def update_weights(self, weights: "bytes | WeightFile | CollectiveWeights", version: int) -> UpdateTiming:
         rid = next(_request_ids)
-        if isinstance(weights, WeightFile):
+        if isinstance(weights, WeightFile) and self.same_files:
+            reply = await self._request(UpdateRequest(id=rid, version=version, weights_path=weights.path), timed=False)
+        elif isinstance(weights, WeightFile):
             stream = await self._send_file(weights)
             reply = await self._request(UpdateRequest(id=rid, version=version, weights_stream=stream), timed=False)
         elif isinstance(weights, (bytes, bytearray, memoryview)):

@@ -126,13 +126,16 @@ class HandOffRequest(wire.Message):
 
 class UpdateRequest(wire.Message):
     """New weights labelled ``version``: a stream of WeightChunkRequests sent before
-    (``weights_stream``), a safetensors blob attached, or the metadata of a collective
-    broadcast."""
+    (``weights_stream``), a safetensors blob attached, the metadata of a collective
+    broadcast, or (``weights_path``) the trainer's weight file itself, where the server
+    sees the same files (``ReadyReply.file_view``; the server checks the file is its
+    user's, in a folder no one else may enter: files.local_weight_file)."""
     kind: Literal["update"] = "update"
     id: int
     version: int
     collective_meta: Optional[dict] = None
     weights_stream: Optional[int] = None
+    weights_path: Optional[str] = Field(None, max_length=4096)
 
 
 class GoRequest(wire.Message):
@@ -225,6 +228,7 @@ class ReadyReply(wire.Message):
     core_pids: list[int]
     worker_count: int
     stats: EngineStats
+    file_view: str = Field("", max_length=256)  # lifetime.file_view(): "" takes every update by the wire
 
 
 class CompletionReply(wire.Message):

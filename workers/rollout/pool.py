@@ -362,6 +362,7 @@ class _TenantServer(_Server):
     """One run's connection to the pool."""
 
     REFUSED = (SleepRequest, WakeRequest, JoinGroupRequest)
+    TAKES_LOCAL_FILES = False
 
     def __init__(self, pool: EnginePool, channel: wire.Channel):
         super().__init__(pool.config.engine, channel, engine=TenantEngine(pool), standalone=False)

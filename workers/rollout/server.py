@@ -26,14 +26,14 @@ import time
 from typing import Optional
 
 from workers.io import wire
-from workers.io.lifetime import exit_with_parent
+from workers.io.lifetime import exit_with_parent, file_view
 from workers.rollout.engine import Completion, RolloutEngine, SamplingOptions, configure_cpu_environment
 from workers.rollout.messages import (REQUESTS, ArrivedEvent, ChecksumRequest, CompletionReply, EngineServerConfig,
                                       EngineStats, ErrorReply, GenerateRequest, GoRequest, GroupRequest,
                                       HandOffRequest, JoinGroupRequest, PingRequest, PongReply, PoolView, ReadyReply,
                                       SampleReply, ShutdownRequest, SleepRequest, StartRequest, UpdatedReply,
                                       UpdateRequest, ValueReply, WakeRequest, WeightChunkRequest, WireCompletion)
-from workers.weights.files import WeightFile, WeightSpool
+from workers.weights.files import WeightFile, WeightSpool, local_weight_file
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,10 @@ class _Server:
     """Serves one client. ``engine``: a run's view of a shared pool's engine
     (workers/rollout/pool.py), which outlives this connection; by default an engine of its
     own, and the process exits with its client (``standalone``)."""
+
+    # Weight files named by path (same host, same user): one run's server only. A pool serves
+    # several teams' runs, and a path could name another run's file.
+    TAKES_LOCAL_FILES = True
 
     def __init__(self, config: EngineServerConfig, channel: wire.Channel, engine: Optional[RolloutEngine] = None,
                  standalone: bool = True):
@@ -182,7 +186,7 @@ class _Server:
                     self.spool.release(warm)
             self.started = True
             return ReadyReply(id=request.id, pid=os.getpid(), core_pids=e.core_pids(), worker_count=e.worker_count,
-                              stats=self.stats())
+                              stats=self.stats(), file_view=file_view() if self.TAKES_LOCAL_FILES else "")
         if isinstance(request, GenerateRequest):
             c = await e.generate(request.prompt_ids, request.max_tokens, request.temperature, seed=request.seed,
                                  ignore_eos=request.ignore_eos, priority=request.priority)
@@ -203,6 +207,11 @@ class _Server:
                 weights = _RemoteWeights(request.collective_meta, lambda: self._arrive(request.id))
             elif request.weights_stream is not None:
                 weights = self.spool.take(request.weights_stream)
+            elif request.weights_path is not None:  # the trainer's own file: it stays the trainer's to remove
+                if not self.TAKES_LOCAL_FILES:
+                    raise ValueError("this engine takes weights by the wire only (a path could name another "
+                                     "run's file)")
+                weights = local_weight_file(request.weights_path, self.spool.max_bytes)
             elif blob is not None:
                 weights = blob
             else:
@@ -210,7 +219,7 @@ class _Server:
             try:
                 t = await e.update_weights(weights, request.version)
             finally:
-                if isinstance(weights, WeightFile):
+                if isinstance(weights, WeightFile) and request.weights_path is None:
                     self.spool.release(weights)
             return UpdatedReply(id=request.id, version=t.version, sync_ms=t.sync_ms, load_ms=t.load_ms,
                                 stats=self.stats())

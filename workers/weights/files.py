@@ -172,6 +172,42 @@ class SpoolError(RuntimeError):
     pass
 
 
+def local_weight_file(path: str, max_bytes: int) -> WeightFile:
+    """The weight file a process of this run wrote on this host and named by its path
+    instead of sending it (an engine server that sees the same files as its client: a
+    same-host update skips the wire and the spool). Taken only if no other user could have
+    put it there: an absolute, normalised path without links to a regular ``.safetensors``
+    file of this user, in a folder of this user's that no one else may enter (0700, as
+    ``tempfile.mkdtemp`` makes the trainer's), at most ``max_bytes``; else SpoolError."""
+    import stat
+
+    def refuse(why: str) -> SpoolError:
+        return SpoolError(f"weight file {path!r}: {why}")
+
+    if not os.path.isabs(path) or os.path.normpath(path) != path or not path.endswith(".safetensors"):
+        raise refuse("not an absolute, normalised path to a .safetensors file")
+    folder = os.path.dirname(path)
+    try:
+        if os.path.realpath(folder) != folder:
+            raise refuse("its folder is reached through a link")
+        held = os.lstat(folder)
+        if not stat.S_ISDIR(held.st_mode) or held.st_uid != os.getuid() or held.st_mode & 0o077:
+            raise refuse("its folder is not this user's alone (it must be 0700 and this user's)")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise refuse(exc.strerror or str(exc)) from exc
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        raise refuse("not a regular file of this user")
+    if st.st_size > max_bytes:
+        raise refuse(f"{st.st_size / 2**20:.1f} MiB, over the {max_bytes / 2**20:.1f} MiB this engine takes "
+                     f"({SPOOL_SIZE_FACTOR}x its model folder's weights)")
+    return WeightFile(path, st.st_size)
+
+
 def remove_orphan_spools(folder: Optional[str] = None) -> list[str]:
     """Remove the spool folders (and the partial weights in them) of this user's processes
     that are gone; returns those removed. A folder whose owner is alive, another user's, or

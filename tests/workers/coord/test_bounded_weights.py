@@ -2,8 +2,8 @@
 the tiny model's weights, a run trains on both transports, and after every update the
 engines hold the trainer's weights checksum for checksum. The RPC path sends the file in
 chunks of at most 1 MiB to engine servers (it used to send one blob, which the cap
-refused: every engine died at the first update); the collective's buckets do not go
-through the wire. With the trainer in rank processes, rank 0 writes the file itself."""
+refused: every engine died at the first update), or, to a server on this host, names the
+file by its path; the collective's buckets do not go through the wire. With the trainer in rank processes, rank 0 writes the file itself."""
 import asyncio
 import os
 
@@ -29,10 +29,14 @@ class CheckingController(Controller):
         return timings
 
 
-@pytest.mark.parametrize("transport, trainer_process", [("rpc", True), ("collective", False)])
-def test_a_run_trains_on_both_transports_with_a_one_mib_cap_on_every_frame(transport, trainer_process,
+@pytest.mark.parametrize("transport, trainer_process, by_path", [("rpc", True, False), ("rpc", False, True),
+                                                                   ("collective", False, False)])
+def test_a_run_trains_on_both_transports_with_a_one_mib_cap_on_every_frame(transport, trainer_process, by_path,
                                                                            tmp_path, monkeypatch):
+    """``by_path``: the engine servers see this process's files, and take each update's file
+    by its path (nothing on the wire after the start's weights); else every update is sent."""
     monkeypatch.setenv("FLUXRL_WIRE_MAX_BLOB_MB", "1")
+    monkeypatch.setenv(client.BY_PATH_ENV, "1" if by_path else "0")
     sent = []
     read_chunks = client.read_chunks
 
@@ -60,6 +64,10 @@ def test_a_run_trains_on_both_transports_with_a_one_mib_cap_on_every_frame(trans
     if transport == "rpc":
         weights = os.path.getsize(os.path.join(controller.spec.model.path, "model.safetensors"))
         assert weights > 1 << 20  # the model is over the cap: it had to go in pieces
-        assert max(sent) <= 1 << 20 and len(sent) >= 2 * (steps + 1), sent  # the start's weights and each update's
+        assert all(e.same_files == by_path for e in controller.engines)
+        if by_path:  # no update on the wire: at most a start's weights (the server's view is not known before)
+            assert all(n == 1 << 20 for n in sent[:-1]) and sum(sent) < 2 * weights, sent
+        else:
+            assert max(sent) <= 1 << 20 and len(sent) >= 2 * (steps + 1), sent  # the start's weights and each update's
     else:
         assert not sent

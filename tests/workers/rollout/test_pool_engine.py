@@ -116,6 +116,21 @@ def test_each_run_keeps_its_own_versions_and_adapter_across_the_others_updates(l
     assert loop.run_until_complete(b.weights_checksum()) != loop.run_until_complete(a.weights_checksum())
 
 
+def test_a_pool_takes_no_weight_file_by_path_since_it_could_be_another_runs(loop, two_teams, adapters):
+    """One run's own engine server on this host takes the trainer's file by its path; a pool
+    serves several teams' runs, so its runs send every update over the wire."""
+    from workers.rollout.client import _request_ids
+    from workers.rollout.messages import UpdateRequest
+
+    a, b = two_teams
+    _, files = adapters
+    assert not a.same_files and not b.same_files
+    with pytest.raises(Exception, match="takes weights by the wire only"):
+        loop.run_until_complete(a._request(UpdateRequest(id=next(_request_ids), version=9,
+                                                         weights_path=files["b1"].path), timed=False))
+    assert loop.run_until_complete(a.weights_checksum()) != loop.run_until_complete(b.weights_checksum())
+
+
 def test_a_full_pool_refuses_a_third_run(loop, two_teams, tiny_model_path):
     c = _client(tiny_model_path, "team-c")
     with pytest.raises(RuntimeError, match="all 2 adapter slots are taken"):

@@ -179,3 +179,49 @@ def test_a_spool_of_another_pid_namespace_stays_whatever_its_pid_means_here(tmp_
     spool = WeightSpool(1 << 20, str(tmp_path))
     assert os.path.basename(spool.folder).startswith(f"fluxrl-weights-{pid_namespace()}-{os.getpid()}-")
     spool.close()
+
+
+def _trainer_file(tmp_path):
+    """A weight file as the trainer writes one: in a folder of its own made by mkdtemp (0700)."""
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="fluxrl-weights-", dir=tmp_path)
+    return write_weight_file(state(rows=4, width=8), os.path.join(folder, "weights-v1.safetensors"))
+
+
+def test_a_same_host_update_takes_the_trainers_file_by_its_path(tmp_path):
+    from workers.weights.files import local_weight_file
+
+    weights = _trainer_file(tmp_path)
+    assert local_weight_file(weights.path, 1 << 20) == weights
+    assert [name for name, _ in iter_weight_file(local_weight_file(weights.path, 1 << 20).path)] == \
+        [name for name, _ in iter_weight_file(weights.path)]
+
+
+def test_a_path_is_refused_unless_no_other_user_could_have_put_the_file_there(tmp_path):
+    from workers.weights.files import local_weight_file
+
+    weights = _trainer_file(tmp_path)
+    folder = os.path.dirname(weights.path)
+
+    def refused(path, why, max_bytes=1 << 20):
+        with pytest.raises(SpoolError, match=why):
+            local_weight_file(path, max_bytes)
+
+    refused("weights-v1.safetensors", "not an absolute, normalised path")
+    refused(folder + "/../" + os.path.basename(folder) + "/weights-v1.safetensors", "not an absolute, normalised")
+    refused(os.path.join(folder, "missing.safetensors"), "No such file")
+    refused(weights.path, "over the 0.0 MiB this engine takes", max_bytes=100)
+    link = os.path.join(folder, "link.safetensors")
+    os.symlink(weights.path, link)
+    refused(link, "Too many levels of symbolic links")  # O_NOFOLLOW
+    linked_folder = str(tmp_path / "linked")
+    os.symlink(folder, linked_folder)
+    refused(os.path.join(linked_folder, "weights-v1.safetensors"), "reached through a link")
+    os.mkdir(os.path.join(folder, "dir.safetensors"))
+    refused(os.path.join(folder, "dir.safetensors"), "not a regular file")
+    os.chmod(folder, 0o755)  # others may enter (and, at 0777, put a file there)
+    refused(weights.path, "not this user's alone")
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"x")
+    refused(str(other), "to a .safetensors file")
