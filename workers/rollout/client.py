@@ -54,9 +54,8 @@ def _from_wire(w: WireCompletion) -> Completion:
 
 
 _request_ids = itertools.count(1)
-
-
 BY_PATH_ENV = "FLUXRL_WEIGHTS_BY_PATH"  # "0": every update over the wire, even to a server on this host
+
 
 class EngineClient:
     """``RolloutEngine``'s interface for an engine server. ``address=None`` starts the
