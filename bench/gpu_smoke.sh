@@ -64,6 +64,7 @@ check() {
     local log="$OUT/$name.log" mem="$OUT/$name.mem" start end rc peak
     : >"$mem"
     echo "gpu_smoke: [$name] $what ..."
+    export SMOKE_CHECK=$name  # a run's record: $OUT/$name.record.json (run_spec)
     sample_memory "$mem"  # one sample at least, however short the check (the sampler may not get to one)
     peak_sampler "$mem" &
     local sampler=$!
@@ -76,6 +77,12 @@ check() {
     peak=$(sort -n "$mem" | tail -1)
     local seconds
     seconds=$(awk -v a="$start" -v b="$end" 'BEGIN { printf "%.1f", b - a }')
+    if [ -f "$OUT/$name.record.json" ]; then  # the peak GPU memory seen beside the planner's figure
+        "$PY" -c 'import json, sys; p = sys.argv[1]; r = json.load(open(p)); r["status"] = "ok" if sys.argv[3] == "0" else "failed"
+r["peak_gpu_mib"] = int(sys.argv[2]) if sys.argv[2].isdigit() else None
+r["peak_over_plan"] = round(r["peak_gpu_mib"] / 1024 / r["planned_gpu_gib"], 3) if r["peak_gpu_mib"] and r.get("planned_gpu_gib") else None
+json.dump(r, open(p, "w"), indent=1)' "$OUT/$name.record.json" "${peak:-}" "$rc"
+    fi
     if [ "$rc" -eq 0 ]; then
         ROWS+=("$name|$what|ok|$seconds|${peak:-?}")
     else
@@ -113,14 +120,30 @@ spec, result = load_spec_file(sys.argv[1]), json.load(open(sys.argv[2]))
 print("result:", json.dumps(result))
 assert result["steps"] >= 1, f"no step trained: {result}"
 assert all(math.isfinite(v) for v in result.values() if isinstance(v, float)), result
-if spec.resources.colocate:  # the engines slept through every trainer step and woke for the update
-    steps = [json.loads(line) for line in open(sys.argv[2].replace("result.json", "metrics.jsonl"))]
+steps = [json.loads(line) for line in open(sys.argv[2].replace("result.json", "metrics.jsonl"))]
+if spec.resources.colocate and spec.schedule.mode == "sync":  # asleep through every trainer step, awake for the update
     slept = [m for m in steps if "engine/sleep_s" in m]
     assert slept and len(slept) == result["steps"], f"{len(slept)} steps with engine/sleep_s of {result['steps']}"
     print("sleep_s max %.2f, wake_s max %.2f" % (max(m["engine/sleep_s"] for m in slept),
                                                   max(m["engine/wake_s"] for m in slept)))
 if result["steps"] < spec.stop.max_steps:
     print(f"note: {result['steps']} of {spec.stop.max_steps} steps before stop.max_minutes")
+# the record for bench/results/gpu_<device>.json: throughput per GPU, the planner's GPU memory, accuracy
+import os
+from workers.cluster.placement import detect_machine, model_size, plan_placement
+from workers.models.preflight import resolve_model_path
+plan = plan_placement(spec, detect_machine(), model_size(resolve_model_path(spec.model.path), spec.model.lora))
+gpus = len({(p.node, g) for p in plan.processes for g in p.gpus}) or 1
+gen = [m["rollout/gen_tokens_per_s"] for m in steps if m.get("rollout/gen_tokens_per_s")]
+record = {"check": os.environ.get("SMOKE_CHECK"), "spec": spec.name, "gpus": gpus, "mode": spec.schedule.mode,
+          "colocate": spec.resources.colocate, "engines_sleep": plan.sleeps, "model_dtype": spec.model.dtype,
+          "zero_stage": spec.trainer.zero_stage, "steps": result["steps"], "seconds": round(result["seconds"], 1),
+          "trained_tokens_per_s_per_gpu": round(result["trained_tokens"] / result["seconds"] / gpus, 1),
+          "gen_tokens_per_s_per_engine": round(sum(gen) / len(gen), 1) if gen else None,
+          "accuracy_before": result.get("accuracy_before"), "accuracy_after": result.get("accuracy_after"),
+          "planned_gpu_gib": round(max(g.total_gib for g in plan.memory.gpus), 2) if plan.memory else None}
+json.dump(record, open(os.path.join(os.environ["SMOKE_OUT"], f"{record['check']}.record.json"), "w"), indent=1)
+print("record:", json.dumps(record))
 EOF
 }
 
@@ -144,6 +167,10 @@ check_engine disaggregated 2 "workers run gpu_specs/disaggregated.yaml: trainer 
     run_spec disaggregated
 check_engine colocated 1 "workers run gpu_specs/colocated.yaml: engine and trainer on one GPU, sync, the engine asleep (vLLM sleep level 1) through every trainer step" \
     run_spec colocated
+check_engine shared-async 1 "workers run gpu_specs/shared_async.yaml: engine and trainer sharing one GPU by memory (0.5), async, in-flight updates, the engine never asleep" \
+    run_spec shared_async
+check_engine stages-one-gpu 1 "workers run gpu_specs/stages_one_gpu.yaml: GAE with a reward model, KL reference and critic-copy workers and the engine (colocated, sync) on ONE GPU" \
+    run_spec stages_one_gpu
 check_engine tp2 3 "workers run gpu_specs/tp2.yaml: one engine over 2 GPUs (tensor_parallel 2, vLLM's mp executor)" \
     run_spec tp2
 check_engine collective 2 "workers run gpu_specs/collective.yaml: weights over NCCL to an engine server process" \
@@ -159,9 +186,12 @@ if [ -d "$OUT/qwen2-05b" ]; then
         "$PY" bench/gpu_trainer.py --model "$OUT/qwen2-05b" --stages 0 2 3 --dtype bfloat16 --steps 2
     check_engine model-05b 2 "workers run gpu_specs/model_05b.yaml: the 0.5B-class model, ZeRO-2 bf16, engine GPU 1" \
         run_spec model_05b
+    check_engine model-05b-one-gpu 1 "workers run gpu_specs/model_05b_one_gpu.yaml: the 0.5B-class model, ZeRO-2 bf16, the engine in 0.4 of the same GPU, async" \
+        run_spec model_05b_one_gpu
 else
     ROWS+=("trainer-05b|bench/gpu_trainer.py on the 0.5B-class model|not run: build-05b failed|-|-")
     ROWS+=("model-05b|workers run gpu_specs/model_05b.yaml|not run: build-05b failed|-|-")
+    ROWS+=("model-05b-one-gpu|workers run gpu_specs/model_05b_one_gpu.yaml|not run: build-05b failed|-|-")
 fi
 
 # -- one table -------------------------------------------------------------------------
@@ -175,6 +205,8 @@ for row in "${ROWS[@]}"; do
     printf '%-14s | %-9s | %7s | %13s | %s\n' "$name" "$short" "$seconds" "$peak" "$what"
     [ "$short" = ok ] || echo "               ↳ $status"
 done
+# every run's record in one file: bench/results/gpu_<device>.json (and $OUT/gpu_results.json)
+"$PY" bench/gpu_records.py "$OUT" "${ROWS[@]}"
 [ "${SMOKE_KEEP:-0}" = 1 ] || [ "$FAILED" -ne 0 ] || rm -rf "$OUT"/run-* "$OUT"/qwen2-05b
 if [ "$FAILED" -ne 0 ]; then
     echo "gpu_smoke: FAILED (logs in $OUT)" >&2

@@ -599,8 +599,10 @@ class ResourcesSpec(_Strict):
     trainer_process: bool = Field(False, description="the trainer in a process of its own even with one rank "
                                   "(always so with trainer_ranks > 1): it then shares no interpreter lock with "
                                   "the coordinator's event loop")
-    colocate: bool = Field(False, description="engines share the trainer's GPUs (schedule.mode sync, GPUs only); "
-                           "they sleep through each trainer step (vLLM sleep mode) and wake for the update")
+    colocate: bool = Field(False, description="engines share the trainer's GPUs (GPUs only), in a share of their "
+                           "memory (gpu_memory_utilization, default 0.5): with schedule.mode sync they sleep through "
+                           "each trainer step (vLLM sleep mode) and wake for the update; with async (or stream_train) "
+                           "they generate beside the trainer's steps and take in-flight updates")
     inference_gpu: Literal["trainer", "engine", "own"] = Field(
         "trainer", description="GPU plans: where the inference stage's workers (reward.model, algorithm.kl_reference "
         "'stage', critic.forward 'stage') compute, all on node 0: 'trainer' shares trainer rank 0's GPU, 'engine' "
@@ -878,13 +880,6 @@ class RunSpec(_Strict):
             if one.dataset is None and self.task.eval_size == 0:
                 raise ValueError(f"eval.sets.{i} ({one.name}) has no dataset, so it evaluates the run's held-out "
                                  "split, but task.eval_size is 0: give the set a dataset, or hold rows out")
-        return self
-
-    @model_validator(mode="after")
-    def _colocated_engines_wait_while_training(self):
-        if self.resources.colocate and (self.schedule.mode != "sync" or self.schedule.stream_train):
-            raise ValueError("resources.colocate needs schedule.mode 'sync' without stream_train: colocated engines "
-                             "share the trainer's GPUs, so generation and training cannot overlap")
         return self
 
     def to_dict(self) -> dict[str, Any]:

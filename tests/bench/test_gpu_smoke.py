@@ -68,14 +68,15 @@ esac
 """)  # two GPUs; every command passes
     assert result.returncode == 0, result.stderr
     rows = _rows(result.stdout)
-    for name in ("trainer-bf16", "trainer-fp16", "stages-gpu", "disaggregated", "colocated", "stages", "collective",
-                 "build-05b"):
+    for name in ("trainer-bf16", "trainer-fp16", "stages-gpu", "disaggregated", "colocated", "shared-async",
+                 "stages-one-gpu", "stages", "collective", "build-05b"):
         assert rows[name][1] == "ok", rows[name]
         assert float(rows[name][2]) >= 0 and rows[name][3] == "2345"  # the most on any one GPU
     assert "vLLM sleep level 1" in rows["colocated"][4]  # colocated runs asleep through the trainer's steps
     assert rows["tp2"][1] == "not run" and "needs 3 GPUs (2 visible)" in result.stdout
     assert rows["zero3"][1] == "not run" and "needs 3 GPUs (2 visible)" in result.stdout
     assert rows["model-05b"][1] == "not run"  # the stand-in built no model folder
+    assert rows["model-05b-one-gpu"][1] == "not run"
 
 
 def test_a_failing_check_fails_the_script(tmp_path):
@@ -104,3 +105,21 @@ esac
     assert rows["colocated"][1] == "not run" and "needs vLLM (not importable" in result.stdout
     assert rows["disaggregated"][1] == "not run"  # 2 GPUs first: that row names the GPUs it needs
     assert "needs 2 GPUs (1 visible)" in result.stdout
+
+
+def test_the_records_file_joins_each_checks_row_and_its_runs_record(tmp_path):
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("gpu_records", REPO / "bench" / "gpu_records.py")
+    records = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(records)
+    assert records.device_slug("NVIDIA H200") == "h200" and records.device_slug("NVIDIA H100 80GB HBM3") == "h100_80gb_hbm3"
+    (tmp_path / "shared-async.record.json").write_text(json.dumps(
+        {"check": "shared-async", "trained_tokens_per_s_per_gpu": 812.5, "planned_gpu_gib": 72.0,
+         "peak_gpu_mib": 70000, "accuracy_before": 0.3, "accuracy_after": 0.5}))
+    doc = records.collect(str(tmp_path), ["trainer-bf16|bench|ok|20.1|2345", "shared-async|run|ok|95.0|70000"],
+                          "NVIDIA H200", {"torch": "2.11.0"})
+    assert doc["device"] == "NVIDIA H200" and [c["check"] for c in doc["checks"]] == ["trainer-bf16", "shared-async"]
+    assert "trained_tokens_per_s_per_gpu" not in doc["checks"][0]
+    assert doc["checks"][1]["trained_tokens_per_s_per_gpu"] == 812.5 and doc["checks"][1]["accuracy_after"] == 0.5

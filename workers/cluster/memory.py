@@ -493,8 +493,9 @@ def plan_memory(spec: "RunSpec", plan, gpu_memory_gib: float, model: ModelSize,
     collective = spec.rollout.weight_transport == "collective"
     receive_gib = 2 * max(BUCKET_BYTES, (model.largest or 0) * lp) / GIB
     capacity = gpu_memory_gib
-    # phase -> (node, gpu) -> items; colocated engines sleep through the trainer's step
-    phases = ("generating", "updating", "training") if plan.colocate else ("",)
+    # phase -> (node, gpu) -> items; colocated engines sleep through the trainer's step; colocated
+    # engines of an overlapped schedule never sleep: their share and the trainer's step add up
+    phases = ("generating", "updating", "training") if plan.sleeps else ("",)
     loads: dict[str, dict[tuple[int, int], list[Item]]] = {phase: {} for phase in phases}
     share = 0.0
     for phase in phases:
@@ -555,4 +556,4 @@ def plan_memory(spec: "RunSpec", plan, gpu_memory_gib: float, model: ModelSize,
     gpus = tuple(GpuLoad(node, gpu, tuple(items), phase) for phase in phases
                  for (node, gpu), items in sorted(loads[phase].items()))
     return MemoryPlan(capacity, gpus, trainer, engine_weights, share, share - engine_weights if plan.engines else 0.0,
-                      kv_needed, hints, plan.colocate)
+                      kv_needed, hints, plan.sleeps)

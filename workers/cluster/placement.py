@@ -32,12 +32,15 @@ Layouts:
 - **GPU, disaggregated** (default): on each node the trainer ranks take GPUs ``0..r-1`` and
   the engines the next ``tensor_parallel``-sized blocks, exclusively; vLLM takes 0.9 of an
   engine GPU's memory (``resources.gpu_memory_utilization``).
-- **GPU, colocated** (``resources.colocate``, sync only): the engines share the trainer's
-  GPUs and take a share of their memory (0.5 by default). They sleep through each trainer
+- **GPU, colocated** (``resources.colocate``): the engines share the trainer's GPUs and take a
+  share of their memory (0.5 by default). In a sync schedule they sleep through each trainer
   step (vLLM sleep level 1: weights to host memory, the KV cache freed) and wake for the
-  weight update, weights first. While they generate, the trainer's weights, gradients and
-  optimizer states stay on the GPU beside the engines' share, so a colocated GPU plan
-  needs the model's size. vLLM has sleep mode only on GPUs: a CPU plan refuses colocation.
+  weight update, weights first. In an overlapped schedule (async, or stream_train) they never
+  sleep: they generate beside the trainer's steps in their share and take in-flight updates,
+  so the trainer's step must fit in what the share leaves. Either way the trainer's weights,
+  gradients and optimizer states stay on the GPU beside the engines' share, so a colocated
+  GPU plan needs the model's size. vLLM has sleep mode only on GPUs, and a CPU engine's
+  memory is the host's: a CPU plan refuses colocation.
 
 - **The inference stage on GPUs** (``reward.model``, ``algorithm.kl_reference: stage``,
   ``critic.forward: stage``): each worker is a process of its own on node 0, all on the GPU
@@ -217,8 +220,9 @@ class Plan:
 
     @property
     def sleeps(self) -> bool:
-        """Its engines sleep (vLLM sleep mode) through every trainer step: colocated GPU plans."""
-        return self.device == "gpu" and self.colocate
+        """Its engines sleep (vLLM sleep mode) through every trainer step: colocated GPU plans of a
+        sync schedule. Colocated engines of an overlapped one generate beside the step instead."""
+        return self.device == "gpu" and self.colocate and not self.overlapped
 
     @property
     def weight_backend(self) -> str:
@@ -272,9 +276,12 @@ class Plan:
                 where += f", gpu_memory_utilization={p.gpu_memory_utilization}"
             lines.append(f"  {p.name}: {where}")
         if self.device == "gpu":
-            if self.colocate:
+            if self.sleeps:
                 lines.append("  colocated engines sleep while the trainer steps (vLLM sleep level 1: weights to host "
                              "memory, KV cache freed), and wake for the weight update and generation")
+            elif self.colocate:
+                lines.append("  colocated engines generate beside the trainer's steps in their memory share "
+                             "(gpu_memory_utilization) and take in-flight updates; they never sleep")
             lines += self.memory.describe() if self.memory else ["  GPU memory not checked (model size unknown)"]
         elif self.host_memory is not None:
             lines += self.host_memory.describe()

@@ -70,7 +70,7 @@ class TensorBoardExporter(Exporter):
     name = "tensorboard"
 
     def open(self) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # extra: exporters
 
         self.dir = under(self.out, self.settings["dir"])
         purge = None if self.resume_step is None else self.resume_step + 1
@@ -133,8 +133,8 @@ class MlflowExporter(Exporter):
                         "sent there", uri, ", ".join(dropped))
 
     def open(self) -> None:
-        from mlflow.entities import Param
-        from mlflow.tracking import MlflowClient
+        from mlflow.entities import Param  # extra: exporters
+        from mlflow.tracking import MlflowClient  # extra: exporters
 
         self.uri = self.tracking_uri()
         self.keep_credentials_home(self.uri)
@@ -158,7 +158,7 @@ class MlflowExporter(Exporter):
         self.run_id = self.state["mlflow_run_id"] = run_id
 
     def write(self, points: list[dict]) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # extra: exporters
 
         metrics = [Metric(mlflow_key(p["key"]), p["value"], int(p["time"] * 1000), p["step"]) for p in points]
         for i in range(0, len(metrics), self.MAX_BATCH):
@@ -179,7 +179,7 @@ class WandbExporter(Exporter):
     name = "wandb"
 
     def open(self) -> None:
-        import wandb
+        import wandb  # extra: exporters
 
         self.dir = under(self.out, self.settings["dir"])
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -75,6 +75,29 @@ def test_the_same_split_over_2_gpus_with_zero3_fits_on_94_gib_not_on_80():
     assert "  an engine's share per GPU: 9.4 GiB, its weights 6.5, left for the KV cache and activations 2.9" in text
 
 
+def test_colocated_engines_of_an_async_run_share_the_gpu_by_memory_and_never_sleep():
+    # no phases: the engine generates in its share while the trainer steps beside it, so the step's
+    # transient and the share add up on the one GPU
+    plan = plan_placement(spec({"gpus": 1, "colocate": True}, mode="async", trainer={"zero_stage": 2}), ONE,
+                          ModelSize(5 * 10**8))
+    assert (plan.sleeps, plan.overlapped, plan.weight_backend) == (False, True, "gloo")
+    (gpu,) = plan.memory.gpus
+    assert (gpu.phase, round(gpu.total_gib, 2)) == ("", 54.41)
+    assert [(i.owner, i.what, round(i.gib, 2)) for i in gpu.items] == [
+        ("trainer rank 0", "CUDA context and runtime buffers (measured)", 2.3), ("trainer rank 0", "weights", 0.93),
+        ("trainer rank 0", "gradients", 1.86), ("trainer rank 0", "fp32 master weights and Adam states", 5.59),
+        ("trainer rank 0", "fp32 gradients and AdamW's temporaries at the optimizer step", 3.73),
+        ("engine 0", "vLLM share (gpu_memory_utilization 0.5)", 40.0)]
+    assert "colocated engines generate beside the trainer's steps in their memory share" in plan.describe()
+    # 7B: the step beside the share does not fit, and the message says what would
+    assert refused(spec({"gpus": 1, "colocate": True}, mode="async", trainer={"zero_stage": 2}), ONE) == (
+        "resources: GPU 0 of node 0 needs 211.8 GiB, it has 80.0: trainer rank 0 CUDA context and runtime buffers "
+        "(measured) 2.3, weights 13.0, gradients 26.1, fp32 master weights and Adam states 78.2, fp32 gradients and "
+        "AdamW's temporaries at the optimizer step 52.2; engine 0 vLLM share (gpu_memory_utilization 0.5) 40.0. The "
+        "largest is trainer rank 0's fp32 master weights and Adam states. To fit: raise trainer.zero_stage (now 2) "
+        "or resources.trainer_ranks (now 1); lower resources.gpu_memory_utilization, or set resources.colocate false")
+
+
 def test_a_kl_reference_tips_the_plan_over():
     # the first phase over: generation (the reference and the runtime buffers beside the engine's share)
     assert refused(spec(COLOCATED_ZERO3, trainer={"zero_stage": 3}, algorithm={"kl_coef": 0.1}), TWO) == (

@@ -314,10 +314,9 @@ def test_bad_resources_values_name_their_field():
     validate_spec({**BASE, "resources": {"gpus": 8, "nodes": 2, "gpus_per_node": 4}})
 
 
-def test_colocate_needs_sync_mode():
-    (error,) = spec_errors({"colocate": True})
-    assert "resources.colocate needs schedule.mode 'sync'" in error["message"]
-    validate_spec({**BASE, "resources": {"colocate": True}, "schedule": {"mode": "sync"}})
+def test_colocate_is_taken_in_both_modes():
+    assert validate_spec({**BASE, "resources": {"colocate": True}, "schedule": {"mode": "sync"}}).resources.colocate
+    assert validate_spec({**BASE, "resources": {"colocate": True}, "schedule": {"mode": "async"}}).resources.colocate
 
 
 def test_process_is_a_plain_record():
