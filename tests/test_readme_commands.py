@@ -60,6 +60,12 @@ NOT_RUN = [
     (r"(\w+=\S+ )*(nice -n \d+ )?\.venv/bin/python bench/\S+\.py( .*)?",
      "a benchmark (minutes of load, some on a PostgreSQL server of their own); its figures are reported, not asserted"),
     (r"createdb( .*)?", "creates a database on the developer's PostgreSQL server, for a benchmark"),
+    (r"scripts/wheelhouse\.sh (build|install) .*",
+     "builds the GPU stack's wheelhouse from PyPI, then installs it on a GPU node; tests/scripts/test_wheelhouse.py "
+     "checks, joins and installs parts, and tests/scripts/test_gpu_rehearsal.py builds and installs the stack"),
+    (r"PYTHONPATH=\. python3 (scripts/engine_imports\.py|-m workers run .*)",
+     "on the GPU node, after its install; tests/scripts/test_engine_imports.py and the rehearsal run the import check, "
+     "the engine tests run `workers run`"),
     (r"(\w+=\S+ )*\.venv/bin/python -m workers run .*",
      "trains the tiny model for minutes; the engine tests (tests/workers, marker `engine`) run `workers run`"),
     (r"\.venv/bin/python -m workers build-model .*",
