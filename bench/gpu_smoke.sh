@@ -10,7 +10,9 @@
 # GPUs than are visible says how many (nothing is skipped silently). Exit code: 0 when every check that could run passed,
 # 1 when one failed, 2 at once when no GPU is visible.
 #
-# Environment: PYTHON (default .venv/bin/python), SMOKE_KEEP=1 keeps OUT_DIR's run folders.
+# Environment: PYTHON (default .venv/bin/python), SMOKE_KEEP=1 keeps OUT_DIR's run folders,
+# SMOKE_ONLY="colocated shared-async ..." runs only the checks named (a borrowed GPU's time is short;
+# the others' rows say "not selected").
 set -u -o pipefail
 
 cd "$(dirname "$0")/.."
@@ -57,6 +59,10 @@ peak_sampler() {  # samples each second into $1
 check() {
     local name=$1 need=$2 what=$3
     shift 3
+    if [ -n "${SMOKE_ONLY:-}" ] && [[ " $SMOKE_ONLY " != *" $name "* ]]; then
+        ROWS+=("$name|$what|not selected (SMOKE_ONLY)|-|-")
+        return
+    fi
     if [ "$GPUS" -lt "$need" ]; then
         ROWS+=("$name|$what|needs $need GPUs ($GPUS visible)|-|-")
         return

@@ -123,3 +123,25 @@ def test_the_records_file_joins_each_checks_row_and_its_runs_record(tmp_path):
     assert doc["device"] == "NVIDIA H200" and [c["check"] for c in doc["checks"]] == ["trainer-bf16", "shared-async"]
     assert "trained_tokens_per_s_per_gpu" not in doc["checks"][0]
     assert doc["checks"][1]["trained_tokens_per_s_per_gpu"] == 812.5 and doc["checks"][1]["accuracy_after"] == 0.5
+
+
+def test_smoke_only_runs_the_checks_it_names(tmp_path):
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    _stub(bin_, "nvidia-smi", """case "$*" in
+  -L) echo "GPU 0: H200" ;;
+  *name,memory.total*) echo "H200, 143771 MiB" ;;
+  *memory.used*) echo 1000 ;;
+esac
+""")
+    python = _stub(tmp_path, "python", """case "$*" in
+  *device_count*) echo 1 ;;
+  *) exit 0 ;;
+esac
+""")
+    result = _run({"PATH": f"{bin_}:{os.environ['PATH']}", "PYTHON": str(python),
+                   "SMOKE_ONLY": "colocated shared-async"}, tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    rows = _rows(result.stdout)
+    assert rows["colocated"][1] == "ok" and rows["shared-async"][1] == "ok"
+    assert rows["trainer-bf16"][1] == "not run" and "not selected (SMOKE_ONLY)" in result.stdout
