@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from workers.cluster.memory import (CRITIC_STAGE, DTYPE_BYTES, GIB, REFERENCE_STAGE, REWARD_MODEL, Item, ModelSize, forward_memory, inference_forward_gib,
-                                    run_trainer_memory, trainer_holds_reference, trainer_memory, trainer_precision)
+                                    reference_adapter_params, run_trainer_memory, trainer_holds_reference, trainer_memory,
+                                    trainer_precision)
 from workers.spec import model_dtype
 
 if TYPE_CHECKING:
@@ -162,8 +163,9 @@ def inference_worker_items(spec: "RunSpec", label: str, model: ModelSize, reward
     act = 4 if trainer_precision(dtype, stage) == "fp32" else DTYPE_BYTES[dtype]
     reference = label == REFERENCE_STAGE
     truncated = spec.rollout.top_p < 1 or spec.rollout.top_k > 0
+    held = model.params + (reference_adapter_params(spec, model) if reference else 0)  # model.lora.init's
     return items + [Item(label, "reference model" if reference else "critic's copy",
-                         trainer_memory(model.params, dtype, stage, 1).reference_gib, "inference"),
+                         trainer_memory(held, dtype, stage, 1).reference_gib, "inference"),
                     Item(label, f"a forward of {tokens} tokens",
                          inference_forward_gib(model, tokens, act, logits=reference, sort=truncated), "inference")]
 

@@ -275,17 +275,20 @@ def trainer_memory(params: int, dtype: str, zero_stage: int, ranks: int) -> Trai
                          cast * gib, master > 0, reference * gib)
 
 
-def lora_trainer_memory(params: int, adapter: int, dtype: str, zero_stage: int, ranks: int) -> TrainerMemory:
+def lora_trainer_memory(params: int, adapter: int, dtype: str, zero_stage: int, ranks: int,
+                        reference_adapter: int = 0) -> TrainerMemory:
     """``trainer_memory`` of a model.lora run: the frozen base model's ``params`` are weights
     alone (4 bytes under fp32 and autocast, where the trainer loads them in fp32; ``lp`` in
     DeepSpeed's bf16/fp16 modes, which cast the whole module), never partitioned (ZeRO-3 is
     refused with LoRA) and without gradients, master copy or Adam states, since the
     optimizer is built over the ``adapter``'s parameters only; those are counted as a model
     of their own. Autocast's low-precision copies are of every weight the forward reads. The
-    KL reference is the same module with the adapter disabled: nothing more."""
+    KL reference is the same module: with the adapter disabled, nothing more; with
+    model.lora.init, ``reference_adapter`` parameters more (:func:`reference_adapter_params`),
+    frozen weights as the base's are (the reference forward is no-grad: no autocast copies kept)."""
     own = trainer_memory(adapter, dtype, zero_stage, ranks)
     mode = trainer_precision(dtype, zero_stage)
-    base = (4 if mode in ("fp32", "autocast") else DTYPE_BYTES[dtype]) * params / GIB
+    base = (4 if mode in ("fp32", "autocast") else DTYPE_BYTES[dtype]) * (params + reference_adapter) / GIB
     cast = DTYPE_BYTES[dtype] * params / GIB if mode == "autocast" else 0.0
     return TrainerMemory(own.weights_gib + base, own.gradients_gib, own.optimizer_gib, own.step_gib, own.gather_gib,
                          own.cast_gib + cast, own.master, 0.0)
@@ -297,8 +300,21 @@ def run_trainer_memory(spec: "RunSpec", model: ModelSize, dtype: str, ranks: int
     an upper bound)."""
     stage = spec.trainer.zero_stage
     if spec.model.lora is not None and model.adapter is not None:
-        return lora_trainer_memory(model.params, model.adapter, dtype, stage, ranks)
+        in_trainer = spec.algorithm.kl_reference != "stage"
+        return lora_trainer_memory(model.params, model.adapter, dtype, stage, ranks,
+                                   reference_adapter_params(spec, model) if in_trainer else 0)
     return trainer_memory(model.params, dtype, stage, ranks)
+
+
+def reference_adapter_params(spec: "RunSpec", model: ModelSize) -> int:
+    """The KL reference's adapter: a run with model.lora.init and kl_coef > 0 takes its starting
+    policy as the reference, the init adapter kept frozen beside the one that trains (in the
+    trainer, workers/train/lora.py ``keep_reference_adapter``) or on the stage's base model
+    (``kl_reference: stage``). Its parameters, the adapter's count; 0 otherwise or when unknown."""
+    lora = spec.model.lora
+    if lora is None or not lora.init or spec.algorithm.kl_coef <= 0 or model.adapter is None:
+        return 0
+    return model.adapter
 
 
 def forward_memory(model: ModelSize, tokens: int, dtype: str, zero_stage: int,
@@ -442,7 +458,8 @@ class MemoryPlan:
 
 def trainer_holds_reference(spec: "RunSpec") -> bool:
     """The trainer loads a KL reference model of its own: kl_coef > 0, in the trainer (not the
-    inference stage), without model.lora (whose reference is the base model, adapter off)."""
+    inference stage), without model.lora (whose reference is the policy's own module: the base
+    model, adapter off, or with the frozen init adapter, counted in its weights)."""
     return spec.algorithm.kl_coef > 0 and spec.algorithm.kl_reference != "stage" and spec.model.lora is None
 
 
@@ -462,9 +479,10 @@ def inference_items(spec: "RunSpec", p, model: ModelSize, reward_model: Optional
         items.append(Item(p.name, "reward model", reward_model.params * rm_bytes / GIB, "inference"))
         forward = inference_forward_gib(reward_model, tokens, rm_bytes, logits=False, sort=False)
     else:
-        weights = trainer_memory(model.params, dtype, stage, 1).reference_gib  # fp32 under autocast, else lp
-        act = 4 if trainer_precision(dtype, stage) == "fp32" else DTYPE_BYTES[dtype]
         reference = p.label == REFERENCE_STAGE
+        held = model.params + (reference_adapter_params(spec, model) if reference else 0)
+        weights = trainer_memory(held, dtype, stage, 1).reference_gib  # fp32 under autocast, else lp
+        act = 4 if trainer_precision(dtype, stage) == "fp32" else DTYPE_BYTES[dtype]
         items.append(Item(p.name, "reference model" if reference else "critic's copy", weights, "inference"))
         truncated = spec.rollout.top_p < 1 or spec.rollout.top_k > 0
         forward = inference_forward_gib(model, tokens, act, logits=reference, sort=truncated)

@@ -5,7 +5,9 @@ over the adapter's alone. What leaves the trainer for the engines is the adapter
 PEFT's own names (``get_peft_model_state_dict``: ``base_model.model.<module>.lora_A.weight``),
 with PEFT's adapter_config riding in the safetensors header
 (``workers.weights.files.ADAPTER_CONFIG_KEY``): the rollout engines serve it as a vLLM LoRA.
-The KL reference is the same module with the adapter disabled (``reference_logprobs``).
+The KL reference is the run's starting policy (``reference_logprobs``): with ``model.lora.init``
+the init adapter, kept frozen as a second adapter on the same module (``REFERENCE``); without
+it the base model, the same module with its adapters disabled.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ if TYPE_CHECKING:
     from workers.spec import LoraSpec
 
 ADAPTER = "default"  # PEFT's adapter name
+REFERENCE = "reference"  # the frozen init adapter the KL reference forwards with (keep_reference_adapter)
 
 
 def lora_config(lora: "LoraSpec", model_type: Optional[str] = None):
@@ -91,6 +94,26 @@ def load_initial_adapter(model, lora: "LoraSpec") -> None:
         raise ValueError(f"model.lora.init: {len(unfit)} of the adapter's tensors do not fit this base model (e.g. "
                          f"{unfit[0]}): an adapter of another model?")
     set_peft_model_state_dict(model, state, adapter_name=ADAPTER)
+
+
+def keep_reference_adapter(model) -> None:
+    """A run that starts from an adapter (model.lora.init) takes its starting policy as the KL
+    reference, so that the KL is 0 at step 0 and pulls towards where the run started rather than
+    towards the base model: a copy of what ``ADAPTER`` holds now (the init adapter), as a second
+    adapter ``REFERENCE`` on the same module (low-rank tensors only, no second base model).
+    Frozen: it requires no gradient, so the optimizer (built over ``trainable_parameters``)
+    never holds it, and the policy's exports name ``ADAPTER`` alone."""
+    import copy
+
+    from peft import set_peft_model_state_dict
+
+    config = copy.deepcopy(model.peft_config[ADAPTER])
+    config.inference_mode = True
+    model.add_adapter(REFERENCE, config)
+    set_peft_model_state_dict(model, adapter_state_dict(model), adapter_name=REFERENCE)
+    for name, param in model.named_parameters():
+        if f".{REFERENCE}." in name:
+            param.requires_grad_(False)
 
 
 def adapter_param_count(model, lora: "LoraSpec") -> int:
@@ -176,11 +199,25 @@ def merged_state_dict(model) -> dict[str, "torch.Tensor"]:
     return out
 
 
+def save_adapter(model, folder: str) -> None:
+    """The policy's adapter as a PEFT folder (``ADAPTER`` alone: a frozen ``REFERENCE`` stays
+    out of it), its config scrubbed of the base model's path."""
+    model.save_pretrained(folder, safe_serialization=True, save_embedding_layers=False,
+                          selected_adapters=[ADAPTER])
+    scrub_adapter_config(folder)
+
+
 def reference_logprobs(trainer, ids, att):
-    """log π_ref of ``ids``: the base model is the trainer's own module with the adapter
-    disabled (no second copy of the model)."""
+    """log π_ref of ``ids`` on the trainer's own module (no second copy of the model): with
+    the frozen init adapter ``REFERENCE`` where the module has one (PEFT's per-row
+    ``adapter_names``, which leaves the trained adapter active and every parameter's
+    ``requires_grad`` as it is), else the base model, its adapters disabled."""
     import torch
 
     module = trainer.engine.module
-    with torch.no_grad(), module.disable_adapter():
-        return trainer._logprobs(module, ids, att)
+    with torch.no_grad():
+        if REFERENCE in module.peft_config:
+            names = [REFERENCE] * ids.shape[0]
+            return trainer._logprobs(lambda **inputs: module(**inputs, adapter_names=names), ids, att)
+        with module.disable_adapter():
+            return trainer._logprobs(module, ids, att)

@@ -2,7 +2,8 @@
 
 RLHFuse splits RLHF's iteration into generation, inference (the reference, reward and
 critic forwards) and training. Here the reference's forward leaves the trainer's step:
-a worker process of its own holds the frozen reference (the run's starting model) and
+a worker process of its own holds the frozen reference (the run's starting model: with
+``model.lora.init``, the base model with that adapter, unmerged as the trainer runs it) and
 computes each sample's per-token log-probs as the sample finishes generating, in
 micro-batches shared with the samples that finish close together, while the rest of the
 rollout still generates. The samples reach the trainer with ``ref_logprobs`` set; the
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from typing import Optional
 
 from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, forward_in_chunks, serve, stage_env
 from workers.spec import model_dtype
@@ -32,7 +34,8 @@ class ReferenceScorer:
     """The reference model and the trainer's log-prob rule (in the worker, or in-process)."""
 
     def __init__(self, path: str, dtype: str, zero_stage: int, temperature: float, top_k: int, top_p: float,
-                 pad_id: int, threads: int = 1, device: str = "cpu", max_tokens: int = 1 << 22):
+                 pad_id: int, threads: int = 1, device: str = "cpu", max_tokens: int = 1 << 22,
+                 adapter: Optional[str] = None):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -42,7 +45,14 @@ class ReferenceScorer:
         # As the trainer: fp32 weights under autocast at ZeRO 0 with a low precision, else that dtype
         self.autocast = getattr(torch, dtype) if dtype != "float32" and zero_stage == 0 else None
         load = torch.float32 if self.autocast is not None else getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(check_model_folder(path), dtype=load).to(self.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(check_model_folder(path), dtype=load)
+        if adapter:  # model.lora.init: the starting policy; the trainer checked that it fits
+            from peft import PeftModel
+
+            # in the base weights' dtype, as the trainer's (DeepSpeed's bf16/fp16 modes cast every
+            # parameter); PEFT would otherwise upcast a low-precision adapter to fp32
+            model = PeftModel.from_pretrained(model, adapter, autocast_adapter_dtype=False)
+        self.model = model.to(self.device).eval()
         self.model.requires_grad_(False)
         self.temperature = max(temperature, 1e-5)
         self.top_k, self.top_p, self.pad_id = top_k, top_p, pad_id
@@ -72,12 +82,16 @@ class ReferenceScorer:
 
 def scorer_config(spec, model_path: str, pad_id: int, device: str = "cpu") -> dict:
     """The worker's configuration; ``device`` "cuda" when the plan gives the stage a GPU
-    (the trainer's precision there: ``model_dtype`` decided for a GPU)."""
+    (the trainer's precision there: ``model_dtype`` decided for a GPU). ``adapter``: the
+    model.lora.init folder, whose adapter is part of the run's starting policy (a LoRA run
+    without one starts from the base model, ``model_path`` alone)."""
     ro = spec.rollout
+    lora = spec.model.lora
     return {"path": model_path, "dtype": model_dtype(spec, on_gpu=device == "cuda" or None),
             "zero_stage": spec.trainer.zero_stage, "temperature": ro.temperature, "top_k": ro.top_k,
             "top_p": ro.top_p, "pad_id": pad_id, "threads": spec.inference.threads, "device": device,
-            "max_tokens": spec.inference.micro_batch_tokens}
+            "max_tokens": spec.inference.micro_batch_tokens,
+            "adapter": lora.init if lora is not None and lora.init else None}
 
 
 class ReferenceStage:

@@ -109,36 +109,56 @@ def whiten_targets(batch: list[TrainSample], sums: dict[str, float], algo, all_r
     statistics."""
     if not algo.whiten_advantages:
         return batch
-    moments = [sums["n"], sums["a"], sums["a2"]]
+    mean, std = whitening_moments(sums, all_reduce)
+    adv = algorithms.whiten([s.token_advantages for s in batch], mean, std)
+    return [dataclasses.replace(s, token_advantages=a) for s, a in zip(batch, adv)]
+
+
+def whitening_moments(sums: Optional[dict[str, float]], all_reduce=None) -> tuple[float, float]:
+    """The mean and std the advantages are whitened with, from ``critic_sums`` (None: no
+    tokens), added up over the data-parallel ranks by ``all_reduce`` first (see ``whiten_targets``)."""
+    moments = [sums["n"], sums["a"], sums["a2"]] if sums is not None else [0.0, 0.0, 0.0]
     if all_reduce is not None:
         t = torch.tensor(moments, dtype=torch.float64)
         all_reduce(t)
         moments = t.tolist()
-    mean, std = algorithms.whiten_moments(*moments)
-    adv = algorithms.whiten([s.token_advantages for s in batch], mean, std)
-    return [dataclasses.replace(s, token_advantages=a) for s, a in zip(batch, adv)]
+    return algorithms.whiten_moments(*moments)
 
 
 def _gathered_state_dict(module: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
     """A ZeRO-3 module's full state dict on the CPU, gathered one module's own parameters
     at a time and released before the next (a device holds one layer's full weights at
     once, not the model's: ZeRO-3 for a model larger than one GPU). A collective: every rank
-    calls it, in the same order; ``keep`` False takes part and copies nothing. A tied
-    parameter is copied once, its names sharing the copy."""
+    calls it, in the same order; ``keep`` False takes part and copies nothing.
+
+    Gathered by parameter, not by module: every name a parameter has
+    (``named_parameters(remove_duplicate=False)``: a tied parameter, or every parameter of a
+    module shared under two names, which ``named_modules()`` would list once while
+    ``state_dict()`` lists it under each) maps to it, each parameter is gathered once and its
+    copy fills all its names. A name left ungathered would keep ZeRO-3's empty placeholder."""
     import deepspeed
 
-    out: dict[str, torch.Tensor] = {}
-    copies: dict[int, torch.Tensor] = {}
-    for prefix, sub in module.named_modules():
-        own = list(sub.named_parameters(recurse=False))
-        if not own:
+    names: dict[int, list[str]] = {}
+    groups: list[list[torch.nn.Parameter]] = []  # consecutive parameters of one owning module
+    owner = None
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in names:
+            names[id(p)].append(name)
             continue
-        with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
+        names[id(p)] = [name]
+        prefix = name.rpartition(".")[0]
+        if prefix != owner or not groups:
+            groups.append([])
+            owner = prefix
+        groups[-1].append(p)
+    out: dict[str, torch.Tensor] = {}
+    for params in groups:
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             if keep:
-                for name, p in own:
-                    if id(p) not in copies:
-                        copies[id(p)] = p.detach().to("cpu", copy=True)
-                    out[f"{prefix}.{name}" if prefix else name] = copies[id(p)]
+                for p in params:
+                    copy = p.detach().to("cpu", copy=True)
+                    for name in names[id(p)]:
+                        out[name] = copy
     if not keep:
         return {}
     state = module.state_dict()  # names, order and buffers (never partitioned)
@@ -247,9 +267,12 @@ class Trainer:
             model = lora.wrap(model, self.lora)
             if self.lora.init:  # a run that starts from an adapter (before DeepSpeed copies the weights)
                 lora.load_initial_adapter(model, self.lora)
+                if algo.kl_coef > 0 and algo.kl_reference == "trainer":  # the starting policy is the reference
+                    lora.keep_reference_adapter(model)
         self.reference = None
-        # model.lora: the reference is the policy's own module with its adapter disabled
-        self.base_reference = self.lora is not None and algo.kl_coef > 0 and algo.kl_reference == "trainer"
+        # model.lora: the reference is the policy's own module, with the frozen init adapter
+        # (model.lora.init) or with its adapters disabled (the base model)
+        self.lora_reference = self.lora is not None and algo.kl_coef > 0 and algo.kl_reference == "trainer"
         # (stage: the samples bring log π_ref)
         if algo.kl_coef > 0 and algo.kl_reference == "trainer" and self.lora is None:
             # The same weights and forward as the policy's first: the KL starts at exactly 0. Under
@@ -336,11 +359,9 @@ class Trainer:
             if self.autocast_dtype is not None:
                 state = {k: v.to(self.autocast_dtype) if v.dtype == torch.float32 else v for k, v in state.items()}
             module.get_base_model().save_pretrained(path, state_dict=state, safe_serialization=True)
-            module.save_pretrained(os.path.join(path, "adapter"), safe_serialization=True,
-                                   save_embedding_layers=False)
-            from workers.train.lora import scrub_adapter_config
+            from workers.train.lora import save_adapter
 
-            scrub_adapter_config(os.path.join(path, "adapter"))
+            save_adapter(module, os.path.join(path, "adapter"))
         else:
             state = self.state_dict()
             self.engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
@@ -398,7 +419,8 @@ class Trainer:
         return per_token([(s.prompt_ids, s.token_ids) for s in batch], columns, [getattr(s, field) for s in batch])
 
     def critic_targets(self, batch: list[TrainSample], min_micro_batches: int = 0,
-                       counted: Optional[list[int]] = None) -> tuple[list[TrainSample], dict[str, float]]:
+                       counted: Optional[list[int]] = None,
+                       whiten: bool = True) -> tuple[list[TrainSample], dict[str, float]]:
         """GAE (algorithm.advantage gae): the critic's values over ``batch`` (a no-grad forward,
         packed like training), and from them and each sequence's reward (on its last token) the
         advantages per token and the returns the critic trains towards. The values are also the
@@ -406,7 +428,9 @@ class Trainer:
         statistics come from (``critic_stats``; data-parallel ranks add theirs up first).
         ``min_micro_batches``: forwards to run at least, the same number on every rank (ZeRO-3
         gathers the critic's parameters in each). ``counted``: the indices of the samples the
-        sums are over (ranks.py ``plan_train``: each sample on one rank only); None: all."""
+        sums are over (ranks.py ``plan_train``: each sample on one rank only); None: all.
+        ``whiten`` False: the advantages stay raw whatever algorithm.whiten_advantages says
+        (a streamed step whitens them in its gradients at its end: ``finish_step``)."""
         algo = self.spec.algorithm
         if kl_in_reward(algo) and self.has_reference:  # the rewards need log π_ref before GAE
             batch = self._with_reference_logprobs(batch)
@@ -434,7 +458,7 @@ class Trainer:
         stat = out if counted is None else [out[i] for i in counted]
         sums = algorithms.critic_sums([s.values for s in stat], [s.returns for s in stat],
                                       [s.token_advantages for s in stat], charged_kl(stat, algo))
-        return whiten_targets(out, sums, algo, self._all_reduce_sum), sums
+        return (whiten_targets(out, sums, algo, self._all_reduce_sum) if whiten else out), sums
 
     def _all_reduce_sum(self, t: torch.Tensor) -> None:
         """``t`` summed over the data-parallel ranks, in place (nothing to do on one). Every
@@ -464,12 +488,12 @@ class Trainer:
     @property
     def has_reference(self) -> bool:
         """The trainer computes log π_ref itself (algorithm.kl_reference 'trainer')."""
-        return self.reference is not None or self.base_reference
+        return self.reference is not None or self.lora_reference
 
     def _reference_logprobs(self, ids, att):
-        """log π_ref: the reference model's, or with model.lora the base model's (the
-        policy's module with its adapter disabled)."""
-        if self.base_reference:
+        """log π_ref: the reference model's, or with model.lora the run's starting policy on
+        the policy's own module (the frozen init adapter, or the base model: lora.reference_logprobs)."""
+        if self.lora_reference:
             from workers.train.lora import reference_logprobs
 
             return reference_logprobs(self, ids, att)
@@ -577,9 +601,13 @@ class Trainer:
     # is known — the same step as train_step on the whole batch.
     def begin_step(self) -> None:
         self._acc = {"loss": 0.0, "kl": 0.0, "clip": 0.0, "entropy": 0.0, "tokens": 0, "seqs": 0,
-                     "padded": 0, "micro": 0, "seconds": 0.0, "dropped": 0, "value_loss": 0.0, "value_clip": 0.0}
+                     "padded": 0, "micro": 0, "seconds": 0.0, "dropped": 0, "value_loss": 0.0, "value_clip": 0.0,
+                     "loss_ones": 0.0}
         # gae in a streamed step: the sums of each arriving part's critic targets (critic_sums)
         self.critic_sums = None
+        # gae with algorithm.whiten_advantages in a streamed step (see _side_gradient)
+        self._shift: Optional[float] = None
+        self._side: dict[str, list[torch.Tensor]] = {}
         # Dropout off in every RL forward: the gradient forward must compute the same
         # function as π_prox's and the engine's, or the ratios carry dropout noise.
         self.engine.module.eval()
@@ -598,15 +626,22 @@ class Trainer:
         gradients over ranks, so each rank's share of the sum is scaled up before), and
         ``min_micro_batches`` the most any rank packs (idle passes fill up the rest)."""
         algo, t0, acc = self.spec.algorithm, time.perf_counter(), self._acc
+        later = False  # the advantages whitened in the gradients at the step's end (see _side_gradient)
         if self.critic is not None and (batch[0].token_advantages is None if batch else not last):
             # a streamed step (schedule.stream_train): the critic values each part as it arrives,
             # with its weights from the step's start (it steps only in finish_step), while the
-            # rest still generates. algorithm.whiten_advantages: the step's batch is not known
-            # yet, so the part is whitened over its own tokens (over all ranks' shares of it: a
-            # rank with an empty share, last false, still meets the others' all-reduce).
-            batch, sums = self.critic_targets(batch)
+            # rest still generates. Its advantages stay raw: the whole step's statistics that
+            # algorithm.whiten_advantages whitens with are known only in finish_step.
+            batch, sums = self.critic_targets(batch, whiten=False)
             self.critic_sums = sums if self.critic_sums is None else {k: self.critic_sums[k] + v
                                                                       for k, v in sums.items()}
+            later = algo.whiten_advantages
+            if later and (self.spec.trainer.zero_stage != 0 or self.engine.torch_autocast_z0_gradscaler is not None):
+                # the spec refuses these; "auto" may still resolve to float16
+                raise RuntimeError("whitening a streamed step's advantages needs trainer.zero_stage 0 and a "
+                                   "model.dtype other than float16 (or algorithm.whiten_advantages false)")
+            if later and self._shift is None and sums["n"] > 0:
+                self._shift = sums["a"] / sums["n"]
         lengths = [len(s.prompt_ids) + len(s.token_ids) for s in batch]
         micro = algorithms.pack_first_fit_decreasing(lengths, self.spec.trainer.micro_batch_tokens)
         passes = max(len(micro), min_micro_batches)
@@ -620,15 +655,24 @@ class Trainer:
             part = [batch[i] for i in micro[k]]
             ids, att, mask, behav, adv, prox = self._tensors(part, self.engine.device)
             logp, entropy = self._logprobs(self.engine, ids, att, with_entropy=True)
+
             # Decoupled PPO's proximal policy is the policy at the start of the batch. With
             # one optimiser step per batch the current weights *are* the proximal ones
             # (π_prox = π_θ.detach(), exactly, no extra forward); with several, train_step
             # computed π_prox before the first.
-            if algo.loss == "ppo":
-                out = algorithms.ppo_decoupled_loss(logp, logp.detach() if prox is None else prox, behav, adv, mask,
-                                                    algo.clip, algo.behav_weight_cap, denominator)
-            else:
-                out = algorithms.reinforce_tis_loss(logp, behav, adv, mask, algo.behav_weight_cap, denominator)
+            def policy_loss(advantages):
+                if algo.loss == "ppo":
+                    return algorithms.ppo_decoupled_loss(logp, logp.detach() if prox is None else prox, behav,
+                                                         advantages, mask, algo.clip, algo.behav_weight_cap,
+                                                         denominator)
+                return algorithms.reinforce_tis_loss(logp, behav, advantages, mask, algo.behav_weight_cap,
+                                                     denominator)
+
+            if later:
+                if prox is not None:  # the ratio would not be 1: the loss not linear in the advantages
+                    raise RuntimeError("a streamed step reached the trainer with proximal log-probs")
+                adv = adv - (self._shift or 0.0)  # padding too: the mask keeps it out
+            out = policy_loss(adv)
             loss = out.loss
             if algo.kl_coef > 0 and algo.kl_penalty == "loss":  # ('reward': the advantages carry it)
                 if part[0].ref_logprobs is not None:  # from the inference stage
@@ -640,8 +684,15 @@ class Trainer:
                                        "reference log-probs")
                 # the policy loss's importance weights carry the stale tokens to π's expectation
                 kl = algorithms.kl_penalty(logp, ref, mask, denominator, algo.kl_estimator, weights=out.weights)
-                loss = loss + algo.kl_coef * kl
+                if later:  # its gradient is not scaled by the whitening: kept apart
+                    self._side_gradient("kl", algo.kl_coef * kl * grad_scale)
+                else:
+                    loss = loss + algo.kl_coef * kl
                 acc["kl"] += float(kl.detach())
+            if later:
+                ones = policy_loss(torch.ones_like(adv))
+                self._side_gradient("ones", ones.loss * grad_scale)
+                acc["loss_ones"] += float(ones.loss.detach())
             self.engine.backward(loss * grad_scale if grad_scale != 1.0 else loss)
             if self.critic is not None:  # the critic steps with the policy, on the same micro-batches
                 columns, device = mask.shape[1], self.engine.device
@@ -661,10 +712,82 @@ class Trainer:
         acc["seqs"] += len(batch)
         acc["seconds"] += time.perf_counter() - t0
 
-    def _divide_streamed_gradients(self, denominator: float, steps: contextlib.ExitStack) -> None:
+    # -- algorithm.whiten_advantages in a streamed GAE step ---------------------------------------
+    # The whole-batch step whitens the advantages over the batch, Â = (A − μ) / (σ + eps), and
+    # μ, σ of a streamed batch are known only at its end. The policy loss is linear in the
+    # advantages there: one optimiser step, so π_prox = π_θ and the ratio is exactly 1, inside
+    # the clip (PPO's clip branch has the same gradient then; reinforce is linear outright). So
+    # with g(X) the gradient of the loss at advantages X,
+    #     g(Â) = (g(A − c) − (μ − c)·g(1)) / (σ + eps),
+    # c any constant: the first part's mean advantage (on this rank), which keeps the difference
+    # small where the batch's advantages are nearly alike (σ ≈ 0: a raw g(A) − μ·g(1) would leave
+    # float noise divided by eps). The engine accumulates g(A − c) in ``p.grad``; g(1), and the
+    # KL penalty's gradient (not scaled by the whitening), accumulate apart, in fp32 tensors
+    # shaped like the trainable parameters: each one more engine backward of the micro-batch's
+    # graph (DeepSpeed refuses any backward through its forward but its own), its gradients
+    # moved out of ``p.grad``. finish_step adds them into ``p.grad`` and divides the policy's by
+    # σ + eps with the denominator. The cost: one or two extra backward passes per micro-batch
+    # and one or two fp32 copies of the trainable parameters. Only ZeRO-0 keeps the gradients in
+    # ``p.grad`` (ZeRO 1-3 move them into their own buffers and partitions as they are made),
+    # and fp16 scales them: the spec refuses those for it.
+    def _trainable(self) -> list[torch.Tensor]:
+        return [p for p in self.engine.module.parameters() if p.requires_grad]
+
+    def _side_gradient(self, key: str, loss: torch.Tensor) -> None:
+        """``loss``'s gradient added to the side sum ``key`` and kept out of the engine's (whose
+        sum ``p.grad`` is put back); the graph is kept for the micro-batch's own backward."""
+        params = self._trainable()
+        stash = [p.grad for p in params]
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        for p in params:
+            p.grad = None
+        self.engine.set_gradient_accumulation_boundary(False)  # no all-reduce of a side gradient
+        try:
+            self.engine.backward(loss, retain_graph=True)
+            sums = self._side.get(key)
+            if sums is None:
+                sums = self._side[key] = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+            with torch.no_grad():
+                for total, p in zip(sums, params):
+                    if p.grad is not None:
+                        total.add_(p.grad.float())
+        finally:
+            for p, g in zip(params, stash):
+                p.grad = g
+            self.engine.set_gradient_accumulation_boundary(boundary)
+
+    def _whiten_streamed_gradients(self) -> float:
+        """Whiten a streamed step's accumulated policy gradients (``p.grad``, summed) with the
+        whole step's mean and std (over all ranks: a collective every rank calls); returns
+        σ + eps, by which they still need dividing."""
+        mean, std = whitening_moments(self.critic_sums, self._all_reduce_sum)
+        scale = std + algorithms.WHITEN_EPS
+        offset = mean - (self._shift or 0.0)
+        ones, kl = self._side.get("ones"), self._side.get("kl")
+        with torch.no_grad():
+            for i, p in enumerate(self._trainable()):
+                if ones is None and kl is None:
+                    break
+                fix = torch.zeros_like(p, dtype=torch.float32)
+                if ones is not None:
+                    fix.add_(ones[i], alpha=-offset)
+                if kl is not None:
+                    fix.add_(kl[i], alpha=scale)
+                if p.grad is None:
+                    p.grad = fix.to(p.dtype)
+                else:
+                    p.grad.add_(fix.to(p.grad.dtype))
+        self._side = {}
+        acc = self._acc
+        acc["loss"] = (acc["loss"] - offset * acc["loss_ones"]) / scale
+        return scale
+
+    def _divide_streamed_gradients(self, denominator: float, steps: contextlib.ExitStack,
+                                   policy_scale: float = 1.0) -> None:
         """A streamed step's gradients (sums until now) divided by its denominator, for every
-        optimizer class DeepSpeed uses (see ``_gradients_to_divide``), the policy's and the
-        critic's; ``steps`` holds, until both have stepped, what their optimizers divide in it.
+        optimizer class DeepSpeed uses (see ``_gradients_to_divide``), the policy's (by
+        ``denominator`` times ``policy_scale``) and the critic's; ``steps`` holds, until both
+        have stepped, what their optimizers divide in it.
 
         - ZeRO-0 (``p.grad``) and ZeRO-1 bf16 (BF16_Optimizer's fp32 sums): divided where they
           are, then reduced over the data-parallel ranks.
@@ -675,19 +798,20 @@ class Trainer:
           optimizer's loss scale is multiplied by the denominator for its ``step``, which
           divides the gradients by it before clipping, as it unscales fp16 losses
           (``_loss_scale_times``: the dynamic fp16 scaler is left as a whole-batch step leaves it)."""
-        parts = [(self.engine, lambda: self.engine.backward(self._idle_pass(self.engine)))]
+        parts = [(self.engine, lambda: self.engine.backward(self._idle_pass(self.engine)), denominator * policy_scale)]
         if self.critic is not None:
-            parts.append((self.critic.engine, lambda: self.critic.idle_pass(*self._idle_ids(), boundary=True)))
-        for engine, idle_pass in parts:
+            parts.append((self.critic.engine, lambda: self.critic.idle_pass(*self._idle_ids(), boundary=True),
+                          denominator))
+        for engine, idle_pass, divisor in parts:
             engine.set_gradient_accumulation_boundary(True)
             gradients = _gradients_to_divide(engine)
             if gradients is None:  # a ZeRO optimizer that unscales in its step
                 idle_pass()
-                steps.enter_context(_loss_scale_times(engine.optimizer, float(denominator)))
+                steps.enter_context(_loss_scale_times(engine.optimizer, float(divisor)))
                 continue
             with torch.no_grad():
                 for grad in gradients:
-                    grad.div_(denominator)
+                    grad.div_(divisor)
             if torch.distributed.get_world_size() > 1:
                 engine.allreduce_gradients()
 
@@ -715,7 +839,10 @@ class Trainer:
             if rescale:  # streamed step: losses were sums, divide by the now-known denominator
                 if denominator is None:
                     denominator = max(1.0, float(acc["tokens"]) if how == "tokens" else float(sequences))
-                self._divide_streamed_gradients(denominator, steps)
+                policy_scale = 1.0
+                if self.critic is not None and self.spec.algorithm.whiten_advantages:
+                    policy_scale = self._whiten_streamed_gradients()
+                self._divide_streamed_gradients(denominator, steps, policy_scale)
                 acc["loss"] /= denominator
                 acc["kl"] /= denominator
                 acc["value_loss"] /= denominator

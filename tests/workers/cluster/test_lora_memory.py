@@ -1,9 +1,11 @@
 """The memory planner with model.lora: gradients, the fp32 master copy and Adam's states are
 counted for the adapter's parameters only, the frozen base model as weights alone, and the
-KL reference as nothing (the base model with the adapter disabled)."""
+KL reference as nothing (the base model with the adapter disabled) or, with model.lora.init,
+as the frozen init adapter's weights."""
 import pytest
 
-from workers.cluster.memory import ModelSize, lora_trainer_memory, model_size, trainer_rank_peak_gib
+from workers.cluster.memory import (REFERENCE_STAGE, ModelSize, inference_items, lora_trainer_memory, model_size,
+                                    trainer_rank_peak_gib)
 from workers.spec import validate_spec
 
 GIB = 2**30
@@ -52,3 +54,19 @@ def test_a_lora_run_plans_far_less_than_full_fine_tuning_and_no_reference():
     # LoRA: runtime 1.4 + the base's weights 4 and the adapter's 4/64 + its gradients 4/64, moments 8/64 and
     # temporaries 4/64; no reference
     assert lora == pytest.approx(1.4 + 4 + 20 / 64)
+
+
+def test_a_run_from_an_adapter_counts_the_frozen_reference_adapter_where_the_reference_runs():
+    from types import SimpleNamespace
+
+    model = ModelSize(params=GIB, adapter=GIB // 64)
+    lora = {"rank": 8, "init": "/srv/adapter"}
+    fresh = trainer_rank_peak_gib(_spec({"rank": 8}, algorithm={"kl_coef": 0.1}), model, 1, "float32")
+    init = trainer_rank_peak_gib(_spec(lora, algorithm={"kl_coef": 0.1}), model, 1, "float32")
+    assert init == pytest.approx(fresh + 4 / 64)  # the reference adapter's fp32 weights, beside the base's
+    assert trainer_rank_peak_gib(_spec(lora), model, 1, "float32") == pytest.approx(fresh)  # no KL: no copy
+    staged = _spec(lora, algorithm={"kl_coef": 0.1, "kl_reference": "stage"})
+    assert trainer_rank_peak_gib(staged, model, 1, "float32") == pytest.approx(fresh)
+    worker = SimpleNamespace(name="KL reference stage", label=REFERENCE_STAGE)
+    held = {i.what: i.gib for i in inference_items(staged, worker, model, None, "float32", False)}
+    assert held["reference model"] == pytest.approx(4 + 4 / 64)  # the base model and the init adapter

@@ -48,3 +48,55 @@ def test_an_engine_started_without_sleep_mode_refuses_to_sleep_and_an_awake_one_
     with pytest.raises(RuntimeError, match="started without sleep mode"):
         asyncio.run(engine.sleep())
     assert asyncio.run(engine.wake_up(["weights"])) == 0.0 and engine.asleep is None
+
+
+@pytest.mark.parametrize("asleep,tags,left", [
+    ("all", None, None), ("all", ["weights"], "kv_cache"), ("all", ["kv_cache"], "weights"),
+    ("all", ["weights", "kv_cache"], None), ("kv_cache", None, None), ("kv_cache", ["kv_cache"], None),
+    ("kv_cache", ["weights"], "kv_cache"), ("weights", ["weights"], None), (None, None, None),
+    (None, ["weights"], None)])
+def test_what_sleeps_after_a_wake_is_what_slept_less_what_was_woken(asleep, tags, left):
+    from workers.rollout.engine import asleep_after_wake
+
+    assert asleep_after_wake(asleep, tags) == left
+
+
+def test_a_wake_of_an_unknown_tag_is_refused():
+    from workers.rollout.engine import asleep_after_wake
+
+    with pytest.raises(ValueError, match="everything"):
+        asleep_after_wake("all", ["everything"])
+
+
+@pytest.mark.parametrize("answer", [None, True], ids=["vllm-0.26-None", "bool"])
+def test_an_engine_is_awake_after_a_full_wake_whatever_vllm_answers(tiny_model_path, answer):
+    """The wake's answer differs by vLLM version (0.26's AsyncLLM.wake_up returns None, later
+    ones whether all of it is awake): what sleeps follows what was asked. A fake stands in
+    for vLLM's engine only for that answer (vLLM has no sleep mode on this CPU)."""
+    calls = []
+
+    class _LLM:
+        async def sleep(self, level):
+            calls.append(("sleep", level))
+
+        async def wake_up(self, tags=None):
+            calls.append(("wake_up", tags))
+            return answer if tags is None else (False if answer is not None else None)
+
+    engine = RolloutEngine(tiny_model_path, sleep_mode=True)
+    engine.engine = _LLM()
+
+    async def cycle():
+        await engine.sleep()
+        assert engine.asleep == "all"
+        await engine.wake_up(["weights"])
+        assert engine.asleep == "kv_cache"
+        await engine.wake_up()
+        assert engine.asleep is None
+        assert await engine.wake_up() == 0.0  # awake: nothing to call
+        await engine.sleep()
+        await engine.wake_up()  # a second cycle wakes as the first did
+        assert engine.asleep is None
+
+    asyncio.run(cycle())
+    assert calls == [("sleep", 1), ("wake_up", ["weights"]), ("wake_up", None), ("sleep", 1), ("wake_up", None)]

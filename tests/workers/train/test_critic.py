@@ -86,7 +86,7 @@ def test_a_streamed_gae_step_equals_the_step_on_the_whole_batch(tiny_model_path,
     ZeRO-2 through the optimizers' loss scale)."""
     # rewards of 1e-9 and a critic lr of 1e-8 keep Adam's steps linear in the gradients (a wrong
     # denominator then shows in the weights: tests/workers/train/test_trainer_ranks.py's docstring)
-    # whitening off: a streamed step whitens each arriving part over its own tokens, not the batch's
+    # whitening off: ZeRO-2 refuses it in a streamed step (whitened: tests/workers/train/test_stream_gae.py)
     spec = validate_spec({**_spec(minibatches=1, whiten_advantages=False).to_dict(),
                           "schedule": {"mode": "sync", "stream_train": True},
                           "critic": {"lr": 1e-8, "zero_stage": stage}, "trainer": {"zero_stage": stage}})

@@ -1,7 +1,8 @@
 """model.lora on the DeepSpeed trainer (tiny model, one rank): only the adapter trains, the
 optimizer holds state for it alone, what leaves the trainer is the adapter with its config,
-the KL reference is the base model (the adapter disabled), and a saved folder is the
-merged model plus the adapter."""
+the KL reference is the run's starting policy (the base model with the adapter disabled, or
+with model.lora.init the init adapter kept frozen), and a saved folder is the merged model
+plus the adapter."""
 import json
 import os
 
@@ -143,21 +144,85 @@ def test_trainer_ranks_train_the_adapter_and_write_it_with_its_config(tiny_model
     assert json.loads(weight_file_metadata(file.path)[ADAPTER_CONFIG_KEY])["r"] == 4
 
 
-def test_a_run_starts_from_an_adapter_folder_and_refuses_one_that_does_not_fit(tiny_model_path, tmp_path):
+INIT_LORA = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "o_proj", "down_proj"]}  # seeded_adapter's
+
+
+@pytest.fixture(scope="module")
+def init_folder(tiny_model_path, tmp_path_factory):
+    """A PEFT adapter folder with B != 0 (model.lora.init)."""
+    from tests.workers.rollout.lora_adapters import seeded_adapter
+
+    folder = tmp_path_factory.mktemp("init") / "adapter"
+    seeded_adapter(tiny_model_path, 5).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def from_adapter(tiny_model_path, init_folder):
+    """A trainer that starts from ``init_folder``, with a KL term (kl_coef > 0)."""
+    return Trainer(_spec(lora={**INIT_LORA, "init": str(init_folder)}, kl_coef=0.5), tiny_model_path, threads=1)
+
+
+def test_a_run_starts_from_an_adapter_folder_and_refuses_one_that_does_not_fit(from_adapter, init_folder,
+                                                                               tiny_model_path, tmp_path):
     """model.lora.init: the trainer's adapter is the folder's, and so are the first weights
     the engines get; an adapter of another rank is refused naming both ranks."""
     from safetensors.torch import load_file
 
-    from tests.workers.rollout.lora_adapters import seeded_adapter
-
-    saved = seeded_adapter(tiny_model_path, 5)  # rank 8 on q_proj, o_proj, down_proj
-    saved.save_pretrained(tmp_path / "adapter")
-    lora = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "o_proj", "down_proj"],
-            "init": str(tmp_path / "adapter")}
-    trainer = Trainer(_spec(lora=lora), tiny_model_path, threads=1)
-    expected = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
-    sent = load_file(trainer_weight_file(trainer, str(tmp_path), 0).path)
+    expected = load_file(str(init_folder / "adapter_model.safetensors"))
+    sent = load_file(trainer_weight_file(from_adapter, str(tmp_path), 0).path)
     assert set(sent) == set(expected) and all(torch.equal(sent[k], expected[k]) for k in expected)
     assert max(t.abs().max().item() for k, t in expected.items() if "lora_B" in k) > 0  # not a fresh B = 0
     with pytest.raises(ValueError, match=r"model.lora.init: the adapter in .* has rank 8 \(model.lora.rank is 4\)"):
-        Trainer(_spec(lora={**lora, "rank": 4}), tiny_model_path, threads=1)
+        Trainer(_spec(lora={**INIT_LORA, "init": str(init_folder), "rank": 4}), tiny_model_path, threads=1)
+
+
+def test_a_run_from_an_adapter_has_its_starting_policy_as_kl_reference(from_adapter, init_folder, tiny_model_path,
+                                                                        tmp_path):
+    """model.lora.init with kl_coef > 0: the reference is the init adapter, kept frozen beside
+    the one that trains, so the KL is 0 at step 0 (the base model would put it well above);
+    the reference stage's worker computes the same reference; the frozen copy gets no
+    gradient and leaves the trainer in none of the policy's weights, files or folders."""
+    from safetensors.torch import load_file
+
+    from workers.train.reference import ReferenceScorer, scorer_config
+
+    trainer, spec = from_adapter, from_adapter.spec
+    module = trainer.engine.module
+    init = load_file(str(init_folder / "adapter_model.safetensors"))
+    batch = _batch()
+    ids, att, mask, *_ = trainer._tensors(batch, trainer.engine.device)
+    mask = mask.bool()
+    module.eval()
+    with torch.no_grad():
+        policy, _ = trainer._logprobs(module, ids, att)
+    ref, _ = trainer._reference_logprobs(ids, att)
+    assert torch.allclose(ref[mask], policy[mask], atol=1e-6)
+    stage = ReferenceScorer(**scorer_config(validate_spec({**spec.model_dump(), "algorithm": {
+        **spec.algorithm.model_dump(), "kl_reference": "stage"}}), tiny_model_path, pad_id=0))
+    staged = stage.logprobs([(s.prompt_ids, s.token_ids) for s in batch])
+    assert max(abs(a - b) for s, row, out in zip(batch, policy, staged)
+               for a, b in zip(row[len(s.prompt_ids) - 1:].tolist(), out)) < 1e-5
+
+    assert trainer.train_step(batch)["loss/kl"] < 1e-10  # step 0's KL, in the loss
+    frozen = {n: p for n, p in module.named_parameters() if ".reference." in n}
+    assert frozen and not any(p.requires_grad or p.grad is not None for p in frozen.values())
+    optimized = {id(p) for group in trainer.engine.optimizer.param_groups for p in group["params"]}
+    assert not optimized & {id(p) for p in frozen.values()}
+    from peft import get_peft_model_state_dict
+
+    kept = get_peft_model_state_dict(module, adapter_name="reference")
+    assert set(kept) == set(init) and all(torch.equal(kept[k], init[k]) for k in init)  # it did not move
+    with torch.no_grad():
+        moved, _ = trainer._logprobs(module, ids, att)
+    after, _ = trainer._reference_logprobs(ids, att)
+    assert torch.allclose(after, ref, atol=1e-6) and not torch.allclose(moved[mask], after[mask], atol=1e-4)
+
+    sent = trainer.state_dict()
+    assert set(sent) == set(init) and any(not torch.equal(sent[k], init[k]) for k in init)  # the policy's own
+    assert set(load_file(trainer_weight_file(trainer, str(tmp_path), 1).path)) == set(init)
+    trainer.save(str(tmp_path / "model"))
+    saved = tmp_path / "model" / "adapter"
+    assert not [p.name for p in saved.iterdir() if p.is_dir()]  # PEFT puts a second adapter in a folder of its name
+    on_disk = load_file(str(saved / "adapter_model.safetensors"))
+    assert set(on_disk) == set(init) and all(torch.equal(on_disk[k], sent[k]) for k in init)
