@@ -4,6 +4,8 @@ by name (pydantic ``extra="forbid"``)."""
 from __future__ import annotations
 
 import functools
+import re
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional
 
 import yaml
@@ -277,9 +279,16 @@ class RewardSpec(_Strict):
         return components
 
 
+# A prompt group's samples run side by side on one engine; past this a "group" is a batch
+# of its own (GRPO-style runs use 4 to 64).
+MAX_GROUP_SIZE = 1024
+
+
 class AlgorithmSpec(_Strict):
     loss: Literal["ppo", "reinforce"] = "ppo"
-    group_size: int = Field(8, ge=1)
+    group_size: int = Field(8, ge=1, le=MAX_GROUP_SIZE, description="samples per prompt, generated side by side: "
+                            "at most 1024, and with rollout.share_engines at most rollout.max_num_seqs (the pool's "
+                            "seats)")
     lr: float = Field(5e-5, gt=0)
     warmup_steps: int = Field(10, ge=0, description="linear learning-rate warm-up: Adam's first steps "
                               "are sign-like and move every weight by the full lr, a jolt that costs reward")
@@ -328,9 +337,9 @@ class AlgorithmSpec(_Strict):
         True, description="gae: whiten the per-token advantages, (A − mean) / (std + 1e-8), the mean and the "
         "(population) std over all the generated tokens of the step's batch, across data-parallel ranks, as verl, "
         "OpenRLHF and TRL do (a critic that starts at 0 and rewards in [0, 1] otherwise make every early "
-        "advantage >= 0); the critic's returns stay raw. With schedule.stream_train the step's batch is not "
-        "known when its first losses are taken: each arriving prompt group is whitened over its own tokens "
-        "(across ranks). advantage group ignores it (GRPO centres each prompt group already; adv_std_norm "
+        "advantage >= 0); the critic's returns stay raw. With schedule.stream_train the same whole-batch "
+        "whitening is applied to the step's gradients at its end (needs trainer.zero_stage 0, not float16). "
+        "advantage group ignores it (GRPO centres each prompt group already; adv_std_norm "
         "scales it)")
 
     @model_validator(mode="after")
@@ -341,9 +350,17 @@ class AlgorithmSpec(_Strict):
         return self
 
 
+# Absolute caps on what one spec may ask, whatever the deployment: a completion longer than
+# any model's context an RL run generates, and a run (or one evaluation) longer than a month,
+# are mistakes, and each multiplies a run's total work (run_work; the platform bounds that).
+MAX_TOKENS = 262_144
+MAX_RUN_MINUTES = 30 * 24 * 60
+
+
 class RolloutSpec(_Strict):
     engines: int = Field(1, ge=1, le=4096, description="rollout engines (each tensor_parallel GPUs on GPUs)")
-    max_tokens: int = Field(64, ge=1)
+    max_tokens: int = Field(64, ge=1, le=MAX_TOKENS, description="tokens generated per completion at most: at "
+                            "most 262,144, and below max_model_len (the model's context), checked when the run plans")
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1, description="-1 = all tokens")
@@ -464,7 +481,9 @@ class CriticSpec(_Strict):
 
 class StopSpec(_Strict):
     max_steps: int = Field(200, ge=1)
-    max_minutes: float = Field(10.0, gt=0)
+    max_minutes: float = Field(10.0, gt=0, le=MAX_RUN_MINUTES, description="training time at most (at most 30 "
+                               "days); the evaluations before the first and after the last step are not counted, "
+                               "each bounded by eval.timeout_minutes")
 
 
 # eval/<set>/... beside these: a set may not be named like them (docs/architecture.md §5)
@@ -558,6 +577,9 @@ class EvalSetSpec(_Strict):
 class EvalSpec(_Strict):
     every_steps: int = Field(20, ge=0, description="0 = only before and after")
     prompts: int = Field(200, ge=0)
+    timeout_minutes: float = Field(60.0, gt=0, le=MAX_RUN_MINUTES, description="each evaluation's time at most, "
+                                   "the one before step 0 too: one that runs past it is stopped, reported as "
+                                   "eval/timed_out 1 with no other eval metrics for that step, and the run goes on")
     samples: int = Field(0, ge=0, le=64, description="also sample this many completions per held-out prompt at "
                          "rollout.temperature: their mean reward is eval/sampled_reward (0 = greedy only)")
     sets: list[EvalSetSpec] = Field(default_factory=list, max_length=16, description=(
@@ -666,6 +688,19 @@ class MlflowReport(_Strict):
     run_name: Optional[str] = Field(None, min_length=1, max_length=250, description="default: the spec's name")
     tags: dict[str, str] = Field(default_factory=dict, max_length=100, description="tags set on the MLflow run")
 
+    @field_validator("tracking_uri")
+    @classmethod
+    def _one_server(cls, uri: Optional[str]) -> Optional[str]:
+        # a server URI must name one host to every parser that reads it, and carry no
+        # credentials: those come from the environment where the engine runs, never a spec
+        from pydantic_core import PydanticCustomError
+
+        if uri is not None and uri.partition("://")[0].strip().lower() in ("http", "https"):
+            problem = check_server_uri(uri)[1]
+            if problem:
+                raise PydanticCustomError("tracking_uri", "{problem}", {"problem": problem})
+        return uri
+
 
 class WandbReport(_Strict):
     project: str = Field("fluxrl", min_length=1, max_length=128)
@@ -697,18 +732,48 @@ class ReportSpec(_Strict):
         return [name for name in ("tensorboard", "mlflow", "wandb") if getattr(self, name) is not None]
 
 
-def server_origin(uri: str) -> Optional[str]:
-    """``scheme://host:port`` of an http(s) URI (lower case, the default port filled in), or None."""
+_SERVER_AUTHORITY = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")
+
+
+def check_server_uri(uri: str) -> tuple[Optional[str], Optional[str]]:
+    """``(origin, None)`` for an http(s) URI naming one server, ``origin`` being
+    ``scheme://host:port`` (lower case, the default port filled in); ``(None, why not)``
+    otherwise. The URI is read by urllib3's parser, the one MLflow's client connects with,
+    and refused wherever two readers could disagree on the host: a backslash (urllib3 ends
+    the authority there, urlsplit does not), spaces and control characters, '%' escapes,
+    userinfo ('user:password@': credentials never come from a spec), a query or fragment."""
     from urllib.parse import urlsplit
 
+    from urllib3.exceptions import LocationParseError
+    from urllib3.util import parse_url
+
+    if not uri.isascii() or any(c == "\\" or c.isspace() or not c.isprintable() for c in uri):
+        return None, "an MLflow server URI must not contain backslashes, spaces, control or non-ASCII characters"
+    scheme, sep, rest = uri.partition("://")
+    if not sep or scheme.lower() not in ("http", "https"):
+        return None, "an MLflow server (http:// or https://) or a folder inside the run's output folder"
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    if "@" in authority:
+        return None, ("credentials do not belong in the URI: the operator sets them where the engine runs "
+                      "(MLFLOW_TRACKING_USERNAME and _PASSWORD, or MLFLOW_TRACKING_TOKEN)")
+    if "?" in rest or "#" in rest:
+        return None, "an MLflow server URI is scheme://host:port[/path], without a query or fragment"
+    if not _SERVER_AUTHORITY.fullmatch(authority):
+        return None, "an MLflow server URI's host is letters, digits, '.' and '-' (or [IPv6]), then :port"
     try:
-        parts = urlsplit(uri.strip())
-        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
-    except ValueError:
-        return None
-    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-        return None
-    return f"{parts.scheme.lower()}://{parts.hostname.lower()}:{port}"
+        parsed, split = parse_url(uri), urlsplit(uri)
+        port = parsed.port or {"http": 80, "https": 443}[scheme.lower()]
+        same = (parsed.host or "").strip("[]").lower() == (split.hostname or "") and parsed.port == split.port
+    except (LocationParseError, ValueError):
+        return None, "not a URI"
+    if parsed.auth is not None or not parsed.host or not same or not 0 < port < 65536:
+        return None, "an MLflow server URI is scheme://host:port[/path]"
+    return f"{scheme.lower()}://{parsed.host.lower()}:{port}", None
+
+
+def server_origin(uri: str) -> Optional[str]:
+    """``scheme://host:port`` of an http(s) URI that check_server_uri accepts, or None."""
+    return check_server_uri(uri)[0]
 
 
 def report_paths_outside_run(report: ReportSpec, mlflow_servers: Optional[list[str]] = None
@@ -732,11 +797,11 @@ def report_paths_outside_run(report: ReportSpec, mlflow_servers: Optional[list[s
                            "folder (relative, without '..')"})
     uri = report.mlflow.tracking_uri if report.mlflow is not None else None
     if uri is not None and ("://" in uri or uri.partition(":")[0] in ("file", "sqlite", "databricks")):
-        origin = server_origin(uri)
+        origin, problem = check_server_uri(uri)
         if origin is None:
-            errors.append({"field": "report.mlflow.tracking_uri", "message": "an MLflow server (http:// or https://) "
-                           "or a folder inside the run's output folder"})
+            errors.append({"field": "report.mlflow.tracking_uri", "message": problem})
         elif mlflow_servers is not None and origin not in {server_origin(a) for a in mlflow_servers}:
+            # the whole origin (scheme, host, port as the connecting parser reads them) must be listed
             allowed = ", ".join(mlflow_servers) or "none: set FLUXRL_MLFLOW_SERVERS"
             errors.append({"field": "report.mlflow.tracking_uri", "message": f"{origin} is not an MLflow server this "
                            f"deployment allows (FLUXRL_MLFLOW_SERVERS: {allowed}); a folder inside the run's output "
@@ -745,6 +810,59 @@ def report_paths_outside_run(report: ReportSpec, mlflow_servers: Optional[list[s
         errors.append({"field": "report.mlflow.tracking_uri", "message": "must be a folder inside the run's output "
                        "folder (relative, without '..'), or an MLflow server (http:// or https://)"})
     return errors
+
+
+def _mlflow_on_a_server(section: MlflowReport) -> bool:
+    """Whether the MLflow run goes to a server: an http(s) URI, or none (the worker's
+    MLFLOW_TRACKING_URI, the operator's server on a deployment); a folder is the run's own."""
+    uri = section.tracking_uri
+    return uri is None or uri.partition("://")[0].strip().lower() in ("http", "https")
+
+
+def report_outside_namespace(report: ReportSpec, mlflow_prefix: str = "", wandb_prefix: str = "",
+                             wandb_entity: str = "") -> list[dict[str, str]]:
+    """The tracker names ``report`` sets outside a team's namespace on a shared tracker, as
+    SpecError entries: an MLflow experiment on a server not starting with ``mlflow_prefix``;
+    in W&B online mode (the worker uploads with the operator's key) a project not starting
+    with ``wandb_prefix``, or an entity other than ``wandb_entity``. Letter case is ignored
+    (W&B names are not case-sensitive). An empty prefix or entity sets no rule; names the
+    report leaves unset are not checked (namespace_defaults gives them)."""
+    def inside(name: str, prefix: str) -> bool:
+        return name.casefold().startswith(prefix.casefold())
+
+    errors = []
+    mlflow, wandb = report.mlflow, report.wandb
+    if (mlflow is not None and mlflow_prefix and _mlflow_on_a_server(mlflow) and "experiment" in mlflow.model_fields_set
+            and not inside(mlflow.experiment, mlflow_prefix)):
+        errors.append({"field": "report.mlflow.experiment", "message": f"the team's MLflow experiments are named "
+                       f"'{mlflow_prefix}...' on the shared server: name it '{mlflow_prefix}{mlflow.experiment}', or "
+                       "leave it out for the team's default"})
+    if wandb is not None and wandb.mode == "online":
+        if wandb_prefix and "project" in wandb.model_fields_set and not inside(wandb.project, wandb_prefix):
+            errors.append({"field": "report.wandb.project", "message": f"the team's W&B projects are named "
+                           f"'{wandb_prefix}...': name it '{wandb_prefix}{wandb.project}', or leave it out for the "
+                           "team's default"})
+        if wandb_entity and wandb.entity is not None and wandb.entity.casefold() != wandb_entity.casefold():
+            errors.append({"field": "report.wandb.entity", "message": f"runs here log to the W&B entity "
+                           f"'{wandb_entity}' (the operator's): leave it out, or give that one"})
+    return errors
+
+
+def namespace_defaults(report: ReportSpec, mlflow_prefix: str = "", wandb_prefix: str = "",
+                       wandb_entity: str = "") -> dict[str, dict[str, str]]:
+    """The names to fill in where ``report`` leaves them unset, so that they fall in the
+    team's namespace: the usual default ('fluxrl') under the prefix, the operator's entity."""
+    filled: dict[str, dict[str, str]] = {}
+    mlflow, wandb = report.mlflow, report.wandb
+    if (mlflow is not None and mlflow_prefix and _mlflow_on_a_server(mlflow)
+            and "experiment" not in mlflow.model_fields_set):
+        filled["mlflow"] = {"experiment": mlflow_prefix + MlflowReport.model_fields["experiment"].default}
+    if wandb is not None and wandb.mode == "online":
+        if wandb_prefix and "project" not in wandb.model_fields_set:
+            filled.setdefault("wandb", {})["project"] = wandb_prefix + WandbReport.model_fields["project"].default
+        if wandb_entity and wandb.entity is None:
+            filled.setdefault("wandb", {})["entity"] = wandb_entity
+    return filled
 
 
 class RunSpec(_Strict):
@@ -783,6 +901,16 @@ class RunSpec(_Strict):
         if self.schedule.stream_train and (self.algorithm.minibatches > 1 or self.algorithm.ppo_epochs > 1):
             raise ValueError("schedule.stream_train trains each batch in one optimiser step: "
                              "algorithm.minibatches and ppo_epochs must be 1")
+        whiten_later = (self.schedule.stream_train and self.algorithm.advantage == "gae"
+                        and self.algorithm.whiten_advantages)
+        if whiten_later and (self.trainer.zero_stage != 0 or self.model.dtype == "float16"):
+            # the step whitens over the whole batch only at its end, from gradients accumulated
+            # apart in p.grad (workers/train/trainer.py, "whiten_advantages in a streamed GAE step")
+            raise ValueError("schedule.stream_train with algorithm.advantage 'gae' and whiten_advantages needs "
+                             "trainer.zero_stage 0 and a model.dtype other than float16: the advantages are "
+                             "whitened over the whole batch at the step's end, from gradients kept apart in "
+                             "p.grad, which ZeRO 1-3 partition and fp16 loss-scales (or set "
+                             "algorithm.whiten_advantages false)")
         return self
 
     @model_validator(mode="after")
@@ -847,6 +975,9 @@ class RunSpec(_Strict):
             (self.schedule.dispatch == "skew_aware", "schedule.dispatch other than 'skew_aware' (its priorities "
              "order one run's requests; on a shared engine vLLM would compare them with other runs' and preempt "
              "theirs)"),
+            (self.algorithm.group_size > self.rollout.max_num_seqs, f"algorithm.group_size at most "
+             f"rollout.max_num_seqs ({self.algorithm.group_size} > {self.rollout.max_num_seqs}: the pool's engine "
+             f"has that many seats, shared with the other runs)"),
         ]
         wrong = [need for bad, need in refusals if bad]
         if wrong:
@@ -904,6 +1035,49 @@ def validate_spec(data: Any) -> RunSpec:
             msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
             errors.append({"field": field, "message": msg})
         raise SpecError(errors) from None
+
+
+@dataclass(frozen=True)
+class RunWork:
+    """The most tokens a run can generate (every completion at rollout.max_tokens), by what
+    generates them; the platform's per-run ceilings bound these (fluxrl/quotas/services.py)."""
+    training: int  # stop.max_steps x schedule.batch_prompts x algorithm.group_size x max_tokens
+    evaluations: int  # before step 0, every eval.every_steps before the last step, after the last step
+    greedy: int  # one evaluation's held-out prompts x (1 greedy + eval.samples) x max_tokens
+    sets: tuple[int, ...]  # one evaluation of each eval set: its prompts x n x max_tokens
+
+    @property
+    def per_evaluation(self) -> int:
+        return self.greedy + sum(self.sets)
+
+    @property
+    def evaluation_total(self) -> int:
+        return self.per_evaluation * self.evaluations
+
+    @property
+    def total(self) -> int:
+        return self.training + self.evaluation_total
+
+
+def run_work(spec: RunSpec) -> RunWork:
+    """A run's total work from its spec (Python integers: no overflow). Prompts are those an
+    evaluation can have: the run's held-out split has task.eval_size rows, a generated set
+    its size; a file's rows are not known here, so its set counts eval.sets.prompts."""
+    tokens = spec.rollout.max_tokens
+    steps, every = spec.stop.max_steps, spec.eval.every_steps
+    evaluations = 2 + ((steps - 1) // every if every else 0)
+    held_out = spec.task.eval_size
+
+    def set_prompts(one: EvalSetSpec) -> int:
+        if one.dataset is None:
+            return min(one.prompts, held_out)
+        return min(one.prompts, one.size) if one.dataset.startswith("gen:") else one.prompts
+
+    return RunWork(
+        training=steps * spec.schedule.batch_prompts * spec.algorithm.group_size * tokens,
+        evaluations=evaluations,
+        greedy=min(spec.eval.prompts, held_out) * (1 + spec.eval.samples) * tokens,
+        sets=tuple(set_prompts(one) * one.n * tokens for one in spec.eval.sets))
 
 
 def load_spec_file(path: str) -> RunSpec:

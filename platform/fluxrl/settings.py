@@ -257,6 +257,10 @@ FLUXRL_MAX_UPLOAD_BYTES = int(float(os.environ.get("FLUXRL_MAX_UPLOAD_MB", "64")
 # The normalized rows a dataset version stores (what a Parquet/Arrow file or a datasets folder
 # expands to), checked as they are written: compressed columns can be far larger than the upload.
 FLUXRL_MAX_DATASET_BYTES = int(float(os.environ.get("FLUXRL_MAX_DATASET_MB", "1024")) * 1024 * 1024)
+# One row of a dataset as stored JSON (a JSONL line, a CSV record, a decoded Parquet/Arrow row):
+# a longer one is refused before the web process parses it, so one row cannot take the web
+# process's memory (a few KB of Parquet can decode to one row of hundreds of MB).
+FLUXRL_DATASET_MAX_ROW_BYTES = int(os.environ.get("FLUXRL_DATASET_MAX_ROW_BYTES", str(1024 * 1024)))
 # Parquet/Arrow files are decoded in a child process with this address-space cap and wall
 # clock (fluxrl/datasets/convert.py): a small file can expand to gigabytes when decoded.
 FLUXRL_DATASET_CONVERT_MEMORY_MB = int(os.environ.get(
@@ -278,6 +282,15 @@ FLUXRL_MAX_MODEL_JSON_BYTES = int(float(os.environ.get("FLUXRL_MAX_MODEL_JSON_MB
 # https://mlflow.internal:5000): workers post to it from inside the cluster, so it is the
 # operator's list, not a team's choice. Empty: local file stores only.
 FLUXRL_MLFLOW_SERVERS = [s.strip() for s in os.environ.get("FLUXRL_MLFLOW_SERVERS", "").split(",") if s.strip()]
+# Each team's namespace on the shared trackers, {team} being its slug: a run's MLflow
+# experiment on a server (or on the workers' MLFLOW_TRACKING_URI) must start with the
+# first, a W&B online run's project with the second, and its entity is the operator's
+# FLUXRL_WANDB_ENTITY when that is set; names a spec leaves out are filled in inside the
+# namespace. The separators are characters a slug cannot hold ('/' and '.'), so no team's
+# prefix starts another's; W&B project names may not contain '/'. Empty: no rule.
+FLUXRL_MLFLOW_EXPERIMENT_PREFIX = os.environ.get("FLUXRL_MLFLOW_EXPERIMENT_PREFIX", "{team}/")
+FLUXRL_WANDB_PROJECT_PREFIX = os.environ.get("FLUXRL_WANDB_PROJECT_PREFIX", "{team}.")
+FLUXRL_WANDB_ENTITY = os.environ.get("FLUXRL_WANDB_ENTITY", "").strip()
 FLUXRL_INGEST_MAX_POINTS = int(os.environ.get("FLUXRL_INGEST_MAX_POINTS", "1000"))
 FLUXRL_INGEST_MAX_SAMPLES = int(os.environ.get("FLUXRL_INGEST_MAX_SAMPLES", "500"))
 FLUXRL_INGEST_MAX_BYTES = int(os.environ.get("FLUXRL_INGEST_MAX_BYTES", str(1024 * 1024)))
@@ -329,6 +342,13 @@ if FLUXRL_TRY_QUEUE and not REDIS_URL:
 # the Celery workers only: not the Django secret, which stays with the web process. Unset
 # (the embedded default, one host): the Django secret.
 FLUXRL_CLUSTER_KEY_SECRET = os.environ.get("FLUXRL_CLUSTER_KEY_SECRET", "") or SECRET_KEY
+# Shared engine pools (runs/tickets.py): the Ed25519 key the platform signs each run's pool
+# ticket (its tenant and weight) with, made on first use; its public half is written beside
+# it (".pub") for the pools. Never in a run's environment. Unset: FLUXRL_DATA_DIR /
+# pool-tickets.ed25519. A ticket is good for FLUXRL_POOL_TICKET_TTL_S: a run's engine joins a
+# pool at start, and again only if the pool restarts under it.
+FLUXRL_POOL_TICKET_KEY_FILE = os.environ.get("FLUXRL_POOL_TICKET_KEY_FILE", "")
+FLUXRL_POOL_TICKET_TTL_S = float(os.environ.get("FLUXRL_POOL_TICKET_TTL_S", str(30 * 86400)))
 
 # --- Request limits: body cap, rates, websocket re-checks ---
 # Request bodies above this are refused (413) by fluxrl/asgi.py before Django reads them;
@@ -367,5 +387,31 @@ FLUXRL_QUOTA_ENGINES = env_limit("FLUXRL_QUOTA_ENGINES", "128")
 FLUXRL_QUOTA_NODES = env_limit("FLUXRL_QUOTA_NODES", "64")  # every live run holds one at least
 FLUXRL_QUOTA_STORAGE_BYTES = env_limit("FLUXRL_QUOTA_STORAGE_MB", "51200", 1024 * 1024)  # 50 GiB
 FLUXRL_QUOTA_FILES = env_limit("FLUXRL_QUOTA_FILES", "20000")
+# Per person, across every team they are in (the runs they submitted, the versions they
+# uploaded): a new team brings no new room. Unset: the team default's value. An admin sets a
+# person's own in quotas.UserQuota.
+FLUXRL_QUOTA_USER_RUNS = env_limit("FLUXRL_QUOTA_USER_RUNS", os.environ.get("FLUXRL_QUOTA_RUNS", "32"))
+FLUXRL_QUOTA_USER_STORAGE_BYTES = env_limit("FLUXRL_QUOTA_USER_STORAGE_MB",
+                                            os.environ.get("FLUXRL_QUOTA_STORAGE_MB", "51200"), 1024 * 1024)
+FLUXRL_QUOTA_USER_FILES = env_limit("FLUXRL_QUOTA_USER_FILES", os.environ.get("FLUXRL_QUOTA_FILES", "20000"))
+# Per organisation, over all its teams (quotas.OrganisationQuota overrides); unset: no limit.
+FLUXRL_QUOTA_ORG_RUNS = env_limit("FLUXRL_QUOTA_ORG_RUNS", "none")
+FLUXRL_QUOTA_ORG_STORAGE_BYTES = env_limit("FLUXRL_QUOTA_ORG_STORAGE_MB", "none", 1024 * 1024)
+FLUXRL_QUOTA_ORG_FILES = env_limit("FLUXRL_QUOTA_ORG_FILES", "none")
+# Who may create a team through the API (POST /api/teams/): "staff" (is_staff users, the
+# operators) or "anyone" signed in. Each team is a tenant with its own quotas, so on a
+# shared install letting anyone make teams lets anyone make room for themselves.
+FLUXRL_TEAM_CREATION = os.environ.get("FLUXRL_TEAM_CREATION", "staff").strip().lower()
+if FLUXRL_TEAM_CREATION not in {"staff", "anyone"}:
+    raise ImproperlyConfigured(f"FLUXRL_TEAM_CREATION: {FLUXRL_TEAM_CREATION!r} is neither 'staff' nor 'anyone'")
 FLUXRL_MAX_ENGINES_PER_RUN = env_limit("FLUXRL_MAX_ENGINES_PER_RUN", "64")
 FLUXRL_MAX_NODES_PER_RUN = env_limit("FLUXRL_MAX_NODES_PER_RUN", "16")
+# A run's total work: the most tokens it can generate, every completion at rollout.max_tokens
+# (workers.spec.run_work). Training: max_steps x batch_prompts x group_size x max_tokens; one
+# eval set at one evaluation: its prompts x n x max_tokens; every evaluation of the run: (the
+# held-out prompts x (1 + eval.samples) + the sets' prompts x n) x max_tokens x evaluations.
+# The defaults pass a long reasoning run (1000 steps x 512 prompts x 16 samples x 20k tokens is
+# 1.7e14) and refuse specs no deployment can serve.
+FLUXRL_MAX_TRAIN_TOKENS_PER_RUN = env_limit("FLUXRL_MAX_TRAIN_TOKENS_PER_RUN", "1e15")
+FLUXRL_MAX_EVAL_SET_TOKENS = env_limit("FLUXRL_MAX_EVAL_SET_TOKENS", "1e11")
+FLUXRL_MAX_EVAL_TOKENS_PER_RUN = env_limit("FLUXRL_MAX_EVAL_TOKENS_PER_RUN", "1e13")

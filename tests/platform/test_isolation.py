@@ -74,7 +74,7 @@ def build_world(team: Team, admin, member, marker: str) -> World:
     """A dataset, reward function, running run with samples, metrics and a checkpoint,
     an API token and a run token, all named with `marker`."""
     team.name = f"Team {marker}"
-    team.report_defaults = {"mlflow": {"experiment": f"{marker}-exp", "tags": {"by": marker}}}
+    team.report_defaults = {"mlflow": {"experiment": f"{team.slug}/{marker}-exp", "tags": {"by": marker}}}
     team.save()
     dataset = add_version(team, admin, f"{marker}-data", [{"prompt": f"{marker} 1+1=", "answer": "2"}],
                           description=marker, source="jsonl")

@@ -19,6 +19,7 @@ and the trainer's step runs in a thread so generation streams on meanwhile.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import tempfile
@@ -48,6 +49,8 @@ from workers.train.trainer import TrainSample
 from workers.weights.files import trainer_weight_file
 
 __all__ = ["Controller", "Group", "RunResult", "Sample", "TrainerError"]
+
+logger = logging.getLogger(__name__)
 
 
 class TrainerError(RuntimeError):
@@ -286,13 +289,31 @@ class Controller:
     async def evaluate(self, step: int) -> float:
         """Greedy accuracy (mean reward) on the held-out rows; with ``eval.samples`` also the
         policy's expected held-out reward: the mean reward of that many completions per row
-        sampled at the rollout temperature (what RL raises first, before the argmax moves)."""
+        sampled at the rollout temperature (what RL raises first, before the argmax moves).
+
+        Each evaluation, the one before step 0 too, has ``eval.timeout_minutes``: past it the
+        evaluation is stopped (its requests cancelled), reported as ``eval/timed_out`` 1 at
+        ``step`` with none of its other metrics (a part of the prompts, the quick ones,
+        would read as a score), and NaN is returned. The run goes on: an evaluation only
+        observes the training, and a run failed here could not be resumed with other
+        evaluation settings (a resumed run keeps its spec)."""
         if not self.eval_rows and not self.eval_sets.sets:
             return float("nan")
         self.fleet.live_engine()  # fails clearly if every engine is dead
         evaluating = EVALUATING.set(True)
+        limit_s = self.spec.eval.timeout_minutes * 60
         try:
-            return await self._evaluate(step)
+            async with asyncio.timeout(limit_s) as deadline:
+                return await self._evaluate(step)
+        except TimeoutError:
+            if not deadline.expired():  # a timeout of the evaluation's own calls: its error
+                raise
+            logger.warning("the evaluation at step %d did not finish within eval.timeout_minutes (%g): stopped, "
+                           "reported as eval/timed_out, and the run goes on; lower eval.prompts, eval.samples or "
+                           "the sets' prompts or n, or raise the timeout", step, self.spec.eval.timeout_minutes)
+            self.last_sampled_reward = None
+            self.reporter.log(step, {"eval/timed_out": 1.0})
+            return float("nan")
         finally:
             EVALUATING.reset(evaluating)
 

@@ -24,7 +24,6 @@ import threading
 from collections import deque
 from pathlib import Path
 from typing import Any, Optional
-from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +87,81 @@ class TensorBoardExporter(Exporter):
         return str(self.dir)
 
 
+def connected_origin(uri: str) -> Optional[str]:
+    """``scheme://host:port`` that an HTTP client connects to for ``uri`` (urllib3's reading,
+    userinfo ignored), or None."""
+    from urllib3.util import parse_url
+
+    try:
+        parsed = parse_url(uri.strip())
+        port = parsed.port or {"http": 80, "https": 443}.get(parsed.scheme or "")
+    except ValueError:  # urllib3's LocationParseError is one
+        return None
+    return f"{parsed.scheme}://{parsed.host.lower()}:{port}" if parsed.scheme and parsed.host and port else None
+
+
+# the environment's tracker credentials: their values never appear in what is logged
+CREDENTIAL_VARIABLES = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
+                        "MLFLOW_TRACKING_AUTH", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "DATABRICKS_TOKEN",
+                        "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AZURE_STORAGE_ACCESS_KEY",
+                        "AZURE_STORAGE_CONNECTION_STRING", "GOOGLE_APPLICATION_CREDENTIALS")
+_CREDENTIAL_TEXT = [
+    (re.compile(r"(?i)\b(bearer|basic)(\s+)[A-Za-z0-9._~+/=-]{6,}"), r"\1\2***"),
+    (re.compile(r"(?i)((?:api[_-]?key|access[_-]?key|token|passw(?:or)?d|secret|authorization|credentials?|auth)"
+                r"[\"']?\s*[:=]\s*[\"']?)[^\s\"',;&}]+"), r"\1***"),
+    (re.compile(r"://[^/\s@]*@"), "://***@"),  # userinfo in a URL
+]
+MAX_REASON_CHARS = 200
+
+
+def scrub(text: str, secrets: tuple[str, ...] = ()) -> str:
+    """``text`` with credential-like parts replaced by ***: the values in ``secrets``,
+    'token=...', 'password: ...', 'Bearer ...', a URL's userinfo."""
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    for pattern, replacement in _CREDENTIAL_TEXT:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def environment_secrets() -> tuple[str, ...]:
+    return tuple(v for v in (os.environ.get(name, "") for name in CREDENTIAL_VARIABLES) if len(v) >= 4)
+
+
+def failure_reason(exc: BaseException, secrets: tuple[str, ...] = ()) -> str:
+    """What an exporter's failure is logged as, and shown in result.json: the exception's
+    class, the tracker's error code and HTTP status where it answered, and the message only
+    where it is the client's own. A tracker's reply (MLflow puts the response body in its
+    exception) is text anyone able to serve that address chose, and may echo the request's
+    credentials: it is never repeated; the rest is scrubbed and cut short."""
+    parts = [type(exc).__name__]
+    code = getattr(exc, "error_code", None)
+    if isinstance(code, str) and re.fullmatch(r"[A-Z][A-Z0-9_]{0,63}", code):
+        parts.append(code)
+    status = None
+    response = getattr(exc, "response", None)
+    if isinstance(getattr(response, "status_code", None), int):
+        status = response.status_code
+    elif callable(getattr(exc, "get_http_status_code", None)) and code is not None:
+        try:
+            status = int(exc.get_http_status_code())
+        except (TypeError, ValueError):
+            status = None
+    if status is not None:
+        parts.append(f"HTTP {status}")
+    text = str(exc)
+    # MLflow's RestException keeps the reply as .json; its other errors quote it after
+    # "Response body"; W&B's CommError and requests' HTTPError carry the server's words
+    from_tracker = (response is not None or hasattr(exc, "json") or "Response body" in text
+                    or type(exc).__name__ in ("CommError", "HTTPError"))
+    head = " ".join(parts)
+    if from_tracker:
+        return f"{head} (the tracker's reply is not logged)"
+    reason = scrub(text, secrets)
+    reason = reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 3] + "..."
+    return f"{head}: {reason}" if reason else head
+
+
 def mlflow_key(key: str) -> str:
     """MLflow refuses '@' in a metric name (eval/<set>/pass@<k>): it becomes '_at_', as verl does."""
     return key.replace("@", "_at_")
@@ -123,14 +197,16 @@ class MlflowExporter(Exporter):
     def keep_credentials_home(self, uri: str) -> None:
         """The worker's MLflow credentials belong to its own server (MLFLOW_TRACKING_URI): a
         spec that names another server (any team member writes specs) must not receive them,
-        so they leave this process's environment before the client is made."""
+        so they leave this process's environment before the client is made. Both URIs are
+        read by urllib3's parser, the one the client connects with."""
         home = os.environ.get("MLFLOW_TRACKING_URI", "")
-        if urlsplit(uri).netloc and urlsplit(uri).netloc.lower() == urlsplit(home).netloc.lower():
+        target = connected_origin(uri)
+        if home and (uri == home or (target is not None and target == connected_origin(home))):
             return
         dropped = [name for name in self.CREDENTIALS if os.environ.pop(name, None) is not None]
         if dropped:
             log.warning("report.mlflow: %s is not this worker's MLFLOW_TRACKING_URI; its credentials (%s) are not "
-                        "sent there", uri, ", ".join(dropped))
+                        "sent there", target or "the spec's tracking_uri", ", ".join(dropped))
 
     def open(self) -> None:
         from mlflow.entities import Param  # extra: exporters
@@ -238,6 +314,7 @@ class Exporters:
         self.state_path = Path(out_dir) / STATE_FILE if out_dir is not None else None
         self.status: dict[str, str] = {e.name: "starting" for e in exporters}
         self.max_points = max_points
+        self.secrets = environment_secrets()  # read now: the MLflow exporter may drop them from the environment
         self.dropped = 0
         self._queue: deque[list[dict]] = deque()
         self._queued = 0
@@ -284,10 +361,10 @@ class Exporters:
 
     def _fail(self, exporter: Exporter, doing: str, exc: BaseException) -> None:
         """Drop an exporter: logged once, at ERROR, with what it was doing."""
-        self.status[exporter.name] = f"failed ({doing}): {type(exc).__name__}: {exc}"
+        reason = failure_reason(exc, self.secrets)  # the run's log and result.json: the team reads both
+        self.status[exporter.name] = f"failed ({doing}): {reason}"
         hint = " (pip install its package on the worker)" if isinstance(exc, ImportError) else ""
-        log.error("report.%s failed while %s: %s: %s%s; training goes on without it", exporter.name, doing,
-                  type(exc).__name__, exc, hint)
+        log.error("report.%s failed while %s: %s%s; training goes on without it", exporter.name, doing, reason, hint)
 
     def _loop(self) -> None:
         state = self._read_state()
@@ -296,7 +373,7 @@ class Exporters:
             try:
                 exporter.open()
                 self.status[exporter.name] = "ok"
-                log.info("report.%s: writing to %s", exporter.name, exporter.where())
+                log.info("report.%s: writing to %s", exporter.name, scrub(exporter.where(), self.secrets))
             except BaseException as exc:  # noqa: BLE001 - an exporter never stops the run
                 self._fail(exporter, "opening", exc)
         self._write_state(state)

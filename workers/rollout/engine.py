@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import math
 import os
 import statistics
@@ -33,6 +34,7 @@ from workers.weights.files import WeightFile
 if TYPE_CHECKING:
     from workers.weights.broadcast import CollectiveWeights
 
+logger = logging.getLogger(__name__)
 _ids = itertools.count()
 
 
@@ -160,6 +162,32 @@ def _priority(priority: int) -> dict:
     return {"priority": priority} if priority else {}
 
 
+def _identity_args(weights: "WeightFile") -> tuple:
+    """(identity, size) for a worker's file load: the file as checked, which the worker
+    reads only if its path still names it (files.held_weight_file); plain values, as
+    vLLM's RPC encodes them."""
+    return (list(weights.identity), weights.size) if weights.identity is not None else (None, None)
+
+
+SLEEP_TAGS = ("weights", "kv_cache")  # what vLLM's sleep level 1 puts to sleep, and wake_up's tags
+
+
+def asleep_after_wake(asleep: Optional[str], tags: Optional[list[str]]) -> Optional[str]:
+    """What still sleeps after waking ``tags`` (None: everything) of an engine where
+    ``asleep`` sleeps ("all", one of ``SLEEP_TAGS``, or None when awake): "all", one tag, or
+    None once nothing does."""
+    unknown = [t for t in tags or [] if t not in SLEEP_TAGS]
+    if unknown:
+        raise ValueError(f"unknown wake_up tags {unknown}: vLLM's are {list(SLEEP_TAGS)}")
+    if asleep is None or tags is None:
+        return None
+    sleeping = set(SLEEP_TAGS) if asleep == "all" else {asleep}
+    left = sleeping - set(tags)
+    if not left:
+        return None
+    return "all" if left == set(SLEEP_TAGS) else left.pop()
+
+
 class EngineDied(RuntimeError):
     """The engine's core process died while a call to it was pending."""
 
@@ -285,9 +313,16 @@ class RolloutEngine:
         (``None``). vLLM resumes scheduling once all of it is back. Returns the seconds."""
         if self.asleep is None:
             return 0.0
+        left = asleep_after_wake(self.asleep, tags)
         t = time.perf_counter()
-        fully_awake = await self._call("wake_up", self.engine.wake_up(tags))
-        self.asleep = None if fully_awake else "kv_cache"
+        # what sleeps follows what was asked, once vLLM has done it: its answer differs by
+        # version (0.26 returns None, later ones whether everything is awake)
+        answer = await self._call("wake_up", self.engine.wake_up(tags))
+        if isinstance(answer, bool) and answer != (left is None):
+            logger.warning("rollout engine %d: vLLM says %s after waking %s; %s sleeps as asked",
+                           self.index, "all awake" if answer else "not all awake", tags or "everything",
+                           left or "nothing")
+        self.asleep = left
         return time.perf_counter() - t
 
     def shutdown(self) -> None:
@@ -530,7 +565,8 @@ class RolloutEngine:
         if self.lora_rank:
             return self._load_adapter(weights)
         if isinstance(weights, WeightFile):  # read by vLLM's workers a tensor at a time
-            return self.engine.collective_rpc("fluxrl_load_weight_file", args=(weights.path,))
+            return self.engine.collective_rpc("fluxrl_load_weight_file", args=(weights.path, False,
+                                                                                *_identity_args(weights)))
         if isinstance(weights, (bytes, bytearray, memoryview)):
             return self.engine.collective_rpc("fluxrl_load_weights", args=(weights,))
         return self.engine.collective_rpc("fluxrl_receive_weights", args=(weights.meta,))
@@ -547,7 +583,8 @@ class RolloutEngine:
             self._lora_folder = tempfile.mkdtemp(prefix=f"fluxrl-lora-e{self.index}-")
         name = f"{LORA_NAME}-{self.lora_id}"
         loaded = await self.engine.collective_rpc("fluxrl_load_lora_file",
-                                                  args=(weights.path, self._lora_folder, self.lora_id, name))
+                                                  args=(weights.path, self._lora_folder, self.lora_id, name,
+                                                        *_identity_args(weights)))
         if self.lora_request is None:
             from vllm.lora.request import LoRARequest
 

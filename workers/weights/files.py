@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Optional
 
 from workers.io.lifetime import pid_alive, pid_namespace
@@ -54,9 +54,13 @@ ADAPTER_CONFIG_KEY = "fluxrl_adapter_config"
 
 @dataclass(frozen=True)
 class WeightFile:
-    """A state dict as a safetensors file on this host (its tensors in the trainer's names)."""
+    """A state dict as a safetensors file on this host (its tensors in the trainer's names).
+    ``identity``: (device, inode) of the file as it was checked (:func:`local_weight_file`,
+    a spool's own file); a reader then opens the path again and reads only that file
+    (:func:`held_weight_file`), so nothing swapped in at the path after the check is read."""
     path: str
     size: int
+    identity: Optional[tuple[int, int]] = field(default=None, compare=False)
 
 
 def write_weight_file(state: dict[str, "torch.Tensor"], path: str,
@@ -83,11 +87,12 @@ def trainer_weight_file(trainer, folder: str, version: int) -> "WeightFile":
     return write_weight_file(trainer.state_dict(), path, metadata() if metadata is not None else None)
 
 
-def weight_file_metadata(path: str) -> dict[str, str]:
-    """A safetensors file's header metadata (empty when it has none)."""
+def weight_file_metadata(source: "str | WeightFile") -> dict[str, str]:
+    """A safetensors file's header metadata (empty when it has none); a WeightFile with an
+    identity: only if the path still names that file (:func:`held_weight_file`)."""
     from safetensors import safe_open
 
-    with safe_open(path, framework="pt") as f:
+    with held_weight_file(source) as path, safe_open(path, framework="pt") as f:
         return dict(f.metadata() or {})
 
 
@@ -136,14 +141,53 @@ def savable_tensors(state: dict[str, "torch.Tensor"]) -> dict[str, "torch.Tensor
     return tensors
 
 
-def iter_weight_file(path: str) -> Iterator[tuple[str, "torch.Tensor"]]:
+def iter_weight_file(source: "str | WeightFile") -> Iterator[tuple[str, "torch.Tensor"]]:
     """(name, tensor) pairs read one at a time from a safetensors file (memory-mapped: only
-    the tensor in hand is in memory)."""
+    the tensor in hand is in memory); a WeightFile with an identity: only if the path still
+    names that file (:func:`held_weight_file`)."""
     from safetensors import safe_open
 
-    with safe_open(path, framework="pt") as f:
+    with held_weight_file(source) as path, safe_open(path, framework="pt") as f:
         for name in f.keys():
             yield name, f.get_tensor(name)
+
+
+def _fd_path(fd: int) -> str:
+    """A path that opens the file behind ``fd`` itself (not whatever its name now links to)."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        if os.path.isdir(folder):
+            return f"{folder}/{fd}"
+    raise SpoolError("no /proc/self/fd or /dev/fd to read a checked weight file through its descriptor")
+
+
+@contextlib.contextmanager
+def held_weight_file(source: "str | WeightFile") -> Iterator[str]:
+    """A path to read ``source`` by. A plain path, or a WeightFile without an identity, is
+    yielded as it is. A WeightFile with one is opened once (no link followed at its last
+    step), and refused (SpoolError) unless that descriptor is the very file that was checked
+    (same device and inode, a regular file, the same size); what is yielded then reads that
+    descriptor's file (``/proc/self/fd/N``), whatever is put at the path meanwhile. The
+    check and the read are in different processes (an engine server checks, vLLM's workers
+    read), so the identity travels with the path and is checked again where it is read."""
+    import stat
+
+    if isinstance(source, str) or source.identity is None:
+        yield source if isinstance(source, str) else source.path
+        return
+    try:
+        fd = os.open(source.path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise SpoolError(f"weight file {source.path!r} is no longer the file that was checked: "
+                         f"{exc.strerror or exc}") from exc
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != tuple(source.identity) or not stat.S_ISREG(st.st_mode) \
+                or st.st_size != source.size:
+            raise SpoolError(f"weight file {source.path!r} is no longer the file that was checked (another file "
+                             "was put at its path): not loaded")
+        yield _fd_path(fd)
+    finally:
+        os.close(fd)
 
 
 def read_chunks(path: str, size: Optional[int] = None) -> Iterator[tuple[int, bytes]]:
@@ -205,7 +249,8 @@ def local_weight_file(path: str, max_bytes: int) -> WeightFile:
     if st.st_size > max_bytes:
         raise refuse(f"{st.st_size / 2**20:.1f} MiB, over the {max_bytes / 2**20:.1f} MiB this engine takes "
                      f"({SPOOL_SIZE_FACTOR}x its model folder's weights)")
-    return WeightFile(path, st.st_size)
+    # what was checked is this inode: the loader opens the path again and reads only this file
+    return WeightFile(path, st.st_size, (st.st_dev, st.st_ino))
 
 
 def remove_orphan_spools(folder: Optional[str] = None) -> list[str]:
@@ -279,7 +324,7 @@ class WeightSpool:
 
     def _begin(self, stream: int, offset: int, total: int) -> dict:
         entry = {"fh": None, "path": os.path.join(self.folder, f"stream-{stream}.safetensors"), "total": total,
-                 "written": 0, "error": None}
+                 "written": 0, "error": None, "identity": None}
         self._open[stream] = entry
         try:
             if len(self._open) > self.MAX_OPEN:
@@ -296,6 +341,9 @@ class WeightSpool:
                 raise SpoolError(f"weight stream {stream}: {total / 2**20:.1f} MiB do not fit in the "
                                  f"{free / 2**20:.1f} MiB free under {self.folder} (set TMPDIR to a larger disk)")
             entry["fh"] = open(entry["path"], "wb")  # noqa: SIM115 - closed when complete or failed
+            # the file this spool writes is the one the engine reads: nothing put at its path instead
+            st = os.fstat(entry["fh"].fileno())
+            entry["identity"] = (st.st_dev, st.st_ino)
         except (OSError, SpoolError) as exc:
             self._fail(entry, exc)
         return entry
@@ -320,7 +368,7 @@ class WeightSpool:
             self._fail(entry, SpoolError(entry["error"]))
         if entry["error"] is not None:
             raise SpoolError(entry["error"])
-        return WeightFile(entry["path"], entry["total"])
+        return WeightFile(entry["path"], entry["total"], entry["identity"])
 
     @staticmethod
     def release(weights: WeightFile) -> None:

@@ -58,6 +58,14 @@ def legacy_tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def _checked(path: str, identity: list | None, size: int | None) -> "str | WeightFile":
+    """The file a worker is told to load: the path alone, or the file the server checked
+    (its identity comes as a list: vLLM's RPC encodes tuples as lists)."""
+    if identity is None:
+        return path
+    return WeightFile(path, int(size), (int(identity[0]), int(identity[1])))
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``); methods are reached
     with ``engine.collective_rpc(name, args=...)``."""
@@ -66,12 +74,16 @@ class WeightSyncExtension:
         t0 = time.perf_counter()
         return self._fluxrl_apply(iter(st_load(blob).items()), force_reload, t0)
 
-    def fluxrl_load_weight_file(self, path: str, force_reload: bool = False) -> dict:
-        """Load a safetensors file of this host (files.WeightFile) one tensor at a time."""
+    def fluxrl_load_weight_file(self, path: str, force_reload: bool = False, identity: list | None = None,
+                                size: int | None = None) -> dict:
+        """Load a safetensors file of this host (files.WeightFile) one tensor at a time.
+        ``identity`` and ``size``: the file as the engine server checked it (device and inode,
+        bytes); given them, the file is read only if the path still names it."""
         t0 = time.perf_counter()
-        return self._fluxrl_apply(iter_weight_file(path), force_reload, t0)
+        return self._fluxrl_apply(iter_weight_file(_checked(path, identity, size)), force_reload, t0)
 
-    def fluxrl_load_lora_file(self, path: str, folder: str, lora_id: int, lora_name: str) -> dict:
+    def fluxrl_load_lora_file(self, path: str, folder: str, lora_id: int, lora_name: str,
+                              identity: list | None = None, size: int | None = None) -> dict:
         """model.lora: serve the adapter in a weight file of this host (its tensors in PEFT's
         names, PEFT's adapter_config in the header) as vLLM LoRA ``lora_id``, replacing the
         loaded one in place (``load_inplace``): the adapter is written as a PEFT folder under
@@ -84,14 +96,16 @@ class WeightSyncExtension:
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
-        from workers.weights.files import ADAPTER_CONFIG_KEY, weight_file_metadata
+        from workers.weights.files import ADAPTER_CONFIG_KEY, held_weight_file, weight_file_metadata
 
         t0 = time.perf_counter()
-        config = weight_file_metadata(path).get(ADAPTER_CONFIG_KEY)
-        if config is None:
-            raise ValueError(f"{path}: not a LoRA adapter (no {ADAPTER_CONFIG_KEY} in its header)")
-        self._fluxrl_digests = None
-        tensors = dict(iter_weight_file(path))
+        # the header and the tensors from one opening of the checked file
+        with held_weight_file(_checked(path, identity, size)) as readable:
+            config = weight_file_metadata(readable).get(ADAPTER_CONFIG_KEY)
+            if config is None:
+                raise ValueError(f"{path}: not a LoRA adapter (no {ADAPTER_CONFIG_KEY} in its header)")
+            self._fluxrl_digests = None
+            tensors = dict(iter_weight_file(readable))
         digests = {name: tensor_digest(t) for name, t in tensors.items()}
         mine = os.path.join(folder, f"worker-{getattr(self, 'rank', 0)}")
         os.makedirs(mine, exist_ok=True)
@@ -286,6 +300,7 @@ class WeightSyncExtension:
         def write(module, pname: str, parts: list[str]) -> None:
             param = getattr(module, pname)
             new = pending[parts[0]] if len(parts) == 1 else torch.cat([pending[p] for p in parts])
+            check_update_shape(parts, new, module, pname)
             if param.numel() == 0 and cpu and pname == "weight":
                 # vLLM dropped the unpacked weight after packing it: pack the new one
                 module.weight = torch.nn.Parameter(new.to(param.dtype).contiguous(), requires_grad=False)
@@ -350,6 +365,30 @@ class WeightSyncExtension:
 
 HEAD_ROWS = 4  # rows of each tensor the first update keeps to check the direct path
 HEAD_VALUES = 256  # values of a 1-D tensor it keeps
+
+
+def check_update_shape(parts: list[str], new: torch.Tensor, module: torch.nn.Module, pname: str) -> None:
+    """Raise unless ``new`` (the update's tensors ``parts``, concatenated) fits the live
+    parameter ``pname`` of ``module`` that the direct path copies it into: a copy into a
+    slice would take a wrong-shaped tensor silently (an empty one copies nothing). The same
+    shape, but for a vocabulary embedding padded to more rows (``num_embeddings_padded``),
+    which takes at most its rows; a weight the CPU backend packed away (empty) is checked
+    against the layer's sizes."""
+    param = getattr(module, pname)
+    got = tuple(new.shape)
+    if param.numel() == 0 and pname == "weight":
+        sizes = (getattr(module, "output_size_per_partition", None), getattr(module, "input_size_per_partition", None))
+        want = sizes if None not in sizes else None
+        fits = len(got) == 2 and (want is None or got == want)
+    else:
+        want = tuple(param.shape)
+        padded = hasattr(module, "num_embeddings_padded") and len(got) == len(want) > 0
+        fits = got == want or (padded and 0 < got[0] <= want[0] and got[1:] == want[1:])
+    if not fits:
+        raise ValueError(f"weight update: tensor {'+'.join(parts)} has shape {got}, the engine's parameter "
+                         f"expects {want if want is not None else '2-D'}"
+                         f"{' (rows at most)' if hasattr(module, 'num_embeddings_padded') else ''}; the "
+                         "tensors before it in the update are loaded already: the engine holds a mix of versions")
 
 
 def _head_rows(tensor: torch.Tensor) -> torch.Tensor:

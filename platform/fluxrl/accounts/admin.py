@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from .models import ApiToken, Membership, RunToken, Team
+from .models import ApiToken, Membership, Organisation, RunToken, Team
 
 
 class MembershipInline(admin.TabularInline):
@@ -8,9 +8,17 @@ class MembershipInline(admin.TabularInline):
     extra = 0
 
 
+@admin.register(Organisation)
+class OrganisationAdmin(admin.ModelAdmin):
+    list_display = ["slug", "name", "engine_share", "created_at"]  # engine_share: for all its teams together
+    search_fields = ["slug", "name"]
+
+
 @admin.register(Team)
 class TeamAdmin(admin.ModelAdmin):
-    list_display = ["slug", "name", "engine_share", "created_at"]  # engine_share: the operator's, per team
+    # engine_share and organisation: the operator's, per team (the API sets neither)
+    list_display = ["slug", "name", "organisation", "engine_share", "created_at"]
+    list_filter = ["organisation"]
     search_fields = ["slug", "name"]
     inlines = [MembershipInline]
 

@@ -4,10 +4,33 @@ from django.db import models
 from django.utils import timezone
 
 
+class Organisation(models.Model):
+    """A tenant above teams, created by the operator in the Django admin: its teams share
+    its quotas (quotas.OrganisationQuota) and one weight on shared engine pools, so making
+    another team in it adds neither. Which team belongs to it is the operator's too."""
+
+    name = models.CharField(max_length=100)
+    slug = models.SlugField(max_length=50, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    # rollout.share_engines: the weight of all the organisation's runs together on a shared
+    # engine pool (quotas.services.pool_tenant), whatever the number of its teams
+    engine_share = models.FloatField(default=1.0, validators=[MinValueValidator(0.01), MaxValueValidator(1000.0)],
+                                     help_text="weight of this organisation's runs on shared engine pools "
+                                     "(1 = an equal share), for all its teams together")
+
+    def __str__(self):
+        return self.slug
+
+
 class Team(models.Model):
     name = models.CharField(max_length=100)
     slug = models.SlugField(max_length=50, unique=True)
     created_at = models.DateTimeField(auto_now_add=True)
+    # The operator's (Django admin), never the API's: a team's members could otherwise move
+    # it out of the organisation whose quotas hold it. PROTECT: deleting an organisation
+    # would free its teams of its limits.
+    organisation = models.ForeignKey(Organisation, null=True, blank=True, on_delete=models.PROTECT,
+                                     related_name="teams")
     # The team's default metric exporters: a run spec's `report` section (workers/spec.py
     # ReportSpec), merged under each run's own when it is submitted (runs.services.submit_run).
     report_defaults = models.JSONField(default=dict, blank=True)

@@ -70,8 +70,19 @@ def require_admin(user, team: Team) -> None:
         raise Forbidden(f"Only an admin of team '{team.slug}' may do this.")
 
 
+def may_create_team(user) -> bool:
+    """FLUXRL_TEAM_CREATION: "staff" (the default) lets only operators create teams, as each
+    team is a tenant with quotas of its own; "anyone" lets every signed-in person."""
+    if settings.FLUXRL_TEAM_CREATION == "anyone":
+        return bool(getattr(user, "is_authenticated", False))
+    return bool(getattr(user, "is_staff", False))
+
+
 @transaction.atomic
 def create_team(user, name: str, slug: str) -> Team:
+    if not may_create_team(user):
+        raise Forbidden("Only platform staff may create teams on this server (FLUXRL_TEAM_CREATION=staff): ask an "
+                        "operator to create one, or a team admin to add you to theirs.")
     if Team.objects.filter(slug=slug).exists():
         raise Conflict(f"A team with slug '{slug}' already exists.", fields={"slug": "already taken"})
     team = Team.objects.create(name=name, slug=slug)
@@ -110,13 +121,14 @@ def remove_member(team: Team, by, username: str) -> None:
 EXPORTERS = ("tensorboard", "mlflow", "wandb")  # workers/spec.py ReportSpec's sections
 
 
-def clean_report(report, field: str = "report") -> dict:
+def clean_report(report, field: str = "report", team: Team | None = None) -> dict:
     """A `report` section checked by workers.spec (its one validator) and by the platform's
-    own rule (exporters write only inside the run's folder, or to an MLflow server); the
-    fields as given, exporters switched off (null, false) left out. Errors name the field."""
+    own rules (exporters write only inside the run's folder, or to an MLflow server the
+    operator lists; with ``team``, tracker names inside its namespace); the fields as
+    given, exporters switched off (null, false) left out. Errors name the field."""
     from pydantic import ValidationError
 
-    from workers.spec import ReportSpec, report_paths_outside_run
+    from workers.spec import ReportSpec, report_outside_namespace, report_paths_outside_run
 
     if not isinstance(report, dict):
         raise field_error(field, "a mapping of exporters: {tensorboard: {...}, mlflow: {...}, wandb: {...}}")
@@ -126,7 +138,10 @@ def clean_report(report, field: str = "report") -> dict:
         fields = {".".join([field, *map(str, e["loc"])]): "unknown field" if e["type"] == "extra_forbidden"
                   else e["msg"] for e in exc.errors()}
         raise InvalidInput("; ".join(f"{k}: {v}" for k, v in fields.items()), fields=fields) from None
-    outside = {f"{field}.{e['field'].partition('.')[2]}": e["message"] for e in report_paths_outside_run(checked, settings.FLUXRL_MLFLOW_SERVERS)}
+    refused = report_paths_outside_run(checked, settings.FLUXRL_MLFLOW_SERVERS)
+    if team is not None:
+        refused += report_outside_namespace(checked, **tracker_namespace(team))
+    outside = {f"{field}.{e['field'].partition('.')[2]}": e["message"] for e in refused}
     if outside:
         raise InvalidInput("; ".join(f"{k}: {v}" for k, v in outside.items()), fields=outside)
     given = checked.model_dump(mode="json", exclude_unset=True)
@@ -137,9 +152,20 @@ def set_report_defaults(team: Team, by, report) -> Team:
     """A team admin sets the exporters every run of the team gets unless its spec says
     otherwise (merge_report)."""
     require_admin(by, team)
-    team.report_defaults = clean_report(report)
+    team.report_defaults = clean_report(report, team=team)
     team.save(update_fields=["report_defaults"])
     return team
+
+
+def tracker_namespace(team: Team) -> dict[str, str]:
+    """The team's namespace on the shared experiment trackers, as the operator sets it
+    (FLUXRL_MLFLOW_EXPERIMENT_PREFIX, FLUXRL_WANDB_PROJECT_PREFIX with {team} its slug,
+    FLUXRL_WANDB_ENTITY): the arguments of workers.spec's report_outside_namespace and
+    namespace_defaults. A name outside it is refused rather than prefixed, so that what a
+    spec says is where its run logs, and a spec cloned or resubmitted means the same."""
+    return {"mlflow_prefix": settings.FLUXRL_MLFLOW_EXPERIMENT_PREFIX.replace("{team}", team.slug),
+            "wandb_prefix": settings.FLUXRL_WANDB_PROJECT_PREFIX.replace("{team}", team.slug),
+            "wandb_entity": settings.FLUXRL_WANDB_ENTITY}
 
 
 def merge_report(defaults: dict, own) -> dict:

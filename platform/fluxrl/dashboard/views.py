@@ -19,7 +19,7 @@ from django.utils.http import url_has_allowed_host_and_scheme, urlencode
 from django.views import static
 from django.views.decorators.http import require_GET, require_POST
 
-from fluxrl.accounts.services import visible_teams
+from fluxrl.accounts.services import may_create_team, visible_teams
 from fluxrl.datasets.models import Dataset
 from fluxrl.datasets.services import generator_catalog, import_folders, read_rows
 from fluxrl.errors import NotFound
@@ -56,7 +56,8 @@ def team_page(view):
     def wrapper(request, *args, **kwargs):
         team = services.current_team(request)
         if team is None:
-            return render(request, "dashboard/no_team.html", {"teams": []})
+            return render(request, "dashboard/no_team.html",
+                          {"teams": [], "may_create_team": may_create_team(request.user)})
         return view(request, team, *args, **kwargs)
 
     return wrapper

@@ -1,12 +1,13 @@
 """Reading columnar data (Parquet, Arrow IPC, Hugging Face ``save_to_disk`` folders) as raw
-rows for services.py to normalize like JSONL rows. A file is read a batch at a time, never
-whole: a Parquet row group whose uncompressed size is over the dataset limit is refused
-from its metadata before it is read, and a batch whose text is over the limit is refused
-before it becomes Python rows. These readers decode untrusted files: the web process runs
-them only in a memory-capped child process (convert.py). Before any row, the schema is checked: the prompt and
-answer columns exist and have a usable type, and every column holds only what a JSON row
-can (text, numbers, booleans, and lists or structs of them): binary, dates, decimals, maps
-and the like are refused by column, since a run's rows are JSON."""
+rows, which the conversion child (convert.py) normalizes like JSONL rows (rows.py). A file
+is read a batch at a time, never whole: a Parquet row group whose uncompressed size is over
+the dataset limit is refused from its metadata before it is read, and a batch whose text is
+over the limit, or a row whose text is over the per-row limit, is refused before it becomes
+Python rows. These readers decode untrusted files: the web process runs them only in a
+memory-capped child process (convert.py). Before any row, the schema is checked: the prompt
+and answer columns exist and have a usable type, and every column holds only what a JSON
+row can (text, numbers, booleans, and lists or structs of them): binary, dates, decimals,
+maps and the like are refused by column, since a run's rows are JSON."""
 from __future__ import annotations
 
 import json
@@ -22,6 +23,8 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from fluxrl.errors import TooLarge, field_error
+
+from .rows import row_too_large
 
 BATCH_ROWS = 1024
 PARQUET_BATCH_BYTES = 64 * 1024 * 1024  # wide rows: fewer of them per decoded batch
@@ -114,9 +117,10 @@ def _text_bytes(batch) -> pa.Array | None:
     return total
 
 
-def _check_text_size(batch, first: int, max_bytes: int | None) -> None:
-    """Refuse a batch whose text alone is over the dataset limit before it becomes Python
-    objects (its JSON rows could only be larger)."""
+def _check_text_size(batch, first: int, max_bytes: int | None, max_row_bytes: int | None = None) -> None:
+    """Refuse a batch whose text alone is over the dataset limit, or a row of it whose text
+    is over the per-row limit, before it becomes Python objects (its JSON rows could only be
+    larger)."""
     if max_bytes is None or not batch.num_rows:
         return
     lengths = _text_bytes(batch)
@@ -131,15 +135,19 @@ def _check_text_size(batch, first: int, max_bytes: int | None) -> None:
     if total > max_bytes:
         raise TooLarge(f"rows {first + 1} to {first + batch.num_rows} hold {total} bytes of text; the limit is "
                        f"{max_bytes} bytes (FLUXRL_MAX_DATASET_MB)", fields={"file": "too large"})
+    if max_row_bytes is not None and largest > max_row_bytes:
+        index = pc.index(pc.greater(lengths, max_row_bytes), True).as_py()  # the first row over the cap
+        raise row_too_large(f"row {first + index + 1}", lengths[index].as_py(), max_row_bytes, "of text")
 
 
-def _rows(batches, start: int = 0, max_bytes: int | None = None, batch_rows: int = BATCH_ROWS):
+def _rows(batches, start: int = 0, max_bytes: int | None = None, batch_rows: int = BATCH_ROWS,
+          max_row_bytes: int | None = None):
     """(label, row dict) for each row of the batches, numbered from 1 across the file."""
     number = start
     for batch in batches:
         for offset in range(0, batch.num_rows, batch_rows):  # a writer's batch may hold 64K rows
             part = batch.slice(offset, batch_rows)
-            _check_text_size(part, number, max_bytes)
+            _check_text_size(part, number, max_bytes, max_row_bytes)
             for row in part.to_pylist():
                 number += 1
                 yield f"row {number}", row
@@ -148,7 +156,7 @@ def _rows(batches, start: int = 0, max_bytes: int | None = None, batch_rows: int
 # --- Parquet and Arrow IPC files -------------------------------------------------------------
 
 
-def parquet_rows(source, prompt_field: str, answer_field: str, max_bytes: int):
+def parquet_rows(source, prompt_field: str, answer_field: str, max_bytes: int, max_row_bytes: int | None = None):
     """(label, row) for each row of a Parquet file (a seekable binary file)."""
     try:
         parquet = pq.ParquetFile(source)
@@ -177,22 +185,25 @@ def parquet_rows(source, prompt_field: str, answer_field: str, max_bytes: int):
     except READ_ERRORS as exc:
         _reraise_memory(exc)
         raise _refuse(f"not a Parquet file ({_short(exc)})") from None
-    yield from _guarded(_rows(batches, max_bytes=max_bytes, batch_rows=batch_rows), "Parquet")
+    yield from _guarded(_rows(batches, max_bytes=max_bytes, batch_rows=batch_rows, max_row_bytes=max_row_bytes),
+                        "Parquet")
 
 
-def arrow_rows(source, prompt_field: str, answer_field: str, max_bytes: int | None = None):
+def arrow_rows(source, prompt_field: str, answer_field: str, max_bytes: int | None = None,
+               max_row_bytes: int | None = None):
     """(label, row) for each row of an Arrow IPC file or stream (a seekable binary file)."""
-    yield from _reader_rows(open_arrow(source), prompt_field, answer_field, max_bytes=max_bytes)
+    yield from _reader_rows(open_arrow(source), prompt_field, answer_field, max_bytes=max_bytes,
+                            max_row_bytes=max_row_bytes)
 
 
 def _reader_rows(reader, prompt_field: str, answer_field: str, first_row: int = 0, field: str = "file",
-                 max_bytes: int | None = None):
+                 max_bytes: int | None = None, max_row_bytes: int | None = None):
     check_schema(reader.schema, prompt_field, answer_field, field)
     if isinstance(reader, ipc.RecordBatchFileReader):
         batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
     else:
         batches = iter(reader)
-    yield from _guarded(_rows(batches, first_row, max_bytes), "Arrow", field)
+    yield from _guarded(_rows(batches, first_row, max_bytes, max_row_bytes=max_row_bytes), "Arrow", field)
 
 
 def open_arrow(source, field: str = "file"):
@@ -317,7 +328,7 @@ def split_folder(folder: Path, split: str, field: str) -> tuple[Path, str]:
 
 
 def saved_dataset_rows(folder: Path, prompt_field: str, answer_field: str, field: str = "path",
-                       max_bytes: int | None = None):
+                       max_bytes: int | None = None, max_row_bytes: int | None = None):
     """(label, row) for each row of a folder written by ``Dataset.save_to_disk``: its
     state.json names the Arrow data files (plain names in the folder, read in order, no
     symlink followed)."""
@@ -343,6 +354,7 @@ def saved_dataset_rows(folder: Path, prompt_field: str, answer_field: str, field
             if schema is not None and not reader.schema.equals(schema, check_metadata=False):
                 raise _refuse(f"{path.name}: its columns differ from the first data file's", field)
             schema = reader.schema
-            for label, row in _reader_rows(reader, prompt_field, answer_field, count, field, max_bytes):
+            for label, row in _reader_rows(reader, prompt_field, answer_field, count, field, max_bytes,
+                                           max_row_bytes):
                 count += 1
                 yield label, row

@@ -9,9 +9,13 @@ the dataset folder no symlink is followed. A remote user uploads the same folder
 absolute or climbing names, no links, sizes checked before bytes are read).
 
 Parquet and Arrow files and save_to_disk folders are decoded a batch at a time (columnar.py)
-in a memory-capped child process (convert.py), never in the web process; their rows are
-written to a staging file as they come, so no file sits in memory whole. The team's storage
-quota is checked before anything is staged."""
+in a memory-capped child process (convert.py), never in the web process: the child
+normalizes the rows, applies the per-row and dataset caps and writes the version's JSONL
+itself; the web process only counts and hashes that file in fixed-size chunks and renames
+it into place, since one decoded row can be as large as the dataset limit. JSONL and CSV
+uploads are read a bounded line at a time, a line over FLUXRL_DATASET_MAX_ROW_BYTES refused
+before it is parsed, and rows are written to a staging file as they come, so no file sits
+in memory whole. The team's storage quota is checked before anything is staged."""
 from __future__ import annotations
 
 import csv
@@ -34,14 +38,14 @@ from django.db import transaction
 from fluxrl.archives import ARCHIVE_SUFFIXES, clean_name, members, read_chunk
 from fluxrl.errors import InvalidInput, NotFound, TooLarge, field_error
 from fluxrl.quotas.services import check_storage
-from fluxrl.validation import contains_nul, safe_upload_name
+from fluxrl.validation import safe_upload_name
 from fluxrl.versioned import check_name, find_version, next_version_number
-from workers.tasks.datasets import GENERATORS, DatasetError, check_messages, generate
+from workers.tasks.datasets import GENERATORS, generate
 
 from . import columnar, convert
 from .models import Dataset, DatasetVersion
+from .rows import RowProblem, checked_rows, encode_row, normalize_row, row_too_large
 
-MAX_REPORTED_ROW_ERRORS = 5
 MAX_GENERATED_ROWS = 200_000
 FORMAT_BY_SUFFIX = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv",
                     ".parquet": "parquet", ".pq": "parquet",
@@ -49,10 +53,7 @@ FORMAT_BY_SUFFIX = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".c
 MAX_ARCHIVE_FILES = 1024  # save_to_disk writes shards of 500 MB: a few files per split
 FORMATS = ("jsonl", "csv", "parquet", "arrow", "hf_dataset")
 TEXT_FORMATS = ("jsonl", "csv")
-
-
-class RowProblem(ValueError):
-    pass
+READ_CHUNK = 1 << 20  # what the web process reads of a stored or uploaded file at a time
 
 
 # --- reading uploads -----------------------------------------------------------------
@@ -95,19 +96,78 @@ MAGIC = ((b"PAR1", "a Parquet file: name it .parquet or give format=parquet"),
          (b"PK\x03\x04", "a zip archive: name it .zip (a save_to_disk folder) or give format=hf_dataset"))
 
 
-def decode_utf8(data: bytes) -> str:
+def max_row_bytes() -> int:
+    return settings.FLUXRL_DATASET_MAX_ROW_BYTES
+
+
+def check_text_file(upload) -> None:
+    """Refuse an upload that is empty, a binary format's file, has a NUL byte anywhere
+    (binaries and UTF-16 text do; UTF-8 text never does) or is not UTF-8, before any line is
+    parsed; read a chunk at a time."""
+    upload.seek(0)
+    blank, lines, offset, carry, bad = True, 0, 0, b"", None
+    chunk = upload.read(READ_CHUNK)
     for magic, what in MAGIC:
-        if data.startswith(magic):
+        if chunk.startswith(magic):
             raise field_error("file", f"this is {what}, not UTF-8 text")
-    nul = data.find(b"\x00")
-    if nul >= 0:  # UTF-8 text never has one; binaries and UTF-16 text do
-        line = data.count(b"\n", 0, nul) + 1
-        raise field_error("file", f"line {line}: a NUL byte: this is a binary file (or UTF-16), not UTF-8 text")
+    while chunk:
+        nul = chunk.find(b"\x00")
+        if nul >= 0:
+            line = lines + chunk.count(b"\n", 0, nul) + 1
+            raise field_error("file", f"line {line}: a NUL byte: this is a binary file (or UTF-16), not UTF-8 text")
+        if bad is None:
+            bad, carry = _utf8_error(carry + chunk, offset - len(carry), lines - carry.count(b"\n"))
+        lines += chunk.count(b"\n")
+        offset += len(chunk)
+        blank = blank and not chunk.strip()
+        chunk = upload.read(READ_CHUNK)
+    if carry and bad is None:  # the file ends inside a character
+        bad = (lines - carry.count(b"\n") + 1, offset - len(carry))
+    if bad:
+        raise field_error("file", f"line {bad[0]}: not UTF-8 text (byte {bad[1]})")
+    if blank:
+        raise field_error("file", "the file is empty")
+    upload.seek(0)
+
+
+def _utf8_error(data: bytes, start: int, lines: int) -> tuple[tuple[int, int] | None, bytes]:
+    """((line, byte) of the first byte of ``data`` that is not UTF-8, or None; the bytes of a
+    character cut off at its end, to read with the next chunk). ``data`` starts at byte
+    ``start`` of the file, after ``lines`` lines."""
     try:
-        return data.decode("utf-8-sig")
+        data.decode("utf-8")
+        return None, b""
     except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise field_error("file", f"line {line}: not UTF-8 text (byte {exc.start})") from None
+        if exc.reason == "unexpected end of data" and len(data) - exc.start < 4:
+            return None, data[exc.start:]
+        return (lines + data.count(b"\n", 0, exc.start) + 1, start + exc.start), b""
+
+
+@contextmanager
+def _text(upload):
+    """The upload as UTF-8 text (a leading byte order mark dropped), its lines ended by LF,
+    CR LF or CR, the endings kept (the csv module needs them in quoted cells)."""
+    upload.seek(0)
+    text = io.TextIOWrapper(upload.file, encoding="utf-8-sig", newline="")
+    try:
+        yield text
+    finally:
+        text.detach()  # the upload's own file stays open
+
+
+def text_lines(upload, row_limit: int):
+    """(line number, the line with its ending, its bytes) of an uploaded UTF-8 file (checked
+    by check_text_file), read one bounded line at a time: a line over the row limit is
+    refused with no more of it read, so a huge line is never held whole or parsed."""
+    with _text(upload) as text:
+        number = 0
+        while line := text.readline(row_limit + 3):  # the row, its "\r\n", and one more to tell it is over
+            number += 1
+            size = len(line.encode())
+            ending = 2 if line.endswith("\r\n") else 1 if line.endswith(("\n", "\r")) else 0
+            if size - ending > row_limit:
+                raise row_too_large(f"line {number}", None, row_limit)
+            yield number, line, size
 
 
 def strict_constant(name: str):
@@ -134,90 +194,49 @@ def parse_json_line(line: str):
         return RowProblem("not valid JSON (nested too deeply)")
 
 
-def raw_rows(text: str, fmt: str):
-    """Yield (line number, parsed object or RowProblem)."""
+def raw_rows(upload, fmt: str, row_limit: int):
+    """Yield (label, parsed object or RowProblem) of a JSONL or CSV upload."""
+    lines = text_lines(upload, row_limit)
     if fmt == "jsonl":
-        for number, line in enumerate(text.splitlines(), 1):
+        for number, line, _ in lines:
             if line.strip():
-                yield number, parse_json_line(line)
+                yield f"line {number}", parse_json_line(line)
         return
-    reader = csv.DictReader(io.StringIO(text, newline=""))
+    record = {"bytes": 0, "first": 1}  # the CSV record being read: it may span lines (a quoted newline)
+
+    def bounded():
+        for number, line, size in lines:
+            if not record["bytes"]:
+                record["first"] = number
+                if not line.strip("\r\n"):  # a blank line between records, which the reader skips
+                    yield line
+                    continue
+            record["bytes"] += size
+            if record["bytes"] > row_limit + 2:  # the record's line endings are not the row's
+                raise row_too_large(f"the row from line {record['first']}", None, row_limit)
+            yield line
+
+    reader = csv.DictReader(bounded())
     try:
         if not reader.fieldnames or len(set(reader.fieldnames)) != len(reader.fieldnames):
             raise field_error("file", "line 1: the CSV header must name each column once")
+        record["bytes"] = 0
         for row in reader:
+            record["bytes"] = 0
             if None in row or None in row.values():
-                yield reader.line_num, RowProblem(f"the number of cells differs from the header's {len(reader.fieldnames)}")
+                yield f"line {reader.line_num}", RowProblem(
+                    f"the number of cells differs from the header's {len(reader.fieldnames)}")
             else:
-                yield reader.line_num, row
+                yield f"line {reader.line_num}", row
     except csv.Error as exc:  # e.g. a cell over the csv module's field size limit: the reader cannot go on
         raise field_error("file", f"line {reader.line_num + 1}: not readable as CSV ({exc})") from None
 
 
-def normalize_row(obj, prompt_field: str, answer_field: str) -> dict:
-    """{"prompt", "answer", **extra}: the two named source fields renamed, answer as text."""
-    if not isinstance(obj, dict):
-        raise RowProblem("expected a JSON object")
-    if contains_nul(obj):
-        raise RowProblem("contains a NUL character")
-    if prompt_field not in obj and "messages" in obj:  # a chat row: the last user message stands for its prompt
-        try:
-            obj = {**obj, prompt_field: check_messages(obj["messages"], "messages")}
-        except DatasetError as exc:
-            raise RowProblem(str(exc)) from None
-    for field, canonical in ((prompt_field, "prompt"), (answer_field, "answer")):
-        if field not in obj or obj[field] is None:
-            raise RowProblem(f"missing field '{field}'" + (" (or a chat 'messages' list)" if field == prompt_field else ""))
-        if field != canonical and canonical in obj:
-            raise RowProblem(f"has a column '{canonical}' besides the {canonical} field '{field}'")
-    prompt, answer = obj[prompt_field], obj[answer_field]
-    if not isinstance(prompt, str) or not prompt:
-        raise RowProblem(f"field '{prompt_field}' must be non-empty text")
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        raise RowProblem(f"field '{answer_field}' must be text or a number")
-    extra = {k: v for k, v in obj.items() if k not in (prompt_field, answer_field)}
-    return {"prompt": prompt, "answer": str(answer), **extra}
-
-
-def parse_upload(data: bytes, fmt: str, prompt_field: str, answer_field: str) -> list[dict]:
-    if not data.strip():
-        raise field_error("file", "the file is empty")
-    rows, problems = [], []
-    for number, obj in raw_rows(decode_utf8(data), fmt):
-        try:
-            if isinstance(obj, RowProblem):
-                raise obj
-            rows.append(normalize_row(obj, prompt_field, answer_field))
-        except RowProblem as exc:
-            problems.append(f"line {number}: {exc}")
-    if problems:
-        more = len(problems) - MAX_REPORTED_ROW_ERRORS
-        text = "; ".join(problems[:MAX_REPORTED_ROW_ERRORS]) + (f"; and {more} more bad lines" if more > 0 else "")
-        raise field_error("file", text)
-    if not rows:
-        raise field_error("file", "the file has no rows")
-    return rows
-
-
-# --- rows from the columnar formats -------------------------------------------------------
-
-
-def checked_rows(raw, prompt_field: str, answer_field: str):
-    """Normalized rows of (label, raw row) pairs; the first bad rows are reported together
-    at the end (nothing is stored: the caller's staging is dropped)."""
-    problems = []
-    for label, obj in raw:
-        try:
-            row = normalize_row(obj, prompt_field, answer_field)
-        except RowProblem as exc:
-            problems.append(f"{label}: {exc}")
-            continue
-        if not problems:
-            yield row
-    if problems:
-        more = len(problems) - MAX_REPORTED_ROW_ERRORS
-        text = "; ".join(problems[:MAX_REPORTED_ROW_ERRORS]) + (f"; and {more} more bad rows" if more > 0 else "")
-        raise field_error("file", text)
+def upload_rows(upload, fmt: str, prompt_field: str, answer_field: str):
+    """(label, normalized row) of a JSONL or CSV upload, read a bounded line at a time; the
+    first bad lines are reported together at the end (the caller drops what it staged)."""
+    check_text_file(upload)
+    return checked_rows(raw_rows(upload, fmt, max_row_bytes()), prompt_field, answer_field, noun="lines")
 
 
 @contextmanager
@@ -357,21 +376,53 @@ def _source_label(name: str, split: str) -> str:
     return (f"{name} [{split}]" if split else name)[:200]
 
 
-@contextmanager
-def _decoded_rows(kind: str, source: Path, prompt_field: str, answer_field: str, field: str = "file"):
-    """Checked rows of a Parquet or Arrow file or a save_to_disk folder (kind "folder"),
-    decoded by a memory-capped child process into a hidden file that is dropped after."""
-    fd, out = tempfile.mkstemp(dir=datasets_dir(), prefix=".decoded-")
+def _decoded_version(team, user, name, kind: str, source: Path, prompt_field: str, answer_field: str,
+                     description: str, meta: dict, field: str = "file") -> DatasetVersion:
+    """Store a Parquet or Arrow file or a save_to_disk folder (kind "folder") as the next
+    version. A memory-capped child process decodes and checks it and writes the version's
+    JSONL into a hidden file beside the versions; this process never parses a row of it
+    (one row can be as large as the dataset limit): it counts and hashes the file a chunk
+    at a time and renames it into place. On any refusal the file is removed."""
+    fd, name_out = tempfile.mkstemp(dir=datasets_dir(), prefix=".decoded-")
     os.close(fd)
+    out = Path(name_out)
     try:
-        convert.run(kind, source, prompt_field=prompt_field, answer_field=answer_field, field=field,
-                    max_bytes=max_dataset_bytes(), memory_mb=settings.FLUXRL_DATASET_CONVERT_MEMORY_MB,
-                    timeout_s=settings.FLUXRL_DATASET_CONVERT_TIMEOUT_S, out=Path(out))
-        with open(out, encoding="utf-8") as fh:
-            raw = ((f"row {number}", json.loads(line)) for number, line in enumerate(fh, 1))
-            yield checked_rows(raw, prompt_field, answer_field)
+        result = convert.run(kind, source, prompt_field=prompt_field, answer_field=answer_field, field=field,
+                             max_bytes=max_dataset_bytes(), max_row_bytes=max_row_bytes(),
+                             memory_mb=settings.FLUXRL_DATASET_CONVERT_MEMORY_MB,
+                             timeout_s=settings.FLUXRL_DATASET_CONVERT_TIMEOUT_S, out=out)
+        sha256, size, count = _count_jsonl(out)
+        if (count, size) != (result["rows"], result["bytes"]):  # a bug, not the user's file
+            raise RuntimeError(f"the dataset conversion wrote {count} rows, {size} bytes but reported "
+                               f"{result['rows']} rows, {result['bytes']} bytes")
+        _check_total(size, count)
+        os.chmod(out, 0o444)
+        return _commit(team, user, name, out, sha256, size, count, result["columns"], description, meta)
     finally:
-        os.unlink(out)
+        out.unlink(missing_ok=True)  # moved into place, or refused
+
+
+def _count_jsonl(path: Path) -> tuple[str, int, int]:
+    """(sha256, bytes, rows) of a JSONL file, read in fixed-size chunks: a row is never held."""
+    digest, size, count, last = hashlib.sha256(), 0, 0, b"\n"
+    with open(path, "rb") as fh:
+        while chunk := fh.read(READ_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+            count += chunk.count(b"\n")
+            last = chunk[-1:]
+    if last != b"\n":  # the writer ends every row with one
+        raise RuntimeError(f"{path.name}: the dataset conversion's output does not end a row")
+    return digest.hexdigest(), size, count
+
+
+def _check_total(size: int, count: int, empty: str = "there are no rows") -> None:
+    limit = max_dataset_bytes()
+    if size > limit:
+        raise TooLarge(f"The rows take {size} bytes as JSONL; the limit is {limit} bytes (FLUXRL_MAX_DATASET_MB).",
+                       fields={"file": "too large"})
+    if not count:
+        raise field_error("file", empty)
 
 
 @contextmanager
@@ -391,18 +442,19 @@ def _on_disk(upload):
         os.unlink(path)
 
 
-def _check_room(team) -> None:
-    """A team already at its storage quota is refused before anything is staged or decoded."""
+def _check_room(team, user) -> None:
+    """A team (or uploader, or organisation) already at its storage quota is refused before
+    anything is staged or decoded."""
     with transaction.atomic():
-        check_storage(team, 0, 1)
+        check_storage(team, 0, 1, user)
 
 
 def _add_folder_version(team, user, name, folder: Path, split: str, prompt_field: str, answer_field: str,
                         field: str, description: str, meta: dict, shown: str) -> DatasetVersion:
     """Store a save_to_disk folder's rows (its split chosen if it holds a DatasetDict)."""
     chosen, split = columnar.split_folder(folder, split, field)
-    with _decoded_rows("folder", chosen, prompt_field, answer_field, field) as rows:
-        return add_version(team, user, name, rows, description, **{**meta, "source_name": _source_label(shown, split)})
+    return _decoded_version(team, user, name, "folder", chosen, prompt_field, answer_field, description,
+                            {**meta, "source_name": _source_label(shown, split)}, field)
 
 
 def import_folder(team, user, name: str, path: str, *, split: str = "", prompt_field="prompt",
@@ -411,7 +463,7 @@ def import_folder(team, user, name: str, path: str, *, split: str = "", prompt_f
     check_name(name)
     folder = resolve_import_path(team, path)
     shown = folder.relative_to(team_import_folder(team).resolve()).as_posix()
-    _check_room(team)
+    _check_room(team, user)
     meta = {"source": DatasetVersion.Source.HF_DATASET, "source_fields": {"prompt": prompt_field, "answer": answer_field}}
     with _reported_on("path"):
         return _add_folder_version(team, user, name, folder, split, prompt_field, answer_field, "path", description,
@@ -428,19 +480,20 @@ def datasets_dir() -> Path:
 
 
 def _stage(rows) -> tuple[Path, str, int, int, list]:
-    """Write rows as JSONL to a hidden file beside the versions, one at a time (a columnar
-    file's rows never all sit in memory): (path, sha256, bytes, rows, columns). Over the
-    dataset limit, or on any error, nothing is left."""
-    limit = max_dataset_bytes()
+    """Write (label, normalized row) pairs as JSONL to a hidden file beside the versions, one
+    at a time (the rows never all sit in memory): (path, sha256, bytes, rows, columns). A
+    row over FLUXRL_DATASET_MAX_ROW_BYTES or rows over the dataset limit, or any error,
+    leave nothing."""
+    limit, row_limit = max_dataset_bytes(), max_row_bytes()
     fd, tmp = tempfile.mkstemp(dir=datasets_dir(), prefix=".staging-")
     digest, size, count, columns = hashlib.sha256(), 0, 0, {}
     try:
         with os.fdopen(fd, "wb") as fh:
-            for row in rows:
-                line = (json.dumps(row, ensure_ascii=False) + "\n").encode()
+            for label, row in rows:
+                line = encode_row(row, label, row_limit)
                 size += len(line)
                 if size > limit:
-                    raise TooLarge(f"The rows take more than {limit} bytes as JSONL (at row {count + 1}); the limit "
+                    raise TooLarge(f"The rows take more than {limit} bytes as JSONL (at {label}); the limit "
                                    f"is {limit} bytes (FLUXRL_MAX_DATASET_MB).", fields={"file": "too large"})
                 digest.update(line)
                 fh.write(line)
@@ -456,12 +509,17 @@ def _stage(rows) -> tuple[Path, str, int, int, list]:
 def add_version(team, user, name: str, rows, description: str = "", **meta) -> DatasetVersion:
     """Store rows (any iterable of normalized dicts) as the next version of the team's
     dataset `name` (created if new)."""
+    labelled = ((f"row {number}", row) for number, row in enumerate(rows, 1))
+    return _add_labelled(team, user, name, labelled, description, meta)
+
+
+def _add_labelled(team, user, name: str, rows, description: str, meta: dict,
+                  empty: str = "there are no rows") -> DatasetVersion:
     check_name(name)
-    _check_room(team)  # an over-quota team makes the server write nothing
+    _check_room(team, user)  # an over-quota team makes the server write nothing
     staged, sha256, size, count, columns = _stage(rows)
     try:
-        if not count:
-            raise field_error("file", "there are no rows")
+        _check_total(size, count, empty)
         return _commit(team, user, name, staged, sha256, size, count, columns, description, meta)
     finally:
         staged.unlink(missing_ok=True)  # moved into place, or refused
@@ -469,7 +527,7 @@ def add_version(team, user, name: str, rows, description: str = "", **meta) -> D
 
 @transaction.atomic
 def _commit(team, user, name, staged: Path, sha256, size, count, columns, description, meta) -> DatasetVersion:
-    check_storage(team, size, 1)  # the team's quota; locks the team until the version is stored
+    check_storage(team, size, 1, user)  # team's, uploader's, org's quotas; locked until the version is stored
     dataset, _ = Dataset.objects.get_or_create(team=team, name=name, defaults={"created_by": user, "description": description})
     dataset = Dataset.objects.select_for_update().get(pk=dataset.pk)  # serializes version numbers
     number = next_version_number(dataset)
@@ -496,16 +554,15 @@ def upload_version(team, user, name: str, upload, *, prompt_field="prompt", answ
     if split and fmt != "hf_dataset":
         raise field_error("split", "only a save_to_disk folder (a .zip or .tar archive) has splits")
     display = safe_upload_name(upload.name)
-    _check_room(team)
+    _check_room(team, user)
     meta = {"source": fmt, "source_name": display, "source_fields": {"prompt": prompt_field, "answer": answer_field}}
     if fmt in TEXT_FORMATS:
-        rows = parse_upload(upload.read(), fmt, prompt_field, answer_field)
-    elif fmt in ("parquet", "arrow"):
-        with _on_disk(upload) as path, _decoded_rows(fmt, path, prompt_field, answer_field) as rows:
-            return add_version(team, user, name, rows, description, **meta)
-    else:
-        return _upload_folder_archive(team, user, name, upload, display, split, description, meta)
-    return add_version(team, user, name, rows, description, **meta)
+        return _add_labelled(team, user, name, upload_rows(upload, fmt, prompt_field, answer_field), description,
+                             meta, empty="the file has no rows")
+    if fmt in ("parquet", "arrow"):
+        with _on_disk(upload) as path:
+            return _decoded_version(team, user, name, fmt, path, prompt_field, answer_field, description, meta)
+    return _upload_folder_archive(team, user, name, upload, display, split, description, meta)
 
 
 def _upload_folder_archive(team, user, name, upload, display, split, description, meta) -> DatasetVersion:

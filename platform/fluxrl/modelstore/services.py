@@ -282,7 +282,7 @@ def upload_version(team, user, name: str, upload, description: str = "") -> Stor
 
 @transaction.atomic
 def _add_version(team, user, name, folder: Path, files, architecture, kind, source_name, description):
-    check_storage(team, sum(f[1] for f in files), len(files))  # the team quota; locks the team until stored
+    check_storage(team, sum(f[1] for f in files), len(files), user)  # team's, uploader's, org's; locked until stored
     model, _ = StoredModel.objects.get_or_create(team=team, name=name,
                                                  defaults={"created_by": user, "description": description})
     model = StoredModel.objects.select_for_update().get(pk=model.pk)  # serializes version numbers

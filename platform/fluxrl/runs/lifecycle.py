@@ -28,7 +28,8 @@ class IllegalTransition(Conflict):
 @transaction.atomic
 def transition(run: Run, status: str, *, failure_reason: str = "", worker_host: str | None = None,
                worker_pid: int | None = None, rendezvous: str | None = None,
-               resumed_from_step: int | None = None, engine_pools: list | None = None) -> Run:
+               resumed_from_step: int | None = None, engine_pools: list | None = None,
+               engine_pools_attested: bool = False) -> Run:
     """Move a run along queued -> starting -> running -> succeeded/failed/cancelled
     (any live state may fail or be cancelled; a failure after a cancel request counts as
     cancelled). Reporting the current status again is a heartbeat. Reaching a terminal
@@ -63,6 +64,7 @@ def transition(run: Run, status: str, *, failure_reason: str = "", worker_host: 
         run.rendezvous = rendezvous
     if engine_pools is not None and not run.is_terminal:
         run.engine_pools = [dict(p) for p in engine_pools]
+        run.engine_pools_attested = engine_pools_attested
     run.save()
     if run.is_terminal:
         revoke_run_tokens(run)

@@ -49,6 +49,9 @@ class Run(models.Model):
     # rollout.share_engines: the node's shared engine pools the run is on, as its heartbeat
     # last said ([{"id", "share", "fair_share"}]); who shares them is computed per viewer
     engine_pools = models.JSONField(default=list, blank=True)
+    # whether those pools came from the engine the platform itself started (a run token the
+    # dispatcher minted): only such claims count on another team's run page
+    engine_pools_attested = models.BooleanField(default=False)
     rendezvous = models.CharField(max_length=300, blank=True,
                                   help_text="runs over several nodes: node 0's host:port, where the other nodes' agents join")
 

@@ -17,14 +17,15 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Q, QuerySet
 
-from fluxrl.accounts.services import merge_report
+from fluxrl.accounts.services import merge_report, tracker_namespace
 from fluxrl.datasets import services as datasets
-from fluxrl.errors import Conflict, InvalidInput, NotFound, TooLarge, field_error
+from fluxrl.errors import Conflict, Forbidden, InvalidInput, NotFound, TooLarge, field_error
 from fluxrl.quotas import services as quotas
 from fluxrl.rewards import services as rewards
 from fluxrl.safe_yaml import BadYAML, load_yaml_mapping
 from workers.tasks.builtin_rewards import BUILTIN_REWARDS
-from workers.spec import SpecError, report_paths_outside_run, validate_spec
+from workers.spec import (SpecError, namespace_defaults, report_outside_namespace, report_paths_outside_run,
+                          validate_spec)
 from workers.tasks.datasets import GENERATORS
 
 from . import live, tasks
@@ -74,8 +75,9 @@ class NoCheckpoint(Conflict):
 def parse_user_spec(spec_input, team=None) -> dict:
     """The submitted spec (a mapping, or YAML/JSON text) checked by workers.spec, the one
     validator: unknown fields and bad values are reported by their dotted name. With a
-    team, its default exporters are merged under the spec's own `report` first (the run
-    keeps the merged section, so its spec says where its metrics went)."""
+    team, its default exporters are merged under the spec's own `report` first, and the
+    tracker names it leaves out are filled in inside the team's namespace (the run keeps
+    the merged section, so its spec says where its metrics went)."""
     if isinstance(spec_input, (str, bytes)):
         spec_input = load_spec_text(spec_input)
     if team is not None and team.report_defaults and isinstance(spec_input, dict):
@@ -88,6 +90,14 @@ def parse_user_spec(spec_input, team=None) -> dict:
     outside = report_paths_outside_run(validated.report, settings.FLUXRL_MLFLOW_SERVERS)
     if outside:
         raise spec_errors(outside)
+    if team is not None:  # and, on a tracker the teams share, only under the team's own names
+        namespace = tracker_namespace(team)
+        foreign = report_outside_namespace(validated.report, **namespace)
+        if foreign:
+            raise spec_errors(foreign)
+        filled = namespace_defaults(validated.report, **namespace)
+        if filled:
+            spec_input = {**spec_input, "report": merge_report(spec_input["report"], filled)}
     quotas.check_spec_ceilings(validated.to_dict())  # the deployment's per-run engines and nodes
     return copy.deepcopy(spec_input)
 
@@ -170,7 +180,7 @@ def submit_run(team, owner, spec_input, tags=(), notes: str = "") -> Run:
     resolved_spec = engine_spec(spec, dataset_version, reward_version, model_path=model_path,
                                 reward_model_path=reward_model_path, eval_sets=resolve_eval_sets(team, spec),
                                 lora_init=check_lora_init(team, spec))
-    quotas.check_run_quota(team, resolved_spec)  # locks the team's row until this run is stored
+    quotas.check_run_quota(team, resolved_spec, owner)  # locks the team's and owner's rows until stored
     run = Run.objects.create(
         team=team, owner=owner, name=spec["name"], spec=spec, notes=notes, resolved_spec=resolved_spec,
         dataset_version=dataset_version, reward_version=reward_version,
@@ -252,7 +262,7 @@ def resume_run(run: Run) -> Run:
         raise NoCheckpoint(f"Run {run.pk} has no checkpoint to resume from: it saves one every "
                            "trainer.checkpoint_every steps of its spec (0 = only at the end), and none was saved "
                            "before it stopped.")
-    quotas.check_run_quota(run.team, run.resolved_spec)  # live again: it counts like a new run
+    quotas.check_run_quota(run.team, run.resolved_spec, run.owner)  # live again: it counts like a new run
     run.status = RunStatus.QUEUED
     run.failure_reason = ""
     run.cancel_requested = False
@@ -264,6 +274,32 @@ def resume_run(run: Run) -> Run:
 
 
 # --- what workers report ------------------------------------------------------------------
+
+# What only the run's engine can know: the host and process it runs in, the shared engine
+# pools it is on (other teams' run pages count the runs on a pool: a claimed pool would put a
+# run on theirs that is not there), the checkpoint step it resumed after (the points and
+# samples past it are dropped).
+ENGINE_FIELDS = ("worker_host", "worker_pid", "engine_pools", "resumed_from_step")
+
+
+def report_status(run: Run, report: dict, *, from_run_token: bool, from_dispatcher: bool = False) -> Run:
+    """A status report or heartbeat (POST /api/runs/<id>/status/): report is the validated
+    RunStatusReportSerializer's data. The ENGINE_FIELDS are taken only with a run token of
+    this run (the key its worker reports with; the permission has matched it to the run): a
+    team member's session or API token may move the status on, but a report of theirs that
+    names any of them is refused whole (403), nothing of it applied. ``from_dispatcher``: the
+    token is the one the platform's dispatcher minted for the engine it started, not one a
+    member minted for an engine of their own: only its pools are attested (engine_sharing)."""
+    report = dict(report)
+    claimed = [name for name in ENGINE_FIELDS if name in report]
+    if claimed and not from_run_token:
+        why = "reported only by the run's engine, with the run's own run token"
+        raise Forbidden(f"{', '.join(claimed)}: these describe the run's engine and are accepted only with the run's "
+                        "own run token (the key its worker reports with), not a person's session or API token; "
+                        "post the status without them.", fields={name: why for name in claimed})
+    if "engine_pools" in report:
+        report["engine_pools_attested"] = from_dispatcher
+    return transition(run, report.pop("status"), **report)
 
 
 def compress_versions(versions: list[int]) -> list[list[int]]:
@@ -301,16 +337,21 @@ def engine_sharing(run: Run) -> list[dict]:
     """rollout.share_engines: for each shared engine pool the run is on (as its heartbeat
     last said), its measured and fair share and the other live runs on the same pool of the
     same worker host: the run's own team's by name, another team's counted only (a team
-    sees nothing of another's runs but that they exist)."""
+    sees nothing of another's runs but that they exist). Another team's runs count only where
+    both runs' pools are attested (reported by engines the platform started): an engine a
+    member started with a run token they minted says what it likes, so its claim of a pool
+    may show on its own team's pages but never puts a run on another team's."""
     if not run.engine_pools:
         return []
     others = [] if run.is_terminal else list(
         Run.objects.filter(status__in=(RunStatus.STARTING, RunStatus.RUNNING), worker_host=run.worker_host)
-        .exclude(pk=run.pk).exclude(engine_pools=[]).only("id", "name", "team_id", "engine_pools"))
+        .exclude(pk=run.pk).exclude(engine_pools=[])
+        .only("id", "name", "team_id", "engine_pools", "engine_pools_attested"))
     sharing = []
     for pool in run.engine_pools:
         on_it = [o for o in others if any(p.get("id") == pool["id"] for p in o.engine_pools)]
         sharing.append({"id": pool["id"], "share": pool.get("share"), "fair_share": pool.get("fair_share"),
                         "team_runs": [{"id": o.pk, "name": o.name} for o in on_it if o.team_id == run.team_id],
-                        "other_team_runs": sum(1 for o in on_it if o.team_id != run.team_id)})
+                        "other_team_runs": sum(1 for o in on_it if o.team_id != run.team_id
+                                               and o.engine_pools_attested and run.engine_pools_attested)})
     return sharing

@@ -1,6 +1,6 @@
 from django.core.management import call_command
 
-from fluxrl.accounts.models import ApiToken, Membership
+from fluxrl.accounts.models import ApiToken, Membership, Organisation, Team
 from fluxrl.accounts.services import authenticate_key
 
 
@@ -10,11 +10,28 @@ def test_me_lists_my_teams_with_my_role(api_bob):
     assert body["teams"][0]["slug"] == "team-a" and body["teams"][0]["role"] == "member"
 
 
-def test_creating_a_team_makes_the_creator_its_admin(api_bob, bob, assert_error):
+def test_creating_a_team_makes_the_creator_its_admin(api_bob, bob, settings, assert_error):
+    settings.FLUXRL_TEAM_CREATION = "anyone"
     response = api_bob.post("/api/teams/", {"name": "Research", "slug": "research"})
     assert response.status_code == 201 and response.json()["role"] == "admin"
     assert Membership.objects.get(team__slug="research").user == bob
     assert_error(api_bob.post("/api/teams/", {"name": "Again", "slug": "research"}), 409, "conflict")
+
+
+def test_only_staff_create_teams_by_default(api_bob, bob, client_for, assert_error):
+    error = assert_error(api_bob.post("/api/teams/", {"name": "Mine", "slug": "mine"}), 403, "permission_denied")
+    assert "Only platform staff may create teams" in error["message"] and "FLUXRL_TEAM_CREATION" in error["message"]
+    assert not Team.objects.filter(slug="mine").exists()
+    bob.is_staff = True
+    bob.save()
+    assert client_for(bob).post("/api/teams/", {"name": "Mine", "slug": "mine"}).status_code == 201
+
+
+def test_a_teams_organisation_is_not_set_through_the_api(api_bob, bob, settings):
+    settings.FLUXRL_TEAM_CREATION = "anyone"
+    acme = Organisation.objects.create(name="Acme", slug="acme")
+    response = api_bob.post("/api/teams/", {"name": "In", "slug": "in", "organisation": acme.pk}, format="json")
+    assert response.status_code == 201 and Team.objects.get(slug="in").organisation is None
 
 
 def test_admin_adds_and_removes_members(api_a, carol):

@@ -72,8 +72,11 @@ def test_empty_states_say_what_to_do(page_a):
     assert "Pick two or more runs" in page_a.get("/compare/").content.decode()
 
 
-def test_a_user_in_no_team_is_shown_how_to_start_one(browser_for, django_user_model):
+def test_a_user_in_no_team_is_shown_how_to_start_one(browser_for, django_user_model, settings):
     loner = django_user_model.objects.create(username="loner")
+    body = browser_for(loner).get("/").content.decode()  # only staff create teams (FLUXRL_TEAM_CREATION)
+    assert "You are not in a team yet" in body and "Ask a team admin" in body and 'data-api="/api/teams/"' not in body
+    settings.FLUXRL_TEAM_CREATION = "anyone"
     body = browser_for(loner).get("/").content.decode()
     assert "You are not in a team yet" in body and 'data-api="/api/teams/"' in body
 

@@ -11,7 +11,7 @@ from django.db import connection, transaction
 from fluxrl.accounts.models import Membership, Role, Team
 from fluxrl.accounts.services import create_api_token
 from fluxrl.errors import DomainError
-from fluxrl.quotas.models import TeamQuota
+from fluxrl.quotas.models import TeamQuota, UserQuota
 from fluxrl.quotas.services import check_run_quota
 from fluxrl.runs.models import Run
 from fluxrl.runs.services import submit_run
@@ -68,6 +68,51 @@ def test_a_submit_waits_for_a_concurrent_one_holding_the_last_slot_and_is_then_r
     racer.join(30)
     assert "run" not in outcome and outcome["error"].status == 403
     assert "1 of 1 concurrent runs in use" in outcome["error"].message
+    assert list(Run.objects.values_list("name", flat=True)) == ["first"]
+
+
+def test_a_submit_in_another_team_waits_for_the_persons_last_slot_and_is_then_refused(team_with_one_slot):
+    """The person's row is locked as the team's is: two of their teams cannot both take
+    their last slot."""
+    team, user = team_with_one_slot
+    TeamQuota.objects.filter(team=team).delete()
+    UserQuota.objects.create(user=user, max_runs=1)
+    other = Team.objects.create(name="Other", slug="other")
+    Membership.objects.create(user=user, team=other, role=Role.ADMIN)
+    checked, release, outcome = threading.Event(), threading.Event(), {}
+
+    def first():
+        try:
+            with transaction.atomic():
+                check_run_quota(team, {}, user)
+                Run.objects.create(team=team, owner=user, name="first", spec={}, resolved_spec={})
+                checked.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    def second():
+        try:
+            outcome["run"] = submit_run(other, user, make_spec(name="second"))
+        except DomainError as exc:
+            outcome["error"] = exc
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=first)
+    holder.start()
+    try:
+        assert checked.wait(30)
+        racer = threading.Thread(target=second)
+        racer.start()
+        racer.join(1.0)
+        assert racer.is_alive() and not outcome, outcome  # blocked on the person's row
+    finally:
+        release.set()
+        holder.join(30)
+    racer.join(30)
+    assert "run" not in outcome and outcome["error"].status == 403
+    assert "person quota" in outcome["error"].message and "1 of 1 concurrent runs in use" in outcome["error"].message
     assert list(Run.objects.values_list("name", flat=True)) == ["first"]
 
 

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from tests.http_listener import listener
 from tests.workers.exported import mlflow_metrics, tensorboard_scalars, wandb_config, wandb_history, wandb_run
 from workers.io.exporters import mlflow_key, open_exporters
 from workers.io.report import Reporter
@@ -258,3 +259,105 @@ def test_the_workers_mlflow_credentials_go_only_to_its_own_server(tmp_path, monk
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "pw")
     exporter().keep_credentials_home((tmp_path / "mlruns").as_uri())  # a local store needs none either
     assert "MLFLOW_TRACKING_PASSWORD" not in os.environ
+
+
+SPEC = {"name": "n", "model": {"path": "builtin:tiny"}, "task": {"dataset": "gen:add"}}
+
+
+def test_an_mlflow_uri_the_http_client_reads_as_another_host_is_refused_and_never_reached(tmp_path, monkeypatch):
+    """urlsplit reads 'http://127.0.0.1:P\\@mlflow.internal:5000' as host mlflow.internal (an
+    allowed server); urllib3, which MLflow's client connects with, stops at the backslash and
+    connects to 127.0.0.1:P. What the checks let through is what a worker opens: here nothing."""
+    from urllib3.util import parse_url
+
+    from workers.spec import MlflowReport, SpecError, report_paths_outside_run, validate_spec
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    allowed = ["http://mlflow.internal:5000"]
+    with listener() as (port, requests):
+        crafted = [f"http://127.0.0.1:{port}\\@mlflow.internal:5000",
+                   f"http://127.0.0.1:{port}\\@mlflow.internal:5000/",
+                   f"http://user:pw@127.0.0.1:{port}\\@mlflow.internal:5000"]
+        for uri in crafted:
+            assert (parse_url(uri).host, parse_url(uri).port) == ("127.0.0.1", port)  # where the client goes
+            try:  # the spec's own check, then the platform's allowlist, then the worker opens the exporter
+                report = validate_spec({**SPEC, "report": {"mlflow": {"tracking_uri": uri}}}).report
+            except SpecError as err:
+                assert [e["field"] for e in err.errors] == ["report.mlflow.tracking_uri"], uri
+                continue
+            if not report_paths_outside_run(report, allowed):
+                open_exporters(report.model_dump(), tmp_path, "unit-run", CONFIG).close(timeout_s=60)
+        assert requests == []
+        for uri in crafted:  # the allowlist on its own (a report built without the spec's check) refuses it too
+            unchecked = ReportSpec.model_construct(mlflow=MlflowReport.model_construct(tracking_uri=uri))
+            assert [e["field"] for e in report_paths_outside_run(unchecked, allowed)] == ["report.mlflow.tracking_uri"]
+
+
+@pytest.mark.parametrize("uri", [
+    "http://mlflow.internal:5000\\", "http://mlflow.internal:5000 /x", "http://mlflow.internal:5000\t",
+    "http://mlflow.internal:5000\x00", "http://ml%66low.internal:5000", "http://user:secret@mlflow.internal:5000",
+    "http://%40@mlflow.internal:5000", "http://mlflow.internal:5000?x=1", "http://mlflow.internal:5000#f",
+    "http://mlflöw.internal:5000", " http://mlflow.internal:5000", "http://mlflow.internal.:5000",
+])
+def test_an_mlflow_server_uri_with_credentials_or_characters_parsers_disagree_on_is_refused(uri):
+    from workers.spec import SpecError, validate_spec
+
+    with pytest.raises(SpecError) as err:
+        validate_spec({**SPEC, "report": {"mlflow": {"tracking_uri": uri}}})
+    assert [e["field"] for e in err.value.errors] == ["report.mlflow.tracking_uri"]
+
+
+def test_an_allowed_origin_must_match_exactly_scheme_host_and_port():
+    from workers.spec import report_paths_outside_run
+
+    allowed = ["http://mlflow.internal:5000", "https://other.example"]
+    for uri in ("http://MLflow.Internal:5000", "http://mlflow.internal:5000/api/", "https://other.example:443/x"):
+        assert report_paths_outside_run(ReportSpec.model_validate({"mlflow": {"tracking_uri": uri}}), allowed) == []
+    for uri in ("https://mlflow.internal:5000", "http://mlflow.internal",
+                "http://mlflow.internal.evil.example:5000", "http://other.example:443", "http://127.0.0.1:5000"):
+        errors = report_paths_outside_run(ReportSpec.model_validate({"mlflow": {"tracking_uri": uri}}), allowed)
+        assert [e["field"] for e in errors] == ["report.mlflow.tracking_uri"], uri
+
+
+def echo_secrets(headers: dict) -> bytes:
+    """An error reply that quotes a secret and the request's own credentials back."""
+    return f"denied: upstream token=FAKE-SECRET-4242 for {headers.get('Authorization')}".encode()
+
+
+@pytest.mark.parametrize("content_type, body", [
+    ("text/plain", echo_secrets),
+    ("application/json", lambda headers: json.dumps(
+        {"error_code": "PERMISSION_DENIED", "message": echo_secrets(headers).decode()}).encode()),
+])
+def test_an_mlflow_servers_error_reply_and_the_workers_credentials_never_reach_the_run_log(
+        tmp_path, caplog, monkeypatch, content_type, body):
+    """MLflow puts a failed call's reply into its exception; the run's log and result.json
+    (which the team reads) get the exception's class, error code and HTTP status only."""
+    from workers.spec import report_paths_outside_run
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with listener(status=403, body=body, content_type=content_type) as (port, requests):
+        server = f"http://127.0.0.1:{port}"
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", server)  # the worker's own server: its token is sent there
+        monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "operator-token-7777")
+        report = ReportSpec.model_validate({"mlflow": {"tracking_uri": server, "experiment": "e"}})
+        assert report_paths_outside_run(report, [server]) == []  # an allowed origin
+        with caplog.at_level(logging.DEBUG):
+            status = open_exporters(report.model_dump(), tmp_path, "unit-run", CONFIG).close(timeout_s=60)
+    assert requests and "operator-token-7777" in requests[0]["headers"]["Authorization"]  # it did answer, quoting it
+    assert status["mlflow"].startswith("failed (opening): ") and "403" in status["mlflow"], status
+    logged = caplog.text + json.dumps(status)
+    assert "report.mlflow failed while opening" in logged and "Exception" in logged
+    for secret in ("FAKE-SECRET-4242", "operator-token-7777", "denied"):
+        assert secret not in logged, secret
+
+
+def test_a_failure_reason_keeps_the_clients_own_words_and_scrubs_credentials():
+    from workers.io.exporters import failure_reason
+
+    assert failure_reason(ValueError("bad experiment name 'x'")) == "ValueError: bad experiment name 'x'"
+    reason = failure_reason(RuntimeError("GET https://u:pw@host/x Authorization: Bearer abcdef123456 "
+                                         "password=hunter2 key s3cr3t-value"), secrets=("s3cr3t-value",))
+    for secret in ("pw@", "abcdef123456", "hunter2", "s3cr3t-value"):
+        assert secret not in reason, reason
+    assert len(failure_reason(OSError("x" * 5000))) < 300

@@ -225,3 +225,105 @@ def test_a_path_is_refused_unless_no_other_user_could_have_put_the_file_there(tm
     other = tmp_path / "other.bin"
     other.write_bytes(b"x")
     refused(str(other), "to a .safetensors file")
+
+
+class _Worker:
+    """vLLM's worker as the engine reaches it (collective_rpc by name), with the weight
+    extension's loader and only the load itself stubbed: it records what was read."""
+
+    def __init__(self):
+        from workers.weights.sync import WeightSyncExtension
+
+        class Worker(WeightSyncExtension):
+            loaded: dict = {}
+
+            def _fluxrl_apply(self, items, force_reload, t0, digest=True):
+                self.loaded = dict(items)
+                return {"load_ms": 0.0, "path": "stub"}
+
+        self.worker = Worker()
+
+    async def collective_rpc(self, name, args=(), kwargs=None):
+        return [getattr(self.worker, name)(*args, **(kwargs or {}))]
+
+
+def _engine_with_stub_worker():
+    from workers.rollout.engine import RolloutEngine
+
+    engine = RolloutEngine("unused")
+    engine.engine = _Worker()
+    return engine, engine.engine.worker
+
+
+def _swap_in(path, replacement, how):
+    """Put ``replacement`` where the checked file was: a link to it, or the file itself renamed over."""
+    if how == "link":
+        os.unlink(path)
+        os.symlink(replacement, path)
+    else:
+        os.replace(replacement, path)
+
+
+@pytest.mark.parametrize("how", ["link", "rename"])
+def test_a_file_swapped_after_the_path_was_checked_is_never_loaded(tmp_path, how):
+    """The server checks the trainer's file (local_weight_file), then the engine's worker
+    loads it: another file put at the path in between (a link, or a rename over it) is
+    refused by the worker, not read."""
+    import asyncio
+
+    from workers.weights.files import local_weight_file
+
+    weights = _trainer_file(tmp_path)
+    checked = local_weight_file(weights.path, 1 << 20)
+    intruder = write_weight_file({"model.embed_tokens.weight": torch.full((4, 8), 7.0)},
+                                 str(tmp_path / "other.safetensors"))
+    _swap_in(weights.path, intruder.path, how)
+    engine, worker = _engine_with_stub_worker()
+    with pytest.raises(SpoolError, match="is no longer the file that was checked"):
+        asyncio.run(engine._load(checked))
+    assert worker.loaded == {}
+
+
+def test_the_file_checked_is_the_file_loaded_when_nothing_was_swapped(tmp_path):
+    import asyncio
+
+    from workers.weights.files import local_weight_file
+
+    weights = _trainer_file(tmp_path)
+    engine, worker = _engine_with_stub_worker()
+    asyncio.run(engine._load(local_weight_file(weights.path, 1 << 20)))
+    expected = state(rows=4, width=8)
+    assert sorted(worker.loaded) == sorted(expected)
+    assert all(torch.equal(worker.loaded[k], expected[k]) for k in expected)
+
+
+def test_a_spooled_file_swapped_before_the_engine_reads_it_is_never_read(tmp_path):
+    weights = write_weight_file(state(), str(tmp_path / "w.safetensors"))
+    spool = WeightSpool(max_bytes=16 << 20, folder=str(tmp_path))
+    send(spool, 3, weights.path)
+    got = spool.take(3)
+    intruder = write_weight_file({"x": torch.ones(2)}, str(tmp_path / "other.safetensors"))
+    _swap_in(got.path, intruder.path, "rename")
+    with pytest.raises(SpoolError, match="is no longer the file that was checked"):
+        list(iter_weight_file(got))
+    spool.close()
+
+
+def test_a_lora_adapter_swapped_after_its_path_was_checked_is_never_loaded(tmp_path):
+    """model.lora: the adapter's header and tensors are read from the checked file only."""
+    import asyncio
+
+    from workers.weights.files import ADAPTER_CONFIG_KEY, local_weight_file
+
+    folder = os.path.dirname(_trainer_file(tmp_path).path)
+    adapter = write_weight_file({"lora_A": torch.zeros(2, 2)}, os.path.join(folder, "adapter.safetensors"),
+                                metadata={ADAPTER_CONFIG_KEY: "{}"})
+    checked = local_weight_file(adapter.path, 1 << 20)
+    intruder = write_weight_file({"lora_A": torch.full((2, 2), 7.0)}, str(tmp_path / "other.safetensors"),
+                                 metadata={ADAPTER_CONFIG_KEY: "{}"})
+    _swap_in(adapter.path, intruder.path, "link")
+    engine, worker = _engine_with_stub_worker()
+    engine.lora_rank = 8
+    with pytest.raises(SpoolError, match="is no longer the file that was checked"):
+        asyncio.run(engine._load(checked))
+    assert not os.listdir(engine._lora_folder)  # nothing written for vLLM to load

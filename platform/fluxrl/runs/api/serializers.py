@@ -57,18 +57,27 @@ class EnginePoolReportSerializer(serializers.Serializer):
     fair_share = serializers.FloatField(min_value=0, max_value=1)
 
 
+ENGINE_ONLY = " (the run's own run token only: 403 with a person's session or API token)"
+
+
 class RunStatusReportSerializer(serializers.Serializer):
+    """A status report. The fields that describe the engine are taken from the run's own run
+    token only (runs.services.report_status, ENGINE_FIELDS)."""
+
     status = serializers.ChoiceField(choices=WORKER_STATUSES, help_text="the current status again = heartbeat")
     failure_reason = serializers.CharField(default="", allow_blank=True)
-    worker_host = serializers.CharField(required=False, max_length=255)
-    worker_pid = serializers.IntegerField(required=False, min_value=0, max_value=MAX_INT)
+    worker_host = serializers.CharField(required=False, max_length=255, help_text="the engine's host" + ENGINE_ONLY)
+    worker_pid = serializers.IntegerField(required=False, min_value=0, max_value=MAX_INT,
+                                          help_text="the engine's process id" + ENGINE_ONLY)
     resumed_from_step = serializers.IntegerField(
         required=False, min_value=-1, max_value=MAX_STEP,
         help_text="with the first 'running' of an engine started with --resume: the checkpoint step it continues "
-                  "after (-1: none found, it starts over); the platform drops the points and samples after it")
+                  "after (-1: none found, it starts over); the platform drops the points and samples after it"
+                  + ENGINE_ONLY)
     engine_pools = EnginePoolReportSerializer(
         many=True, required=False, max_length=64,
-        help_text="rollout.share_engines: the shared engine pools the run is on, with its measured and fair share")
+        help_text="rollout.share_engines: the shared engine pools the run is on, with its measured and fair share"
+                  + ENGINE_ONLY)
 
 
 class RunStatusSerializer(serializers.ModelSerializer):

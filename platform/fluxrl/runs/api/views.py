@@ -147,7 +147,9 @@ class RunStatusView(RunReportMixin, generics.GenericAPIView):
                    summary="Report a status change or heartbeat (the reply carries cancel_requested)")
     def post(self, request, pk):
         data = validated(RunStatusReportSerializer, request.data)
-        run = services.transition(self.get_run(), data.pop("status"), **data)
+        token = request.auth if isinstance(request.auth, RunToken) else None
+        run = services.report_status(self.get_run(), data, from_run_token=token is not None,
+                                     from_dispatcher=token is not None and token.minted_by_id is None)
         if isinstance(request.auth, RunToken) and not run.is_terminal:
             renew_run_token(request.auth)
         return Response(RunStatusSerializer(run).data)
