@@ -192,7 +192,7 @@ class Processes:
             from workers.rollout.pool import PoolClient, tenant_info
 
             tenant = tenant_info(spec.name, spec.model.lora.rank, ro.update_mode, ro.top_p, ro.top_k, list(ro.stop),
-                                 list(checked.stop_ids))
+                                 list(checked.stop_ids), group_size=spec.algorithm.group_size)
             return [PoolClient(self.engine_config(p, checked), tenant) for p in self.plan.engines]
         if self.plan.engine_processes:
             return [EngineClient(self.engine_config(p, checked), *self.remote_engines.get(p.index, (None, None)))

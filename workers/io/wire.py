@@ -22,12 +22,24 @@ ends present that certificate and require the peer's to chain to it. So:
 
 Every accepted connection must finish its handshake within ``FLUXRL_WIRE_HANDSHAKE_S``
 (default 10 s), each in a thread of its own so a silent connection never blocks others;
-connects have the same limit. Handshake slots are shared out by source address: at most
-64 at once, at most 8 per address that has never completed a handshake here (a stranger;
-32 for a known peer's address), and when they are all taken, a new connection pushes out
-the stranger's handshake that has waited longest — so strangers, from one address or
-many, cannot hold off the run's peers (on one node every peer is 127.0.0.1: known after
-its first handshake, and the node agents retry a dropped connect). A frame's length is checked before anything is allocated:
+connects have the same limit. Handshake slots are shared out by who connects: at most 64 at
+once, at most 8 per source that has never completed a handshake here (a stranger; 16 for a
+known peer). A source past its cap does not lock anyone out: its newest connection pushes
+out its own oldest pending one (a real peer's handshake takes milliseconds; one that waits
+is most likely silent), and when all 64 are taken a newcomer pushes out the stranger's
+handshake that has waited longest (else the oldest of the source holding most slots).
+
+**The local wire.** On one node every TCP peer is 127.0.0.1, so a TCP source says nothing
+about who connects. Each listener therefore also listens on a Unix-domain socket in this
+user's folder ``FLUXRL_WIRE_DIR`` (default ``$TMPDIR/fluxrl-wire-<uid>``, mode 700, checked to
+be this user's), named by the TCP address it stands for and this network namespace; a
+client of this host that dials that address uses it instead (:func:`connect`). The kernel
+names the peer (``SO_PEERCRED``): the listener accepts only this user's processes and
+counts handshake slots per connecting process, and the client accepts only a listener of
+this user; TLS with the key, the deadlines and the size caps are the same as over TCP.
+``FLUXRL_WIRE_LOCAL=0`` turns it off (TCP only).
+
+A frame's length is checked before anything is allocated:
 a header over 1 MiB or a blob over ``FLUXRL_WIRE_MAX_BLOB_MB`` (default 4096) closes the
 connection with :class:`FrameTooLarge`. Any failure of a channel (EOF, TLS error, bad or
 oversized frame, a message that does not validate) closes it and raises ``EOFError`` or
@@ -35,8 +47,12 @@ an ``OSError`` (:class:`WireError`), so callers' reader threads end the same way
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import datetime
 import functools
+import hashlib
+import ipaddress
 import logging
 import os
 import queue
@@ -44,10 +60,12 @@ import secrets
 import select
 import socket
 import ssl
+import stat
 import struct
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
@@ -57,14 +75,19 @@ log = logging.getLogger(__name__)
 KEY_ENV = "FLUXRL_CLUSTER_KEY"  # hex; every process of a run must have the same
 HANDSHAKE_ENV = "FLUXRL_WIRE_HANDSHAKE_S"
 MAX_BLOB_ENV = "FLUXRL_WIRE_MAX_BLOB_MB"
+LOCAL_DIR_ENV = "FLUXRL_WIRE_DIR"  # this user's local listeners (Unix sockets)
+LOCAL_ENV = "FLUXRL_WIRE_LOCAL"  # "0": TCP only, also between processes of one host
 MAX_HEADER = 1 << 20  # a message's JSON: samples of a batch fit many times over
 _CHUNK = 1 << 20  # plaintext handed to TLS at a time (bounds the encrypted copy in memory)
 _MAX_HANDSHAKES = 64  # connections handshaking at once per listener
-# Per source address: one that never completed a handshake on this listener (a stranger)
-# cannot take more than a few slots; a known peer's address (a whole node: its agent's two
-# channels, the engine clients) gets more. A dropped node agent retries (cluster/node.py).
+# Per source (a TCP address, or a local process): one that never completed a handshake on
+# this listener (a stranger) holds a few slots at most; a known peer's address (a whole
+# node: its agent's two channels, the engine clients) a few more. Past its cap a source's
+# newest connection pushes out its own oldest, so no source can lock the others out, nor
+# its own real peers (a dropped node agent retries: cluster/node.py).
 _MAX_HANDSHAKES_PER_STRANGER = 8
-_MAX_HANDSHAKES_PER_KNOWN = 32
+_MAX_HANDSHAKES_PER_KNOWN = 16
+_UNIX_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
 _WELCOME = b"\x01"  # the server's first byte: it accepted our certificate
 
 _HEAD = struct.Struct(">IB")  # JSON length, kind (M: message, B: message + blob)
@@ -135,6 +158,125 @@ def parse_address(text: str) -> tuple[str, int]:
 
 def format_address(address: tuple[str, int]) -> str:
     return f"{address[0]}:{address[1]}"
+
+
+# -- the local wire: a Unix socket per listener, for this user's processes on this host ---------
+class LocalPeerRefused(WireError):
+    """A local socket whose other end is not a process of this user."""
+
+
+def _local_enabled() -> bool:
+    return os.environ.get(LOCAL_ENV, "1") != "0" and hasattr(socket, "AF_UNIX") and hasattr(socket, "SO_PEERCRED")
+
+
+def _net_namespace() -> int:
+    """This process's network namespace (0 where unreadable): 127.0.0.1:port means one
+    listener per namespace, and a shared /tmp may be seen from several."""
+    try:
+        return os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return 0
+
+
+def local_dir(create: bool) -> Optional[Path]:
+    """This user's folder of local listeners, or None where there is none to use: missing
+    (``create`` False), or not this user's alone (logged; TCP is used then)."""
+    folder = Path(os.environ.get(LOCAL_DIR_ENV) or Path(tempfile.gettempdir()) / f"fluxrl-wire-{os.getuid()}")
+    try:
+        if create:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = folder.lstat()  # a symlink planted in its place is refused, not followed
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("wire: the local folder %s (%s) is unusable: %s; using TCP", folder, LOCAL_DIR_ENV, exc)
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("wire: %s (%s) must be a folder of this user's, closed to others (mode 700); using TCP",
+                    folder, LOCAL_DIR_ENV)
+        return None
+    return folder
+
+
+def _local_name(host: str, port: int) -> str:
+    """The socket that stands for ``host:port`` of this network namespace (a fixed length,
+    whatever the address: a Unix socket's path is short)."""
+    digest = hashlib.sha256(f"{_net_namespace()}|{host}|{port}".encode()).hexdigest()[:24]
+    return f"{digest}.sock"
+
+
+def _is_this_host(ip: "ipaddress.IPv4Address | ipaddress.IPv6Address") -> bool:
+    """Whether ``ip`` is an address of this host in this namespace (it can be bound here)."""
+    if ip.is_loopback:
+        return True
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((str(ip), 0))
+        return True
+    except OSError:
+        return False
+
+
+def _local_candidates(address: tuple[str, int]) -> list[str]:
+    """Socket names a listener at ``address`` on this host would have: the address itself,
+    and a wildcard listener's, when the address is this host's. Host names other than
+    localhost are not resolved here (TCP resolves them)."""
+    host, port = address
+    host = host.strip("[]")
+    if host == "localhost":
+        ips = [ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")]
+    else:
+        try:
+            ips = [ipaddress.ip_address(host)]
+        except ValueError:
+            return []
+    names: list[str] = []
+    for ip in ips:
+        names.append(_local_name(ip.compressed, port))
+        if _is_this_host(ip):
+            names.append(_local_name("::" if ip.version == 6 else "0.0.0.0", port))
+    return names
+
+
+def _peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket, as the kernel saw it
+    connect (a client) or listen (a server)."""
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+
+
+def _open_local(address: tuple[str, int], timeout: float) -> Optional[tuple[socket.socket, str]]:
+    """A connection to the local socket of the listener at ``address``, if this user has one
+    there; None otherwise (the caller uses TCP). A stale socket (its process is gone) is
+    skipped. A socket of another user is refused: the folder is this user's, so one there
+    means something is wrong."""
+    if not _local_enabled():
+        return None
+    names = _local_candidates(address)
+    folder = local_dir(create=False) if names else None
+    if folder is None or _net_namespace() == 0:
+        return None
+    for name in names:
+        path = folder / name
+        if not path.exists():
+            continue
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        _, uid, _ = _peer_credentials(sock)
+        if uid != os.getuid():
+            sock.close()
+            raise LocalPeerRefused(f"the local socket {path} for {format_address(address)} is held by uid {uid}, "
+                                   f"not this user ({os.getuid()}): refused")
+        return sock, str(path)
+    return None
 
 
 # -- the run's certificate authority, derived from the key -------------------------------------
@@ -364,6 +506,11 @@ class Channel:
 
 
 def _tune(sock: socket.socket) -> None:
+    if sock.family == socket.AF_UNIX:  # a local peer: its process ending closes the socket
+        # as much in flight as loopback TCP allows (the kernel caps it at net.core.wmem_max)
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        return
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     # a peer whose machine vanished (no FIN, no RST) fails the connection in about a minute
     # instead of leaving a reader waiting forever
@@ -388,20 +535,22 @@ def _server_side(sock: socket.socket, key: bytes, deadline: float) -> _Tls:
 
 
 class _Pending:
-    """A connection handshaking in its own thread."""
+    """A connection handshaking in its own thread; ``source``: who connects (a TCP address,
+    or a local process)."""
 
-    __slots__ = ("sock", "host", "known", "evicted")
+    __slots__ = ("sock", "source", "known", "evicted")
 
-    def __init__(self, sock: socket.socket, host: str, known: bool):
-        self.sock, self.host, self.known, self.evicted = sock, host, known, False
+    def __init__(self, sock: socket.socket, source: str, known: bool):
+        self.sock, self.source, self.known, self.evicted = sock, source, known, False
 
 
 class Listener:
-    """Accepts connections on ``(host, port)``; each handshakes in a thread of its own
-    within the deadline, so a silent or hostile connection delays nobody, and handshake
-    slots are shared out by source address (see the module's docstring)."""
+    """Accepts connections on ``(host, port)``, and from this user's processes on this host on
+    a local socket too (``local``; see the module's docstring); each handshakes in a thread
+    of its own within the deadline, so a silent or hostile connection delays nobody, and
+    handshake slots are shared out by source."""
 
-    def __init__(self, host: str, port: int = 0, key: Optional[bytes] = None):
+    def __init__(self, host: str, port: int = 0, key: Optional[bytes] = None, local: bool = True):
         self.key = key or cluster_key()
         self._sock = socket.create_server((host, port), backlog=64)
         self._sock.settimeout(0.5)  # the accept loop looks at _closed this often
@@ -409,18 +558,59 @@ class Listener:
         self._ready: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._pending: list[_Pending] = []  # oldest first
-        self._known: set[str] = set()  # addresses that completed a handshake (only key holders can)
+        self._known: set[str] = set()  # sources that completed a handshake (only key holders can)
         self._dropped = 0
         self._dropped_logged_at = 0.0
         self._closed = False
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"wire-accept-{self.address[1]}",
-                                          daemon=True)
-        self._acceptor.start()
+        self._local: Optional[socket.socket] = None
+        self.local_path: Optional[str] = None
+        self._local_ino = 0
+        if local and _local_enabled():
+            try:
+                self._listen_local()
+            except BaseException:
+                self._sock.close()
+                raise
+        self._acceptors = [threading.Thread(target=self._accept_loop, args=(self._sock,),
+                                            name=f"wire-accept-{self.address[1]}", daemon=True)]
+        if self._local is not None:
+            self._acceptors.append(threading.Thread(target=self._accept_loop, args=(self._local,),
+                                                    name=f"wire-accept-local-{self.address[1]}", daemon=True))
+        for thread in self._acceptors:
+            thread.start()
 
-    def _accept_loop(self) -> None:
+    def _listen_local(self) -> None:
+        """The local socket that stands for this listener's address. Bound under a name of its
+        own and renamed into place, so a stale socket of a process that died on this port is
+        replaced at once and a client never finds a half-made one."""
+        folder = local_dir(create=True)
+        if folder is None or _net_namespace() == 0:
+            return
+        path = folder / _local_name(ipaddress.ip_address(self.address[0].strip("[]")).compressed, self.address[1])
+        staging = folder / f".{secrets.token_hex(8)}.sock"
+        if len(str(staging).encode()) > _UNIX_PATH_MAX:
+            log.warning("wire %s: no local socket: %s is too long a path for one (set %s to a shorter folder)",
+                        format_address(self.address), folder, LOCAL_DIR_ENV)
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(staging))
+            os.chmod(staging, 0o600)
+            sock.listen(64)
+            os.replace(staging, path)
+        except BaseException:
+            sock.close()
+            with contextlib.suppress(OSError):
+                os.unlink(staging)
+            raise
+        sock.settimeout(0.5)
+        self._local, self.local_path, self._local_ino = sock, str(path), os.stat(path).st_ino
+
+    def _accept_loop(self, listening: socket.socket) -> None:
+        local = listening.family == socket.AF_UNIX
         while not self._closed:
             try:
-                sock, peer = self._sock.accept()
+                sock, peer = listening.accept()
             except socket.timeout:
                 continue
             except OSError:
@@ -428,53 +618,75 @@ class Listener:
                     return
                 time.sleep(0.1)  # e.g. out of file descriptors: try again
                 continue
-            pending = self._admit(sock, str(peer[0]))
+            if local:
+                pid, uid, _ = _peer_credentials(sock)
+                if uid != os.getuid():  # the folder is closed to others; this holds if it is opened
+                    self._note_drop(f"local uid {uid} (not this user)")
+                    sock.close()
+                    continue
+                source = f"local pid {pid}"
+            else:
+                source = str(peer[0])
+            name = source if local else format_address(peer)
+            pending = self._admit(sock, source)
             if pending is None:
-                self._note_drop(peer)
+                self._note_drop(name)
                 sock.close()
                 continue
-            threading.Thread(target=self._handshake, args=(pending, peer), name="wire-handshake", daemon=True).start()
+            threading.Thread(target=self._handshake, args=(pending, name), name="wire-handshake", daemon=True).start()
 
-    def _admit(self, sock: socket.socket, host: str) -> Optional[_Pending]:
-        """A slot for a new connection from ``host``, or None (dropped). Over the global cap
-        it takes the slot of the stranger that has handshaken longest (a real peer's
-        handshake takes milliseconds; one that waits is most likely silent)."""
+    def _admit(self, sock: socket.socket, source: str) -> Optional[_Pending]:
+        """A slot for a new connection from ``source``, or None (dropped). A source at its cap
+        gives up its own oldest pending handshake; over the global cap the newcomer takes the
+        slot of the stranger that has handshaken longest, else of the oldest of the source
+        holding most slots (a real peer's handshake takes milliseconds; one that waits is
+        most likely silent)."""
         with self._lock:
-            known = host in self._known
-            same = sum(1 for p in self._pending if p.host == host)
-            if same >= (_MAX_HANDSHAKES_PER_KNOWN if known else _MAX_HANDSHAKES_PER_STRANGER):
-                return None
-            if len(self._pending) >= _MAX_HANDSHAKES:
+            known = source in self._known
+            same = [p for p in self._pending if p.source == source]
+            victim = None
+            if len(same) >= (_MAX_HANDSHAKES_PER_KNOWN if known else _MAX_HANDSHAKES_PER_STRANGER):
+                victim = same[0]
+            elif len(self._pending) >= _MAX_HANDSHAKES:
                 victim = next((p for p in self._pending if not p.known), None)
-                if victim is None:  # every slot is a known peer's: the newcomer waits its turn (retries)
-                    return None
+                if victim is None:
+                    counts = collections.Counter(p.source for p in self._pending)
+                    biggest = max(counts, key=counts.__getitem__)
+                    if counts[biggest] <= len(same):  # the newcomer's source holds as many: it waits (retries)
+                        return None
+                    victim = next(p for p in self._pending if p.source == biggest)
+            if victim is not None:
                 self._pending.remove(victim)
                 victim.evicted = True
                 try:  # wakes its thread, which closes it
                     victim.sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-            pending = _Pending(sock, host, known)
+            pending = _Pending(sock, source, known)
             self._pending.append(pending)
             return pending
 
-    def _note_drop(self, peer) -> None:
+    def _note_drop(self, peer: str) -> None:
         # one line a second at most: a flood must not flood the log too
-        self._dropped += 1
-        now = time.monotonic()
-        if now - self._dropped_logged_at >= 1.0:
-            log.warning("wire %s: handshake slots taken (%d at most, %d per unknown address); dropped %d "
-                        "connection(s), the last from %s", format_address(self.address), _MAX_HANDSHAKES,
-                        _MAX_HANDSHAKES_PER_STRANGER, self._dropped, format_address(peer))
-            self._dropped, self._dropped_logged_at = 0, now
+        with self._lock:
+            self._dropped += 1
+            now = time.monotonic()
+            if now - self._dropped_logged_at < 1.0:
+                return
+            dropped, self._dropped, self._dropped_logged_at = self._dropped, 0, now
+        log.warning("wire %s: handshake slots taken (%d at most, %d per unknown source); dropped or pushed out %d "
+                    "connection(s), the last from %s", format_address(self.address), _MAX_HANDSHAKES,
+                    _MAX_HANDSHAKES_PER_STRANGER, dropped, peer)
 
-    def _handshake(self, pending: _Pending, peer) -> None:
+    def _handshake(self, pending: _Pending, peer: str) -> None:
         try:
             tls = _server_side(pending.sock, self.key, time.monotonic() + handshake_timeout())
         except Exception as exc:  # noqa: BLE001 - a refused peer is logged, never fatal to the listener
-            why = "pushed out by a newer connection" if pending.evicted else (
-                f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
-            log.warning("wire %s: refused %s: %s", format_address(self.address), format_address(peer), why)
+            if pending.evicted:
+                self._note_drop(peer)
+            else:
+                why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                log.warning("wire %s: refused %s: %s", format_address(self.address), peer, why)
             return
         finally:
             with self._lock:
@@ -482,11 +694,11 @@ class Listener:
                     self._pending.remove(pending)
         with self._lock:
             if not pending.evicted:
-                self._known.add(pending.host)
+                self._known.add(pending.source)
         if self._closed or pending.evicted:  # pushed out just as it finished: its socket is shut
             tls.close()
         else:
-            self._ready.put((tls, format_address(peer)))
+            self._ready.put((tls, peer))
 
     def accept(self, messages: TypeAdapter, timeout: Optional[float] = None) -> Channel:
         """The next authenticated connection; ``TimeoutError`` after ``timeout`` seconds."""
@@ -500,15 +712,24 @@ class Listener:
         """Stop listening now: once this returns, the port can be bound again (a resumed run
         binds its rendezvous anew). Closing alone is not enough: the accept thread's poll
         holds the socket, still listening, until it wakes (up to its 0.5 s timeout);
-        shutting it down first wakes the poll and ends the listening at once."""
+        shutting it down first wakes the poll and ends the listening at once. The local
+        socket's file goes too, unless another listener has put its own in its place."""
         self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:  # not listening any more (closed before)
-            pass
-        self._sock.close()
-        if self._acceptor is not threading.current_thread():
-            self._acceptor.join(timeout=2.0)
+        for sock in (self._sock, self._local):
+            if sock is None:
+                continue
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # not listening any more (closed before)
+                pass
+            sock.close()
+        if self.local_path is not None:
+            with contextlib.suppress(OSError):
+                if os.stat(self.local_path).st_ino == self._local_ino:
+                    os.unlink(self.local_path)
+        for thread in self._acceptors:
+            if thread is not threading.current_thread():
+                thread.join(timeout=2.0)
         while True:
             try:
                 self._ready.get_nowait()[0].close()
@@ -516,34 +737,43 @@ class Listener:
                 return
 
 
-def listen(host: str, port: int = 0, key: Optional[bytes] = None) -> Listener:
-    return Listener(host, port, key)
+def listen(host: str, port: int = 0, key: Optional[bytes] = None, local: bool = True) -> Listener:
+    return Listener(host, port, key, local)
 
 
 def connect(address: tuple[str, int], messages: TypeAdapter, key: Optional[bytes] = None,
             timeout: Optional[float] = None) -> Channel:
     """Connect, handshake and wait for the server's welcome within ``timeout`` (default
-    ``FLUXRL_WIRE_HANDSHAKE_S``). A peer that refuses our certificate raises
-    :class:`HandshakeFailed`; an unreachable one ``OSError``."""
+    ``FLUXRL_WIRE_HANDSHAKE_S``): over the listener's local socket when this user has one
+    for ``address`` on this host, else over TCP. A peer that refuses our certificate raises
+    :class:`KeyRefused`, one that does not answer :class:`HandshakeFailed`; an unreachable
+    one ``OSError``."""
     timeout = handshake_timeout() if timeout is None else timeout
     deadline = time.monotonic() + timeout
-    sock = socket.create_connection(address, timeout=timeout)
+    name = format_address(address)
+    try:
+        opened = _open_local(address, timeout)
+    except socket.timeout as exc:
+        raise HandshakeFailed(f"{name}: its local socket did not take the connection within {timeout:g} s") from exc
+    if opened is not None:
+        sock, name = opened[0], f"{name} (local socket)"
+    else:
+        sock = socket.create_connection(address, timeout=timeout)
     _tune(sock)
     tls = _Tls(sock, _context(key or cluster_key(), server=False), server=False)
     try:
         tls.handshake(deadline)
         if bytes(_read_exact(tls, 1, deadline)) != _WELCOME:
-            raise HandshakeFailed(f"{format_address(address)} is not a fluxrl wire endpoint")
+            raise HandshakeFailed(f"{name} is not a fluxrl wire endpoint")
         sock.settimeout(None)
     except ssl.SSLError as exc:
         tls.close()
-        raise KeyRefused(f"{format_address(address)} refused the TLS handshake (not the same {KEY_ENV}?): "
-                              f"{exc}") from exc
+        raise KeyRefused(f"{name} refused the TLS handshake (not the same {KEY_ENV}?): {exc}") from exc
     except (EOFError, socket.timeout) as exc:
         tls.close()
-        raise HandshakeFailed(f"{format_address(address)} closed or did not answer the handshake within "
-                              f"{timeout:g} s (not the same {KEY_ENV}?)") from exc
+        raise HandshakeFailed(f"{name} closed or did not answer the handshake within {timeout:g} s (not the same "
+                              f"{KEY_ENV}?)") from exc
     except BaseException:
         tls.close()
         raise
-    return Channel(tls, messages, format_address(address))
+    return Channel(tls, messages, name)

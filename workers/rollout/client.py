@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Optional
 
 from workers.io import wire
 from workers.io.lifetime import file_view, launcher_env
-from workers.rollout.engine import Completion, EngineDied, EngineRPCTimeout, RolloutEngine, UpdateTiming
+from workers.rollout.engine import (Completion, EngineDied, EngineRPCTimeout, RolloutEngine, UpdateTiming,
+                                    asleep_after_wake)
 from workers.rollout.messages import (REPLIES, ArrivedEvent, ChecksumRequest, CompletionReply, EngineServerConfig,
                                       EngineStats, ErrorReply, GenerateRequest, GoRequest, GroupRequest,
                                       HandOffRequest, JoinGroupRequest, PingRequest, PongReply, PoolView, SampleReply,
@@ -94,7 +95,7 @@ class EngineClient:
         self._loop = asyncio.get_running_loop()
         if self.address is None:
             self.address, self.server_pid = await asyncio.to_thread(self._launch)
-        self.channel = await asyncio.to_thread(wire.connect, wire.parse_address(self.address), REPLIES, self.key)
+        self.channel = await asyncio.to_thread(self._connect)
         self._last_heard = time.monotonic()
         threading.Thread(target=self._read, name=f"engine-client-{self.index}", daemon=True).start()
         if isinstance(warm_blob, WeightFile):
@@ -114,6 +115,11 @@ class EngineClient:
     def _launch(self) -> tuple[str, int]:
         self.proc, address, pid = launch_server(self.config)
         return address, pid
+
+    def _connect(self) -> wire.Channel:
+        """The server's connection (from a worker thread): over its local socket when it is on
+        this host (wire.connect)."""
+        return wire.connect(wire.parse_address(self.address), REPLIES, self.key)
 
     def request_shutdown(self) -> None:
         """Ask the server to stop, without waiting (``shutdown`` waits): several engines then
@@ -222,8 +228,9 @@ class EngineClient:
     async def wake_up(self, tags: Optional[list[str]] = None) -> float:
         if self.asleep is None:
             return 0.0
+        left = asleep_after_wake(self.asleep, tags)
         seconds = float((await self._request(WakeRequest(id=next(_request_ids), tags=tags))).value)
-        self.asleep = "kv_cache" if tags == ["weights"] else None
+        self.asleep = left
         return seconds
 
     async def update_weights(self, weights: "bytes | WeightFile | CollectiveWeights", version: int) -> UpdateTiming:

@@ -65,8 +65,9 @@ class TenantInfo(wire.Message):
     """Who a run on a shared engine pool is (workers/rollout/pool.py), and what of the
     engine is its own: the sampling settings and update mode its requests use."""
     run: str = Field(max_length=200)  # shown to the same team's runs only
-    team: str = Field(max_length=100)
-    weight: float = Field(1.0, gt=0, le=1000)  # the team's share weight (the operator's, not the spec's)
+    team: str = Field(max_length=100)  # believed only on a pool without a verifier (no platform on the node)
+    ticket: Optional[str] = Field(None, max_length=2000)  # the platform's signed tenant and weight (tickets.py)
+    group_size: int = Field(1, ge=1)  # algorithm.group_size: at most the pool's seats
     lora_rank: int = Field(ge=1, le=512)
     update_mode: Literal["keep", "interrupt"] = "keep"
     top_p: float = 1.0

@@ -23,10 +23,11 @@ What each run keeps, on an engine it shares:
   run's own requests.
 - **its staleness bound**: admission stays in each run's own controller.
 - **a fair share of generation** (:class:`FairSeats`): the engine's sequence seats
-  (vLLM's ``max_num_seqs``) are shared by weighted max-min fairness between the runs
-  that want them, work-conserving (a run alone may use them all). A run's weight is its
-  team's (``FLUXRL_POOL_WEIGHT``, set by the platform from the team's record, never by
-  the spec) divided among the team's runs on the pool.
+  (vLLM's ``max_num_seqs``) are shared by weighted fair queuing between the runs that
+  want them, work-conserving (a run alone may use them all); a prompt group larger than
+  its due is sent in pieces. A run's weight is its tenant's, from the ticket the platform
+  signed from its records (workers/rollout/tickets.py), never from the run or its spec,
+  divided among the tenant's runs on the pool.
 
 A run that ends, fails or is killed closes its connection: its requests are aborted, its
 adapter leaves vLLM and its slot is free; the other runs go on.
@@ -44,6 +45,7 @@ import collections
 import contextlib
 import fcntl
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -57,7 +59,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Hashable, Optional
+from typing import Hashable, NamedTuple, Optional
 
 from pydantic import Field
 
@@ -65,18 +67,30 @@ from workers.io import wire
 from workers.io.lifetime import pid_alive, pid_namespace
 from workers.rollout.engine import RolloutEngine, SamplingOptions, configure_cpu_environment, lora_rank_class
 from workers.rollout.client import EngineClient
-from workers.rollout.messages import (REQUESTS, EngineServerConfig, HandOffRequest, JoinGroupRequest, PoolView,
+from workers.rollout.messages import (REPLIES, REQUESTS, EngineServerConfig, HandOffRequest, JoinGroupRequest, PoolView,
                                       SleepRequest, StartRequest, TenantInfo, UpdateRequest, WakeRequest)
 from workers.rollout.server import _Server
+from workers.rollout.tickets import TICKET_ENV, VERIFIER_ENV, TicketError, read_ticket, verifier_from_env
 
 log = logging.getLogger(__name__)
 
 DIR_ENV, SLOTS_ENV, IDLE_ENV = "FLUXRL_POOL_DIR", "FLUXRL_POOL_SLOTS", "FLUXRL_POOL_IDLE_S"
+CONNECT_ENV = "FLUXRL_POOL_CONNECT_S"  # how long a run keeps trying a live pool that does not take its connection
 RANK_ENV, LENGTH_ENV = "FLUXRL_POOL_MAX_LORA_RANK", "FLUXRL_POOL_MAX_MODEL_LEN"
-TEAM_ENV, WEIGHT_ENV, RUN_ENV = "FLUXRL_POOL_TEAM", "FLUXRL_POOL_WEIGHT", "FLUXRL_POOL_RUN"
+TEAM_ENV, RUN_ENV = "FLUXRL_POOL_TEAM", "FLUXRL_POOL_RUN"
 SHARE_WINDOW_S = 30.0  # a run's measured share: of the tokens generated over this long
+# The most seats one grant hands out, so one vLLM request of a piece of a group: a group
+# larger is split (TenantEngine.stream_group), at the cost of a prefill of its prompt per piece.
+MAX_GRANT = 64
+UNVERIFIED = "unverified"  # the tenant of every run on a platform's pool without a valid ticket
 # Never handed to a pool: it outlives the run that starts it and serves other teams' runs.
-PRIVATE_ENV_PARTS = ("TOKEN", "SECRET", "PASSWORD", "KEY", "DATABASE_URL", "REDIS_URL")
+# (TICKET: the starting run's ticket is that run's, not the pool's.)
+PRIVATE_ENV_PARTS = ("TOKEN", "SECRET", "PASSWORD", "KEY", "TICKET", "DATABASE_URL", "REDIS_URL")
+
+
+class PoolUnreachable(ConnectionError):
+    """A live pool did not take the run's connection within ``FLUXRL_POOL_CONNECT_S`` (its
+    entry stays: it is not dead), or a closing one did not exit within it."""
 
 
 class PoolFull(RuntimeError):
@@ -88,21 +102,46 @@ class PoolConfig(wire.Message):
     engine: EngineServerConfig  # lora_rank: the largest adapter rank it serves
     slots: int = Field(4, ge=1, le=64)
     idle_exit_s: float = Field(120.0, ge=0)
+    verifier: Optional[str] = Field(None, max_length=4096)  # the platform's public key (PEM): tickets.py
 
 
 # -- fair sharing of an engine's seats -------------------------------------------------------
-class FairSeats:
-    """An engine's sequence seats (vLLM's ``max_num_seqs``) shared between runs by
-    weighted max-min fairness: the next request to run is the head of the run holding the
-    fewest seats for its weight, once it fits; a run alone may hold them all
-    (work-conserving). Holding a seat means being in vLLM's running batch, so seats are
-    the share of every decode step."""
+class _Want(NamedTuple):
+    n: int  # seats wanted, at most the grant cap
+    order: int  # arrival: the older of two equally deserving waiters goes first
+    future: asyncio.Future  # resolved with the seats granted, 1 .. n
 
-    def __init__(self, capacity: int):
+
+class FairSeats:
+    """An engine's sequence seats (vLLM's ``max_num_seqs``) shared between runs. Holding a
+    seat means being in vLLM's running batch, so seats are the share of every decode step.
+
+    The policy is weighted fair queuing over seats held, by water-filling: every free seat
+    goes, one at a time, to the waiting run whose seats held (with those given in this pass)
+    divided by its weight is lowest, the oldest waiter first among equals. A seat held is
+    seat-time accruing at the same rate for every run, so keeping held/weight level at every
+    grant keeps each busy run's seat-time in proportion to its weight. Deficit round robin
+    was the alternative; it charges a request its cost when it is sent, and a sequence's
+    seat-time is known only when it ends.
+
+    What holds whatever the requests' sizes:
+
+    - a grant never exceeds the engine's seats nor ``max_grant``: a request wanting more
+      gets what is free up to its due and asks again for the rest (TenantEngine splits a
+      prompt group into pieces that way);
+    - a grant is partial rather than waiting for room: a large request never leaves a seat
+      idle while it waits, so it blocks nobody, and it is never starved, since a run with
+      nothing held is the most deserving there is;
+    - a run alone may hold every seat (work-conserving), and nothing running is preempted:
+      a seat changes hands when its sequence ends (``release``)."""
+
+    def __init__(self, capacity: int, max_grant: Optional[int] = None):
         self.capacity = capacity
+        self.max_grant = max(1, min(capacity, max_grant or capacity))
         self.held: dict[Hashable, int] = collections.defaultdict(int)
         self.weights: dict[Hashable, float] = {}
-        self._waiting: dict[Hashable, collections.deque] = collections.defaultdict(collections.deque)
+        self._waiting: dict[Hashable, collections.deque[_Want]] = collections.defaultdict(collections.deque)
+        self._arrivals = itertools.count()
 
     @property
     def used(self) -> int:
@@ -114,33 +153,38 @@ class FairSeats:
 
     def forget(self, key: Hashable) -> None:
         """A run that left: its waiters fail, its seats are free."""
-        for _, future in self._waiting.pop(key, ()):
-            if not future.done():
-                future.cancel()
+        for want in self._waiting.pop(key, ()):
+            if not want.future.done():
+                want.future.cancel()
         self.held.pop(key, None)
         self.weights.pop(key, None)
         self._grant()
 
     @contextlib.asynccontextmanager
     async def seats(self, key: Hashable, n: int):
-        await self.acquire(key, n)
+        """Up to ``n`` seats while the block runs; yields how many."""
+        granted = await self.acquire(key, n)
         try:
-            yield
+            yield granted
         finally:
-            self.release(key, n)
+            self.release(key, granted)
 
-    async def acquire(self, key: Hashable, n: int) -> None:
+    async def acquire(self, key: Hashable, n: int) -> int:
+        """Between 1 and ``min(n, max_grant)`` seats, once the fair order reaches them:
+        returns how many. The caller releases each as its sequence ends."""
+        if n < 1:
+            raise ValueError(f"a request for {n} seats")
         future = asyncio.get_running_loop().create_future()
-        entry = (n, future)
-        self._waiting[key].append(entry)
+        want = _Want(min(n, self.max_grant), next(self._arrivals), future)
+        self._waiting[key].append(want)
         self._grant()
         try:
-            await future
+            return await future
         except asyncio.CancelledError:
-            if entry in self._waiting.get(key, ()):
-                self._waiting[key].remove(entry)
+            if want in self._waiting.get(key, ()):
+                self._waiting[key].remove(want)
             elif future.done() and not future.cancelled():  # granted as we were cancelled: give them back
-                self.release(key, n)
+                self.release(key, future.result())
             raise
 
     def release(self, key: Hashable, n: int) -> None:
@@ -148,21 +192,37 @@ class FairSeats:
             self.held[key] = max(0, self.held[key] - n)
         self._grant()
 
+    def _head(self, key: Hashable) -> Optional[_Want]:
+        queue = self._waiting.get(key)
+        while queue and queue[0].future.done():  # cancelled meanwhile
+            queue.popleft()
+        return queue[0] if queue else None
+
     def _grant(self) -> None:
-        while True:
-            heads = [k for k, q in self._waiting.items() if q]
-            if not heads:
-                return
-            key = min(heads, key=lambda k: self.held.get(k, 0) / self.weights.get(k, 1.0))
-            n, future = self._waiting[key][0]
-            used = self.used
-            if used and used + n > self.capacity:  # the most deserving waits for room; nobody overtakes it
-                return
-            self._waiting[key].popleft()
-            if future.done():  # cancelled meanwhile
-                continue
-            self.held[key] += n
-            future.set_result(None)
+        free = self.capacity - self.used
+        given: dict[Hashable, int] = {}  # to the heads, this pass, not yet handed over
+        while free > 0:
+            best, best_rank = None, None
+            for key in list(self._waiting):
+                head = self._head(key)
+                if head is None:
+                    continue
+                rank = ((self.held.get(key, 0) + given.get(key, 0)) / self.weights.get(key, 1.0), head.order)
+                if best_rank is None or rank < best_rank:
+                    best, best_rank = key, rank
+            if best is None:
+                break
+            given[best] = given.get(best, 0) + 1
+            free -= 1
+            if given[best] == self._waiting[best][0].n:  # that head is whole: the run's next request may follow
+                self._hand_over(best, given.pop(best))
+        for key, n in given.items():  # the rest: partial grants
+            self._hand_over(key, n)
+
+    def _hand_over(self, key: Hashable, n: int) -> None:
+        want = self._waiting[key].popleft()
+        self.held[key] += n
+        want.future.set_result(n)
 
 
 # -- a run's view of the shared engine ---------------------------------------------------------
@@ -182,6 +242,8 @@ class TenantEngine(RolloutEngine):
         self.tenant: Optional[TenantInfo] = None
         self.slot: Optional[int] = None
         self.serial: Optional[int] = None  # this join's number in the pool: its share's key (slots are reused)
+        self.team: Optional[str] = None  # whose weight it shares: the ticket's tenant (EnginePool.identify)
+        self.weight = 1.0
         self._labels: list[tuple[int, int]] = []  # (pool label, this run's version), ascending
         self._checksum: Optional[str] = None
 
@@ -193,6 +255,11 @@ class TenantEngine(RolloutEngine):
             raise ValueError("this run has joined the pool already")
         if t.lora_rank > self.lora_rank:
             raise ValueError(f"this pool serves adapters up to rank {self.lora_rank}; model.lora.rank is {t.lora_rank}")
+        seats = self.pool.seats.capacity
+        if t.group_size > seats:
+            raise ValueError(f"algorithm.group_size {t.group_size} is more than the {seats} seats of this shared "
+                             f"engine pool (rollout.max_num_seqs): a group's samples could never run side by side")
+        self.team, self.weight = self.pool.identify(t)
         self.update_mode = t.update_mode
         self.sampling = SamplingOptions(t.top_p, t.top_k, tuple(t.stop), tuple(t.stop_token_ids))
         self.slot = self.lora_id = self.pool.join(self)
@@ -221,12 +288,56 @@ class TenantEngine(RolloutEngine):
             return await super().generate(prompt_ids, max_tokens, temperature, seed, ignore_eos, priority)
 
     async def stream_group(self, prompt_ids, n, max_tokens, temperature, seed=None, ignore_eos=False, priority=0):
+        """``RolloutEngine.stream_group`` in pieces of the seats the pool grants: each piece is
+        a vLLM request of its own, sent as its seats are granted (``FairSeats``), so a group
+        never holds more than its fair share of the seats, however large. The caller sees one
+        group: indices 0 .. n-1, and with a seed, sample ``i`` samples with ``seed + i`` as
+        in one request. A sample's seat is given back as the sample ends."""
         self._joined()
-        async with self.pool.seats.seats(self.slot, n):
-            async with contextlib.aclosing(super().stream_group(prompt_ids, n, max_tokens, temperature, seed,
-                                                                ignore_eos, priority)) as samples:
-                async for item in samples:
-                    yield item
+        seats, key = self.pool.seats, self.slot
+        arrived: asyncio.Queue = asyncio.Queue()  # (index, Completion), or the error that ends the group
+        tasks: list[asyncio.Task] = []
+
+        def failed(task: asyncio.Task) -> None:
+            if task.cancelled():  # not by us (we cancel only on our way out): the run left the pool
+                arrived.put_nowait(asyncio.CancelledError())
+            elif task.exception() is not None:
+                arrived.put_nowait(task.exception())
+
+        async def piece(offset: int, size: int) -> None:
+            running = size
+            try:
+                async with contextlib.aclosing(RolloutEngine.stream_group(
+                        self, prompt_ids, size, max_tokens, temperature, None if seed is None else seed + offset,
+                        ignore_eos, priority)) as samples:
+                    async for index, comp in samples:
+                        running -= 1
+                        seats.release(key, 1)
+                        arrived.put_nowait((offset + index, comp))
+            finally:
+                seats.release(key, running)
+
+        async def split() -> None:
+            offset = 0
+            while offset < n:
+                size = await seats.acquire(key, n - offset)
+                task = asyncio.ensure_future(piece(offset, size))
+                task.add_done_callback(failed)
+                tasks.append(task)
+                offset += size
+
+        splitter = asyncio.ensure_future(split())
+        splitter.add_done_callback(failed)
+        try:
+            for _ in range(n):
+                item = await arrived.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            for task in (splitter, *tasks):  # left running only by an error, a cancellation or an early stop
+                task.cancel()
+            await asyncio.gather(splitter, *tasks, return_exceptions=True)  # their requests aborted, seats back
 
     async def update_weights(self, weights, version: int):
         self._joined()
@@ -296,7 +407,7 @@ class EnginePool:
             tensor_parallel=e.tensor_parallel, priority_scheduling=e.priority_scheduling, lora_rank=e.lora_rank)
         self.base.lora_slots = config.slots
         self.update_lock = asyncio.Lock()
-        self.seats = FairSeats(e.max_num_seqs)
+        self.seats = FairSeats(e.max_num_seqs, max_grant=MAX_GRANT)
         self.tenants: dict[int, TenantEngine] = {}
         self.label = 0
         self.connections = 0
@@ -315,8 +426,8 @@ class EnginePool:
         self.joins += 1
         tenant.serial = self.joins
         self._reweigh()
-        log.info("pool %s: a run of team %s joined (slot %d; %d run(s) now)", self.config.pool_id,
-                 tenant.tenant.team, slot, len(self.tenants))
+        log.info("pool %s: a run of %s joined (slot %d, weight %g; %d run(s) now)", self.config.pool_id,
+                 tenant.team, slot, tenant.weight, len(self.tenants))
         return slot
 
     def leave(self, slot: int, tenant: TenantEngine) -> None:
@@ -332,11 +443,38 @@ class EnginePool:
         self.label += 1
         return self.label
 
+    def identify(self, tenant: TenantInfo) -> tuple[str, float]:
+        """A joining run's tenant and weight: its ticket's, if the platform signed it, never
+        the run's own word. A pool without a verifier (no platform on this node) takes the
+        team a run names, at weight 1. On a platform's pool, a run whose ticket is missing,
+        forged or expired joins as tenant "unverified" at weight 1, shared with every other
+        such run, rather than being refused: a run's engine (re)joins unattended, and a key
+        rotated or a ticket expired on the operator's side should cost a running job its
+        weight, not the job; a forger gets no more than a run without a platform."""
+        if self.config.verifier is None:
+            if tenant.ticket is not None:
+                log.warning("pool %s: a run brought a ticket, but this pool has no verifier (%s): it runs as "
+                            "team %s at weight 1", self.config.pool_id, VERIFIER_ENV, tenant.team)
+            return tenant.team, 1.0
+        if tenant.ticket is None:
+            log.warning("pool %s: a run without a ticket joined: it runs as %r at weight 1", self.config.pool_id,
+                        UNVERIFIED)
+            return UNVERIFIED, 1.0
+        try:
+            ticket = read_ticket(tenant.ticket, self.config.verifier)
+        except TicketError as e:
+            log.warning("pool %s: a run's ticket is refused (%s): it runs as %r at weight 1", self.config.pool_id,
+                        e, UNVERIFIED)
+            return UNVERIFIED, 1.0
+        log.info("pool %s: run %d's ticket: tenant %s, weight %g", self.config.pool_id, ticket.run, ticket.tenant,
+                 ticket.weight)
+        return ticket.tenant, ticket.weight
+
     def _reweigh(self) -> None:
-        """A run's weight: its team's, divided among the team's runs here."""
-        teams = collections.Counter(t.tenant.team for t in self.tenants.values())
+        """A run's weight: its tenant's, divided among the tenant's runs here."""
+        teams = collections.Counter(t.team for t in self.tenants.values())
         for slot, t in self.tenants.items():
-            self.seats.set_weight(slot, t.tenant.weight / teams[t.tenant.team])
+            self.seats.set_weight(slot, t.weight / teams[t.team])
 
     def view(self, tenant: TenantEngine) -> Optional[PoolView]:
         if tenant.slot is None:
@@ -354,7 +492,7 @@ class EnginePool:
         weights = self.seats.weights
         fair = weights.get(tenant.slot, 0.0) / (sum(weights.values()) or 1.0)
         return PoolView(id=self.config.pool_id, slot=tenant.slot, slots=self.config.slots, runs=len(self.tenants),
-                        teams=len({t.tenant.team for t in self.tenants.values()}), share=round(share, 4),
+                        teams=len({t.team for t in self.tenants.values()}), share=round(share, 4),
                         fair_share=round(fair, 4))
 
 
@@ -391,7 +529,9 @@ async def _serve(config: PoolConfig, announce) -> None:
     await pool.base.start()
     pool.idle_since = time.monotonic()  # idle from now: starting may take minutes (CUDA graphs)
     listener = wire.listen(config.engine.host, 0, key=pool_key())
-    announce(wire.format_address(listener.address))
+    # what the registry entry says of this process: it removes an entry only if it is this
+    owner = {"pid": os.getpid(), "nonce": secrets.token_hex(16), "process_start": _process_start(os.getpid())}
+    announce({"address": wire.format_address(listener.address), **owner})
     log.info("pool %s: serving %s with %d adapter slots at %s", config.pool_id, config.engine.model_path,
              config.slots, wire.format_address(listener.address))
     servers: set[asyncio.Task] = set()
@@ -412,8 +552,12 @@ async def _serve(config: PoolConfig, announce) -> None:
                 # idle: no run has joined since the last one left or connected; a connection
                 # that never joins (a refused or stuck start) does not keep the pool alive
                 if not pool.tenants and time.monotonic() - pool.idle_since >= config.idle_exit_s:
-                    with _registry_lock(config.pool_id):  # no run finds it from now on
-                        _registry_file(config.pool_id).unlink(missing_ok=True)
+                    # its entry says "closing" until the engine is down: a run that comes now
+                    # waits for that instead of starting a second engine beside this one
+                    with _registry_lock(config.pool_id):
+                        info = _read_registry(config.pool_id)
+                        if _names(info, owner):
+                            _write_registry(config.pool_id, {**info, "closing": True})
                     log.info("pool %s: idle for %g s: exiting", config.pool_id, config.idle_exit_s)
                     return
                 continue
@@ -428,8 +572,7 @@ async def _serve(config: PoolConfig, announce) -> None:
             task.cancel()
         pool.base.shutdown()
         with contextlib.suppress(OSError), _registry_lock(config.pool_id):
-            info = _read_registry(config.pool_id)
-            if info is not None and info.get("pid") == os.getpid():
+            if _names(_read_registry(config.pool_id), owner):  # another pool's entry stays
                 _registry_file(config.pool_id).unlink(missing_ok=True)
 
 
@@ -444,8 +587,8 @@ def serve_pool(config: PoolConfig) -> int:
     announcements = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
 
-    def announce(address: str) -> None:
-        announcements.write(json.dumps({"address": address, "pid": os.getpid()}) + "\n")
+    def announce(entry: dict) -> None:
+        announcements.write(json.dumps(entry) + "\n")
         announcements.close()
 
     asyncio.run(_serve(config, announce))
@@ -512,6 +655,53 @@ def _read_registry(pid: str) -> Optional[dict]:
         return None
 
 
+def _write_registry(pool_id: str, info: dict) -> None:
+    """Replace the entry whole (a reader never sees half of one). Under the registry lock."""
+    path = _registry_file(pool_id)
+    staging = path.with_name(f".{path.name}.{os.getpid()}")
+    staging.write_text(json.dumps(info))
+    os.replace(staging, path)
+
+
+def _names(info: Optional[dict], owner: dict) -> bool:
+    """Whether a registry entry is the one the pool ``owner`` (its pid and nonce) announced."""
+    return info is not None and info.get("pid") == owner["pid"] and info.get("nonce") == owner["nonce"]
+
+
+def _process_start(pid: int) -> Optional[int]:
+    """When process ``pid`` started (clock ticks after boot: /proc/<pid>/stat, field 22); None
+    where unreadable. A pid and its start name one process: a pid alone may be reused."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+        return int(text.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def pool_alive(info: Optional[dict]) -> bool:
+    """Whether the process a registry entry names is still that pool: its pid lives and is the
+    same process (the start the pool wrote; an entry without one: a pool's command line).
+    Only this says a pool is gone: a connection that fails says nothing of it (a flood of
+    silent connections, a slow accept)."""
+    if info is None:
+        return False
+    try:
+        pid = int(info["pid"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    if not pid_alive(pid):
+        return False
+    recorded = info.get("process_start")
+    if recorded is not None:
+        now = _process_start(pid)
+        return now is None or now == recorded
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return True
+    return b"engine-pool" in command
+
+
 def pool_settings(run_engine: EngineServerConfig, lora_rank: int) -> tuple[str, EngineServerConfig]:
     """The pool a run's engine joins: its id, and the pool engine's settings. What must
     match for runs to share is the base model, how the engine is built and where the plan
@@ -519,7 +709,8 @@ def pool_settings(run_engine: EngineServerConfig, lora_rank: int) -> tuple[str, 
     length cap is the model's own (up to ``FLUXRL_POOL_MAX_MODEL_LEN``, default 4096; a run
     that needs more gets a power of two above its need), so runs of different tasks meet,
     and the adapter rank cap the smallest vLLM rank class at or above the run's (or
-    ``FLUXRL_POOL_MAX_LORA_RANK``, to let runs of different ranks meet at a cost)."""
+    ``FLUXRL_POOL_MAX_LORA_RANK``, to let runs of different ranks meet at a cost). A run
+    with a ticket verifier (``FLUXRL_POOL_VERIFIER``) meets only pools that check with it."""
     # vLLM pads every slot to max_lora_rank, and its LoRA kernels cost in proportion (on the
     # CPU rank 64 made rank-8 adapters generate 5x slower): by default a pool serves one
     # rank class, the run's
@@ -533,6 +724,9 @@ def pool_settings(run_engine: EngineServerConfig, lora_rank: int) -> tuple[str, 
     shared = engine.model_dump(include={"model_path", "dtype", "max_model_len", "max_num_seqs", "kv_cache_gb",
                                         "gpu_memory_utilization", "cpu_single_process", "enforce_eager",
                                         "tensor_parallel", "priority_scheduling", "lora_rank", "host", "env"})
+    verifier = verifier_from_env()
+    if verifier is not None:  # a platform's runs meet only pools that check tickets with its key
+        shared["verifier"] = hashlib.sha256(verifier.encode()).hexdigest()
     digest = hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
     return f"{digest}-{run_engine.index}", engine
 
@@ -552,47 +746,68 @@ def _pool_env(engine: EngineServerConfig) -> dict[str, str]:
     return {**env, **engine.env}
 
 
+def connect_deadline() -> float:
+    return float(os.environ.get(CONNECT_ENV, "60"))
+
+
 def join_pool(run_engine: EngineServerConfig, lora_rank: int) -> tuple[str, int, str]:
     """The address and pid of the pool this run engine joins (started here if none runs),
-    and its id. Under the registry's lock: two runs starting at once start one pool."""
+    and its id. Under the registry's lock: two runs starting at once start one pool. A new
+    pool is started only where the entry's process is verifiably gone (:func:`pool_alive`);
+    one that is closing (idle) is waited for, up to ``FLUXRL_POOL_CONNECT_S``."""
     pid_, engine = pool_settings(run_engine, lora_rank)
-    with _registry_lock(pid_):
-        info = _read_registry(pid_)
-        if info is not None and pid_alive(int(info["pid"])):
-            return info["address"], int(info["pid"]), pid_
-        config = PoolConfig(pool_id=pid_, engine=engine, slots=int(os.environ.get(SLOTS_ENV, "4")),
-                            idle_exit_s=float(os.environ.get(IDLE_ENV, "120")))
-        pool_key()  # made before the pool reads it
-        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        # A session of its own, not the run's: the pool outlives the run that started it.
-        # Its log is its own, not the starting run's (which that run's team can read).
-        with open(pool_dir() / f"{_registry_name(pid_)}.log", "ab") as log_file:
-            proc = subprocess.Popen([sys.executable, "-m", "workers", "engine-pool"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=log_file, start_new_session=True,
-                                    env=_pool_env(engine), cwd=repo)
-        proc.stdin.write(config.model_dump_json().encode())
-        proc.stdin.close()
-        line = proc.stdout.readline()
-        if not line:
-            code = proc.wait()
-            raise RuntimeError(f"shared engine pool {pid_} exited with code {code} before listening (its log: "
-                               f"{pool_dir() / f'{_registry_name(pid_)}.log'})")
-        threading.Thread(target=_drain, args=(proc,), daemon=True).start()
-        announced = json.loads(line)
-        _registry_file(pid_).write_text(json.dumps({**announced, "started_at": time.time(),
-                                                    "model_path": engine.model_path}))
-        log.info("started shared engine pool %s (pid %s) at %s", pid_, announced["pid"], announced["address"])
-        return announced["address"], int(announced["pid"]), pid_
+    deadline = time.monotonic() + connect_deadline()
+    while True:
+        with _registry_lock(pid_):
+            info = _read_registry(pid_)
+            if not pool_alive(info):
+                return _start_pool(pid_, engine)
+            if not info.get("closing"):
+                return info["address"], int(info["pid"]), pid_
+        if time.monotonic() > deadline:
+            raise PoolUnreachable(f"shared engine pool {pid_} (pid {info['pid']}) is closing and did not exit within "
+                                  f"{connect_deadline():g} s ({CONNECT_ENV})")
+        time.sleep(0.2)
 
 
-def forget_pool(pool_id: Optional[str], address: Optional[str]) -> None:
-    """Drop a registry entry that names ``address`` (a pool that cannot be reached)."""
+def _start_pool(pid_: str, engine: EngineServerConfig) -> tuple[str, int, str]:
+    """Start pool ``pid_`` and write its entry. Under its registry lock."""
+    config = PoolConfig(pool_id=pid_, engine=engine, slots=int(os.environ.get(SLOTS_ENV, "4")),
+                        idle_exit_s=float(os.environ.get(IDLE_ENV, "120")), verifier=verifier_from_env())
+    pool_key()  # made before the pool reads it
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # A session of its own, not the run's: the pool outlives the run that started it.
+    # Its log is its own, not the starting run's (which that run's team can read).
+    with open(pool_dir() / f"{_registry_name(pid_)}.log", "ab") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "workers", "engine-pool"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=log_file, start_new_session=True,
+                                env=_pool_env(engine), cwd=repo)
+    proc.stdin.write(config.model_dump_json().encode())
+    proc.stdin.close()
+    line = proc.stdout.readline()
+    if not line:
+        code = proc.wait()
+        raise RuntimeError(f"shared engine pool {pid_} exited with code {code} before listening (its log: "
+                           f"{pool_dir() / f'{_registry_name(pid_)}.log'})")
+    threading.Thread(target=_drain, args=(proc,), daemon=True).start()
+    announced = json.loads(line)
+    _write_registry(pid_, {**announced, "started_at": time.time(), "model_path": engine.model_path})
+    log.info("started shared engine pool %s (pid %s) at %s", pid_, announced["pid"], announced["address"])
+    return announced["address"], int(announced["pid"]), pid_
+
+
+def forget_pool(pool_id: Optional[str], address: Optional[str]) -> bool:
+    """Drop the registry entry that names ``address`` if its process is verifiably gone (a
+    pool that cannot be reached but lives keeps it: a second pool beside it would double
+    the engine). Whether it was dropped."""
     if pool_id is None:
-        return
+        return False
     with _registry_lock(pool_id):
         info = _read_registry(pool_id)
-        if info is not None and info.get("address") == address:
+        if info is not None and info.get("address") == address and not pool_alive(info):
             _registry_file(pool_id).unlink(missing_ok=True)
+            return True
+    return False
 
 
 def _drain(proc: subprocess.Popen) -> None:
@@ -626,27 +841,57 @@ class PoolClient(EngineClient):
         self.key = pool_key()
         return address, pid
 
+    def _connect(self) -> wire.Channel:
+        """The pool's connection, trying again until ``FLUXRL_POOL_CONNECT_S``: a failed connect
+        is not a dead pool (silent connections may hold its handshake slots a moment). Only a
+        pool whose process is verifiably gone loses its entry and is replaced (a new one
+        started, or the one another run started meanwhile joined); one that is closing is
+        waited for (join_pool)."""
+        deadline = time.monotonic() + connect_deadline()
+        delay = 0.1
+        while True:
+            try:
+                return wire.connect(wire.parse_address(self.address), REPLIES, self.key)
+            except wire.KeyRefused:  # another key: trying again will not change it
+                raise
+            except OSError as exc:
+                failure = exc
+            with _registry_lock(self.pool_id):
+                info = _read_registry(self.pool_id)
+            current = (info is not None and info.get("address") == self.address and not info.get("closing")
+                       and pool_alive(info))
+            if not current:  # gone, closing, or replaced: whatever now serves this pool id
+                forget_pool(self.pool_id, self.address)
+                was = (self.address, self.server_pid)
+                self.address, self.server_pid, self.pool_id = join_pool(self.config, self.tenant.lora_rank)
+                log.warning("rollout engine %d: shared engine pool %s at %s (pid %s) is gone or closing (%s): now "
+                            "%s (pid %s)", self.index, self.pool_id, was[0], was[1], failure, self.address,
+                            self.server_pid)
+                deadline, delay = time.monotonic() + connect_deadline(), 0.1
+                continue
+            if time.monotonic() + delay > deadline:
+                raise PoolUnreachable(f"shared engine pool {self.pool_id} at {self.address} (pid {self.server_pid}) "
+                                      f"lives but did not take a connection within {connect_deadline():g} s "
+                                      f"({CONNECT_ENV}): {type(failure).__name__}: {failure}") from failure
+            log.info("rollout engine %d: shared engine pool %s at %s did not take the connection (%s): trying "
+                     "again", self.index, self.pool_id, self.address, failure)
+            time.sleep(delay)
+            delay = min(2.0, delay * 2)
+
     async def start(self, warm_blob=None, version: int = 0) -> None:
         try:
-            try:
-                await super().start(warm_blob, version)
-            except (OSError, wire.WireError):
-                if self.channel is not None:
-                    raise
-                # the pool was exiting (idle) as we found it, or died and left its entry: once
-                # more, without that entry, which starts a new one
-                forget_pool(self.pool_id, self.address)
-                self.address = None
-                await super().start(warm_blob, version)
+            await super().start(warm_blob, version)
         except BaseException:
             self.shutdown()  # a refused join: its connection would only keep the pool awake
             raise
 
 
 def tenant_info(run_label: str, lora_rank: int, update_mode: str, top_p: float, top_k: int, stop: list[str],
-                stop_token_ids: list[int]) -> TenantInfo:
-    """This run on a pool: its team and weight from the platform's environment
-    (``FLUXRL_POOL_TEAM``, ``FLUXRL_POOL_WEIGHT``; a run started by hand is team "local")."""
+                stop_token_ids: list[int], group_size: int = 1) -> TenantInfo:
+    """This run on a pool: its ticket from the platform's environment (``FLUXRL_POOL_TICKET``:
+    its tenant and weight, signed), and the team it names (``FLUXRL_POOL_TEAM``, default
+    "local"), believed only by a pool without a verifier. A weight the run states itself is
+    no weight: a run without a ticket has weight 1."""
     return TenantInfo(run=os.environ.get(RUN_ENV) or run_label, team=os.environ.get(TEAM_ENV) or "local",
-                      weight=float(os.environ.get(WEIGHT_ENV) or 1.0), lora_rank=lora_rank,
+                      ticket=os.environ.get(TICKET_ENV) or None, group_size=group_size, lora_rank=lora_rank,
                       update_mode=update_mode, top_p=top_p, top_k=top_k, stop=stop, stop_token_ids=stop_token_ids)

@@ -34,13 +34,16 @@ from django.db import DatabaseError, InterfaceError, OperationalError, close_old
 from django.db.models import Q
 from django.utils import timezone
 from workers.io.ports import free_port
+from workers.rollout.tickets import TICKET_ENV, VERIFIER_ENV
 
 from fluxrl.accounts.services import create_run_token
 from fluxrl.errors import DomainError
+from fluxrl.quotas.services import pool_tenant
 
 from .engine_inputs import resolve_spec, run_dir, run_output_dir  # the one place run folders are named
 from .lifecycle import IllegalTransition, resume_from_checkpoint, transition
 from .models import Run, RunStatus
+from .tickets import pool_ticket, verifier_path
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,8 @@ LOG_TAIL_LINES = 20
 LOG_TAIL_CHARS = 3000
 # Never handed to the engine: workers do not touch the database (docs/architecture.md §2), and
 # the engine runs user reward code.
-PRIVATE_ENV = ("DATABASE_URL", "DJANGO_SECRET_KEY", "POSTGRES_PASSWORD", "FLUXRL_CLUSTER_KEY_SECRET", "REDIS_URL")
+PRIVATE_ENV = ("DATABASE_URL", "DJANGO_SECRET_KEY", "POSTGRES_PASSWORD", "FLUXRL_CLUSTER_KEY_SECRET", "REDIS_URL",
+               "FLUXRL_POOL_TICKET_KEY_FILE")
 RUN_TOKEN_ENV = "FLUXRL_RUN_TOKEN"
 CLUSTER_KEY_ENV = "FLUXRL_CLUSTER_KEY"  # workers/io/wire.py: the processes of a run over several nodes  # read by `python -m workers run` when --token is not given
 
@@ -87,9 +91,12 @@ def cluster_key(run: Run) -> str:
 
 def pool_env(run: Run) -> dict[str, str]:
     """rollout.share_engines (workers/rollout/pool.py): who the run is on a shared engine
-    pool. The team's weight is the team record's (an operator's setting), never the spec's;
-    the run's name is shown only to runs of its own team."""
-    return {"FLUXRL_POOL_TEAM": f"team-{run.team_id}", "FLUXRL_POOL_WEIGHT": repr(float(run.team.engine_share)),
+    pool. Its tenant and weight are the records' (quotas.services.pool_tenant: an operator's
+    setting, never the spec's), in a ticket the platform signs (runs/tickets.py), which the
+    pool checks with the public key named here; the run's name is shown only to runs of its
+    own team."""
+    tenant, weight = pool_tenant(run)
+    return {TICKET_ENV: pool_ticket(run.pk, tenant, weight), VERIFIER_ENV: str(verifier_path()),
             "FLUXRL_POOL_RUN": f"#{run.pk} {run.name}"[:200]}
 
 

@@ -20,7 +20,9 @@ def _running(team, user, name):
 
 
 def _on_pool(run, share=0.5, fair=0.5, pool=POOL):
-    transition(run, RunStatus.RUNNING, engine_pools=[{"id": pool, "share": share, "fair_share": fair}])
+    """As the engine the dispatcher started reports it (attested)."""
+    transition(run, RunStatus.RUNNING, engine_pools=[{"id": pool, "share": share, "fair_share": fair}],
+               engine_pools_attested=True)
     return Run.objects.get(pk=run.pk)
 
 
@@ -70,10 +72,27 @@ def test_a_run_on_another_worker_host_is_another_pool(team_a, alice):
 
 
 @pytest.mark.django_db
-def test_the_engine_gets_its_teams_weight_from_the_team_record(team_a, alice):
+def test_the_engine_gets_its_teams_weight_from_the_team_record_in_a_signed_ticket(team_a, alice, data_dir):
+    """The weight travels in a ticket the pool checks with the platform's public key; the
+    private key stays in the platform's data folder, out of the run's environment."""
+    import os
+    import stat
+
+    from workers.rollout.tickets import TicketError, read_ticket
+
     team_a.engine_share = 3.0
     team_a.save()
     run = submit_run(team_a, alice, make_spec(name="weighted", **SHARED))
     env = pool_env(Run.objects.get(pk=run.pk))
-    assert env == {"FLUXRL_POOL_TEAM": f"team-{team_a.pk}", "FLUXRL_POOL_WEIGHT": "3.0",
-                   "FLUXRL_POOL_RUN": f"#{run.pk} weighted"}
+    assert set(env) == {"FLUXRL_POOL_TICKET", "FLUXRL_POOL_VERIFIER", "FLUXRL_POOL_RUN"}
+    assert env["FLUXRL_POOL_RUN"] == f"#{run.pk} weighted"
+    verifier = open(env["FLUXRL_POOL_VERIFIER"]).read()
+    ticket = read_ticket(env["FLUXRL_POOL_TICKET"], verifier)
+    assert (ticket.tenant, ticket.weight, ticket.run) == (f"team-{team_a.pk}", 3.0, run.pk)
+    key = data_dir / "pool-tickets.ed25519"
+    assert stat.S_IMODE(os.stat(key).st_mode) == 0o600 and "PRIVATE" not in "".join(env.values())
+    assert pool_env(Run.objects.get(pk=run.pk))["FLUXRL_POOL_VERIFIER"] == env["FLUXRL_POOL_VERIFIER"]  # one key
+    payload, signature = env["FLUXRL_POOL_TICKET"].split(".")
+    forged = payload.replace(payload[-6:], "AAAAAA") + "." + signature
+    with pytest.raises(TicketError):
+        read_ticket(forged, verifier)

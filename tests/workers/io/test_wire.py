@@ -239,6 +239,104 @@ def test_strangers_on_many_addresses_holding_every_slot_do_not_stop_a_known_peer
         sock.close()
 
 
+@pytest.fixture
+def local_wire(monkeypatch):
+    """A folder of local sockets of this test's own (short: a socket's path is)."""
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="fw-")
+    monkeypatch.setenv(wire.LOCAL_DIR_ENV, folder)
+    yield Path(folder)
+    for leftover in Path(folder).iterdir():
+        leftover.unlink()
+    os.rmdir(folder)
+
+
+def _silent_local(path: str, count: int) -> list[socket.socket]:
+    socks = []
+    for _ in range(count):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        socks.append(sock)
+    return socks
+
+
+def test_silent_local_connections_do_not_stop_a_real_local_client(flood_deadline, local_wire):
+    """On one node every TCP peer is 127.0.0.1: 80 silent connections from there (any local
+    user can open them) once failed the run's own clients at once. This user's processes
+    connect over the listener's local socket, where slots go by process; even 80 silent
+    ones there, from the client's own process, give way to its real handshake."""
+    lst = wire.listen("127.0.0.1", 0, key=KEY)
+    try:
+        silent = _silent_from("127.0.0.1", lst.address[1], 80)
+        local_path = getattr(lst, "local_path", None)
+        assert local_path is not None or not hasattr(wire, "_open_local")  # (the wire had none)
+        if local_path is not None:
+            silent += _silent_local(local_path, 80)
+        time.sleep(0.2)  # the listener has taken them all
+        started = time.monotonic()
+        client, server = _pair(lst)
+        assert time.monotonic() - started < 0.5 * flood_deadline
+        client.send(Note(text="through"))
+        assert server.recv()[0].text == "through"
+        assert client.peer.endswith("(local socket)") and server.peer.startswith("local pid ")
+        assert int(server.peer.rsplit(" ", 1)[1]) == os.getpid()  # the kernel's word, not the peer's
+        assert oct(local_wire.stat().st_mode & 0o777) == "0o700" and oct(os.stat(lst.local_path).st_mode & 0o777) == "0o600"
+        assert _closed_by(silent, started + flood_deadline + 1.0)
+        for sock in silent:
+            sock.close()
+    finally:
+        lst.close()
+    assert not any(local_wire.iterdir())  # the socket went with its listener
+
+
+def test_silent_connections_from_a_known_address_push_out_each_other_not_its_real_peers(flood_deadline, monkeypatch):
+    monkeypatch.setenv(wire.LOCAL_ENV, "0")  # TCP only: 127.0.0.1 is one source for everyone on the node
+    lst = wire.listen("127.0.0.1", 0, key=KEY)
+    try:
+        first, _ = _pair(lst)  # 127.0.0.1 is a known peer from here on
+        first.close()
+        silent = _silent_from("127.0.0.1", lst.address[1], 80)
+        time.sleep(0.2)
+        started = time.monotonic()
+        client, server = _pair(lst)
+        assert time.monotonic() - started < 0.5 * flood_deadline
+        assert not client.peer.endswith("(local socket)")
+        client.send(Note(text="known"))
+        assert server.recv()[0].text == "known"
+        assert _closed_by(silent, started + flood_deadline + 1.0)
+        for sock in silent:
+            sock.close()
+    finally:
+        lst.close()
+
+
+def test_a_local_folder_open_to_others_or_a_stale_socket_leaves_the_client_on_tcp(local_wire):
+    lst = wire.listen("127.0.0.1", 0, key=KEY)
+    try:
+        assert lst.local_path is not None
+        local_wire.chmod(0o755)
+        client, server = _pair(lst)
+        assert not client.peer.endswith("(local socket)") and not server.peer.startswith("local")
+        local_wire.chmod(0o700)
+        client, server = _pair(lst)
+        assert client.peer.endswith("(local socket)")
+    finally:
+        lst.close()
+    # a listener that died without removing its socket: nobody answers there, TCP does
+    port = lst.address[1]
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(lst.local_path)
+    stale.close()
+    again = wire.listen("127.0.0.1", port, key=KEY, local=False)
+    try:
+        client, _ = _pair(again)
+        assert not client.peer.endswith("(local socket)")
+    finally:
+        again.close()
+        os.unlink(lst.local_path)
+
+
 def test_connect_gives_up_on_a_server_that_never_answers(fast_deadline):
     with socket.create_server(("127.0.0.1", 0)) as mute:  # the kernel completes TCP; nobody speaks
         started = time.monotonic()
@@ -386,8 +484,11 @@ def test_an_oversized_blob_is_refused_before_sending_and_the_channel_stays_usabl
     client, server = _pair(listener)
     with pytest.raises(wire.FrameTooLarge):
         client.send(Note(text="weights"), bytes((1 << 20) + 1))
-    client.send(Note(text="small"), bytes(1 << 20))
+    # from a thread: a local socket may buffer less than the blob (net.core.wmem_max)
+    sender = threading.Thread(target=client.send, args=(Note(text="small"), bytes(1 << 20)))
+    sender.start()
     message, blob = server.recv()
+    sender.join()
     assert message.text == "small" and len(blob) == 1 << 20
 
 

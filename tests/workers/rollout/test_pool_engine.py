@@ -15,18 +15,25 @@ from workers.models.tinymodel import encode
 from workers.rollout.pool import (DIR_ENV, IDLE_ENV, SLOTS_ENV, PoolClient, _read_registry, pool_settings,
                                   stop_pools)
 from workers.rollout.messages import EngineServerConfig, TenantInfo
+from workers.rollout.tickets import VERIFIER_ENV, PoolTicket, new_signing_key, sign_ticket
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
 IDLE_S = 4
 
 
+KEY, VERIFIER = new_signing_key()  # the platform's, as runs/tickets.py makes it
+
+
 @pytest.fixture(scope="module")
 def pools(tmp_path_factory):
     folder = tmp_path_factory.mktemp("pools")
     folder.chmod(0o700)
+    verifier = tmp_path_factory.mktemp("platform") / "pool-tickets.ed25519.pub"
+    verifier.write_bytes(VERIFIER)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(DIR_ENV, str(folder))
+        mp.setenv(VERIFIER_ENV, str(verifier))
         mp.setenv(SLOTS_ENV, "2")
         mp.setenv(IDLE_ENV, str(IDLE_S))
         yield folder
@@ -39,7 +46,9 @@ def _config(tiny_model_path, seed=0) -> EngineServerConfig:
 
 
 def _client(tiny_model_path, team, weight=1.0, seed=0) -> PoolClient:
-    return PoolClient(_config(tiny_model_path, seed), TenantInfo(run=f"run of {team}", team=team, weight=weight,
+    """A run of ``team`` with the platform's ticket for ``weight``."""
+    ticket = sign_ticket(KEY, PoolTicket(tenant=team, weight=weight, run=0, expires=time.time() + 3600))
+    return PoolClient(_config(tiny_model_path, seed), TenantInfo(run=f"run of {team}", team=team, ticket=ticket,
                                                                  lora_rank=8))
 
 
@@ -136,6 +145,28 @@ def test_a_full_pool_refuses_a_third_run(loop, two_teams, tiny_model_path):
     with pytest.raises(RuntimeError, match="all 2 adapter slots are taken"):
         loop.run_until_complete(c.start())
     c.shutdown()
+
+
+def test_a_group_split_across_grants_comes_back_whole_with_each_samples_own_seed(loop, two_teams):
+    """8 seats, b running 3 long requests: a's group of 8 gets the 5 free seats at once and
+    the rest as seats free, so more than one vLLM request (each stamps its samples with its
+    own start); its samples are those one request gives (sample i seeded seed + i)."""
+    a, b = two_teams
+    prompt = encode("7+8=")
+
+    async def main():
+        whole = await a.generate_group(prompt, 8, 12, 1.0, seed=11, ignore_eos=True)
+        long = [asyncio.ensure_future(b.generate(encode(f"{i}+1="), 230, 1.0, seed=i, ignore_eos=True))
+                for i in range(3)]
+        await asyncio.sleep(0.05)  # b's 3 hold their seats
+        split = await a.generate_group(prompt, 8, 12, 1.0, seed=11, ignore_eos=True)
+        return whole, split, await asyncio.gather(*long)
+
+    whole, split, long = loop.run_until_complete(main())
+    assert len({c.started_at for c in whole}) == 1 and len({c.started_at for c in split}) > 1
+    assert max(c.started_at for c in split) < min(c.finished_at for c in long)  # not waiting for b
+    assert [c.token_ids for c in split] == [c.token_ids for c in whole]
+    assert len({tuple(c.token_ids) for c in whole}) > 1  # each sample its own seed
 
 
 def test_generation_is_shared_by_team_weight_while_both_runs_are_busy(loop, pools, tiny_model_path, two_teams):

@@ -2,6 +2,7 @@
 engine's seats between runs, each run's policy versions behind the pool's labels, which
 runs meet on one pool, and what a spec must say to share."""
 import asyncio
+import time
 
 import pytest
 
@@ -9,6 +10,7 @@ from workers.rollout.engine import extend_track
 from workers.rollout.pool import EnginePool, FairSeats, PoolConfig, TenantEngine, pool_settings
 from workers.rollout.messages import EngineServerConfig, TenantInfo
 from workers.rollout.staleness import VersionTrack
+from workers.rollout.tickets import PoolTicket, new_signing_key, sign_ticket
 from workers.spec import SpecError, validate_spec
 
 
@@ -69,25 +71,30 @@ def test_a_run_alone_may_hold_every_seat_and_gives_them_back_as_another_arrives(
     asyncio.run(main())
 
 
-def test_a_large_request_is_not_overtaken_and_a_cancelled_waiter_takes_nothing():
+def test_a_large_request_takes_the_seats_that_free_and_a_cancelled_waiter_takes_nothing():
+    """A group wanting the whole engine waits for no room: it takes each seat that frees
+    while it is the most deserving, and asks again for the rest. No seat stays idle for it."""
     async def main():
         seats = FairSeats(4)
         seats.set_weight("a", 1.0)
         seats.set_weight("b", 1.0)
         first = _backlog(seats, "a", 3)
         await _settle()
-        group = asyncio.ensure_future(seats.acquire("b", 4))  # a group of 4 samples: needs the whole engine
+        group = asyncio.ensure_future(seats.acquire("b", 4))  # a group of 4 samples: the one free seat
         small = _backlog(seats, "a", 1)
         await _settle()
-        assert seats.held["a"] == 3 and not group.done()
-        seats.release("a", 1)  # one seat free, but b's group is the most deserving: a's small one waits
+        assert group.result() == 1 and dict(seats.held) == {"a": 3, "b": 1} and not small[0].done()
+        rest = asyncio.ensure_future(seats.acquire("b", 3))
         await _settle()
-        assert seats.held["a"] == 2 and not small[0].done()
+        assert not rest.done()  # the engine is full
+        seats.release("a", 1)  # a at 2, b at 1: to b
+        await _settle()
+        assert rest.result() == 1 and dict(seats.held) == {"a": 2, "b": 2} and not small[0].done()
         small[0].cancel()
+        more = asyncio.ensure_future(seats.acquire("b", 2))
+        seats.release("a", 2)  # a's cancelled waiter takes nothing: both seats to b
         await _settle()
-        seats.release("a", 2)
-        await _settle()
-        assert group.done() and seats.held["b"] == 4 and seats.held["a"] == 0
+        assert more.result() == 2 and dict(seats.held) == {"a": 0, "b": 4}
         seats.forget("b")  # b left: its seats are free
         assert seats.used == 0
         for t in first:
@@ -95,14 +102,66 @@ def test_a_large_request_is_not_overtaken_and_a_cancelled_waiter_takes_nothing()
     asyncio.run(main())
 
 
-def _pool(tmp_path, slots=2) -> EnginePool:
-    engine = EngineServerConfig(model_path=str(tmp_path), index=0, lora_rank=64)
-    return EnginePool(PoolConfig(pool_id="0123456789ab-0", engine=engine, slots=slots))
+def test_no_grant_exceeds_the_seats_nor_the_grant_cap():
+    async def main():
+        small = FairSeats(8)
+        assert await small.acquire("a", 256) == 8 and dict(small.held) == {"a": 8}
+        large = FairSeats(300, max_grant=64)
+        assert await large.acquire("a", 256) == 64
+        assert await large.acquire("a", 256) == 64 and large.used == 128
+    asyncio.run(main())
 
 
-def _tenant(pool, team="t1", weight=1.0) -> TenantEngine:
+def test_a_light_run_with_a_large_request_is_not_starved_by_a_heavy_busy_one():
+    """Weights 3 and 1 on 8 seats; the heavy run has a backlog of single requests and holds
+    every seat, the light one asks for a group of 8: as seats free it gets its 2 of them."""
+    async def main():
+        seats = FairSeats(8)
+        seats.set_weight("a", 3.0)
+        seats.set_weight("b", 1.0)
+        a = _backlog(seats, "a", 40)
+        await _settle()
+        granted = []
+
+        async def group(n):
+            while n:
+                got = await seats.acquire("b", n)
+                granted.append(got)
+                n -= got
+
+        b = asyncio.ensure_future(group(8))
+        for _ in range(8):
+            seats.release("a", 1)
+            await _settle()
+        assert dict(seats.held) == {"a": 6, "b": 2} and granted == [1, 1]  # 6/3 = 2/1
+        for _ in range(6):  # the light run's seats end: each goes back to it
+            seats.release("b", 1)
+            await _settle()
+            assert dict(seats.held) == {"a": 6, "b": 2}
+        assert b.done() and sum(granted) == 8
+        for t in a:
+            t.cancel()
+    asyncio.run(main())
+
+
+PLATFORM_KEY, PLATFORM_VERIFIER = new_signing_key()
+
+
+def _pool(tmp_path, slots=2, seats=256, verifier=None) -> EnginePool:
+    engine = EngineServerConfig(model_path=str(tmp_path), index=0, lora_rank=64, max_num_seqs=seats)
+    return EnginePool(PoolConfig(pool_id="0123456789ab-0", engine=engine, slots=slots,
+                                 verifier=verifier.decode() if verifier else None))
+
+
+def _ticket(tenant, weight, key=PLATFORM_KEY, run=1, expires_in=3600.0) -> str:
+    return sign_ticket(key, PoolTicket(tenant=tenant, weight=weight, run=run, expires=time.time() + expires_in))
+
+
+def _tenant(pool, team="t1", weight=None, group_size=1) -> TenantEngine:
+    """A run of ``team``; with a weight, it brings the platform's ticket for it."""
     t = TenantEngine(pool)
-    t.tenant = TenantInfo(run=f"run of {team}", team=team, weight=weight, lora_rank=8)
+    t.tenant = TenantInfo(run=f"run of {team}", team=team, lora_rank=8, group_size=group_size,
+                          ticket=None if weight is None else _ticket(team, weight))
     return t
 
 
@@ -140,7 +199,7 @@ def test_a_full_pool_refuses_a_run_and_a_leaving_run_frees_its_slot(tmp_path):
 
 
 def test_a_team_weight_is_split_among_its_runs_on_the_pool(tmp_path):
-    pool = _pool(tmp_path, slots=3)
+    pool = _pool(tmp_path, slots=3, verifier=PLATFORM_VERIFIER)
     a1, a2, b = _tenant(pool, "t1", 2.0), _tenant(pool, "t1", 2.0), _tenant(pool, "t2", 2.0)
     for t in (a1, a2, b):
         asyncio.run(t.start())
@@ -251,3 +310,130 @@ def test_the_registry_is_kept_per_pid_namespace_and_stop_pools_kills_only_its_ow
         for p in (ours, theirs):
             p.kill()
             p.wait()
+
+
+class _Vllm:
+    """Stands in for vLLM under TenantEngine: every sequence a request starts runs until the
+    test ends the oldest running one (each sequence takes one turn of the engine)."""
+
+    def __init__(self):
+        self.running: list[tuple[int, asyncio.Event]] = []  # (slot, its end), oldest first
+
+    def holding(self, slot) -> int:
+        return sum(1 for s, _ in self.running if s == slot)
+
+    async def end_oldest(self):
+        _, ended = self.running.pop(0)
+        ended.set()
+        await _settle()
+
+    def patch(self, monkeypatch):
+        from workers.rollout.engine import RolloutEngine
+
+        vllm = self
+
+        async def stream_group(engine, prompt_ids, n, max_tokens, temperature, seed=None, ignore_eos=False,
+                               priority=0):
+            ends = [asyncio.Event() for _ in range(n)]
+            vllm.running.extend((engine.slot, e) for e in ends)
+            for i, end in enumerate(ends):
+                await end.wait()
+                yield i, ("sample seeded", seed + i)
+
+        async def generate(engine, prompt_ids, max_tokens, temperature, seed=None, ignore_eos=False, priority=0):
+            end = asyncio.Event()
+            vllm.running.append((engine.slot, end))
+            await end.wait()
+            return "completion"
+
+        monkeypatch.setattr(RolloutEngine, "stream_group", stream_group)
+        monkeypatch.setattr(RolloutEngine, "generate", generate)
+
+
+def test_a_group_of_256_on_8_seats_takes_no_more_than_its_share_while_another_run_waits(tmp_path, monkeypatch):
+    """Run a streams one group of 256 samples on a pool of 8 seats; run b (same weight) then
+    sends 16 requests. The group is split into pieces of the seats granted: it holds 8 only
+    while alone, and from b's arrival every seat that frees goes to the run holding fewer,
+    until both hold 4; b's 16 are done long before a's group, which comes out whole, each
+    sample with its own seed, in its indices."""
+    vllm = _Vllm()
+    vllm.patch(monkeypatch)
+    pool = _pool(tmp_path, seats=8)
+    a, b = _tenant(pool, "t1", group_size=8), _tenant(pool, "t2")
+
+    async def main():
+        await a.start()
+        await b.start()
+        samples = {}
+
+        async def group():
+            async for index, sample in a.stream_group([1, 2], 256, 8, 1.0, seed=1000):
+                samples[index] = sample
+
+        streaming = asyncio.ensure_future(group())
+        await _settle()
+        assert (vllm.holding(a.slot), pool.seats.held[a.slot]) == (8, 8)  # alone: every seat, one grant of 8
+        requests = [asyncio.ensure_future(b.generate([3], 8, 1.0)) for _ in range(16)]
+        await _settle()
+        held = []  # (a, b) after each sequence ends, while b has requests waiting
+        while not all(r.done() for r in requests):
+            await vllm.end_oldest()
+            held.append((vllm.holding(a.slot), vllm.holding(b.slot)))
+        assert held[:4] == [(7, 1), (6, 2), (5, 3), (4, 4)]  # each freed seat to b until level
+        assert all(h == (4, 4) for h in held[4:-4]), held  # then level while both are busy (b's last 4 end)
+        assert max(h[0] for h in held) <= 8 and len(samples) < 256 - 8  # b done long before a's group
+        while not streaming.done():
+            await vllm.end_oldest()
+        assert sorted(samples) == list(range(256))
+        assert all(samples[i] == ("sample seeded", 1000 + i) for i in range(256))
+        assert pool.seats.used == 0
+
+    asyncio.run(main())
+
+
+def test_a_group_larger_than_the_pool_seats_is_refused_at_spec_time_and_at_join(tmp_path, tiny_model_path):
+    spec = {"name": "s", "model": {"path": tiny_model_path, "lora": {"rank": 8}}, "task": {"dataset": "gen:add"},
+            "rollout": {"share_engines": True, "max_num_seqs": 8}, "algorithm": {"group_size": 16}}
+    with pytest.raises(SpecError, match=r"algorithm.group_size at most rollout.max_num_seqs \(16 > 8"):
+        validate_spec(spec)
+    with pytest.raises(SpecError, match="algorithm.group_size: Input should be less than or equal to 1024"):
+        validate_spec({**spec, "rollout": {}, "algorithm": {"group_size": 1025}})
+    pool = _pool(tmp_path, seats=8)
+    with pytest.raises(ValueError, match="algorithm.group_size 16 is more than the 8 seats of this shared engine pool"):
+        asyncio.run(_tenant(pool, "t1", group_size=16).start())
+    assert not pool.tenants
+
+
+def test_a_weight_counts_only_in_a_ticket_the_platform_signed(tmp_path):
+    """On a platform's pool, a run that claims weight 1000, in a ticket signed with another
+    key or an expired one, or with no ticket at all, runs at weight 1 as tenant "unverified"
+    (one tenant for all of them); a ticket the platform signed counts."""
+    pool = _pool(tmp_path, slots=4, verifier=PLATFORM_VERIFIER)
+    honest = _tenant(pool, "team-1", weight=1.0)
+    forger_key, _ = new_signing_key()
+    forged, expired, bare = (TenantEngine(pool) for _ in range(3))
+    forged.tenant = TenantInfo(run="f", team="team-2", lora_rank=8, ticket=_ticket("team-2", 1000.0, key=forger_key))
+    expired.tenant = TenantInfo(run="e", team="team-3", lora_rank=8,
+                                ticket=_ticket("team-3", 1000.0, expires_in=-1.0))
+    bare.tenant = TenantInfo(run="b", team="team-4", lora_rank=8)
+    for t in (honest, forged, expired, bare):
+        asyncio.run(t.start())
+    assert pool.view(honest).fair_share == 0.5 and pool.view(forged).fair_share == round(0.5 / 3, 4)
+    assert [t.team for t in (forged, expired, bare)] == ["unverified"] * 3
+    asyncio.run(forged.leave())
+    signed = _tenant(pool, "team-2", weight=3.0)
+    asyncio.run(signed.start())
+    assert (signed.team, pool.view(signed).fair_share) == ("team-2", 0.6)  # 3 of 1 + 3 + 1
+
+
+def test_without_a_platform_a_weight_in_the_environment_counts_for_nothing(tmp_path, monkeypatch):
+    from workers.rollout.pool import tenant_info
+
+    monkeypatch.setenv("FLUXRL_POOL_WEIGHT", "1000")
+    monkeypatch.setenv("FLUXRL_POOL_TEAM", "team-9")
+    local = _pool(tmp_path, slots=2)
+    claimer, other = TenantEngine(local), _tenant(local, "team-8")
+    claimer.tenant = tenant_info("r", 8, "keep", 1.0, -1, [], [])
+    for t in (claimer, other):
+        asyncio.run(t.start())
+    assert local.view(claimer).fair_share == 0.5 and claimer.team == "team-9"  # not 1000 / 1001
