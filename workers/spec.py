@@ -311,7 +311,20 @@ class AlgorithmSpec(_Strict):
         "trainer", description="where the KL reference's forward runs (kl_coef > 0): inside the trainer's step, or "
         "in the inference stage, a worker process of its own that takes each sample as it finishes generating, in "
         "micro-batches (inference.*), so the trainer holds one model less and its step one forward less")
-    behav_weight_cap: float = Field(5.0, gt=0)
+    behav_weight_cap: float = Field(5.0, gt=0, description="correction none: ppo drops (weight 0) the tokens "
+                                    "whose π_prox/π_behav passes it (AReaL); reinforce truncates π/π_behav at it")
+    correction: Literal["none", "tis", "mis"] = Field(
+        "none", description="how the importance ratio ρ = π_prox/π_behav between the trainer and the engine "
+        "(reinforce: π_θ/π_behav) is bounded before it weights each token's loss: none = the loss's own rule "
+        "(behav_weight_cap); tis = truncated, min(ρ, correction_cap); mis = masked, ρ inside [1/correction_cap, "
+        "correction_cap] and 0 outside. ρ is already the whole trainer/engine ratio (at staleness 0 the "
+        "mismatch alone, for a stale token times the policy's drift since), so tis and mis replace "
+        "behav_weight_cap's rule rather than multiply a second weight on top (docs/engine.md)")
+    correction_level: Literal["token", "sequence"] = Field(
+        "token", description="correction tis/mis: token = each token's own ratio; sequence = the sequence's "
+        "ratio exp(Σ log ρ_t), truncated or masked as a whole, on every one of its tokens")
+    correction_cap: float = Field(2.0, gt=1, description="correction tis/mis: the truncation cap, and the band "
+                                  "[1/cap, cap] outside which mis masks")
     normalize: Literal["tokens", "batch"] = "tokens"
     adv_std_norm: bool = False
     weight_decay: float = Field(0.0, ge=0)

@@ -210,6 +210,41 @@ def test_submit_a_run_through_the_form_and_watch_it_grow_live(page, api, screens
     screenshot(page, "06-run-live")
 
 
+MISMATCH = {"mismatch/kl": lambda s: 1e-3 * (1 + s), "mismatch/kl_stale0": lambda s: 5e-4,
+            "mismatch/kl_stale1": lambda s: 2e-3 * (1 + s), "mismatch/dropped_share": lambda s: 0.001 * s,
+            "mismatch/ratio_p1": lambda s: 0.9, "mismatch/ratio_p50": lambda s: 1.0, "mismatch/ratio_p99": lambda s: 1.1,
+            "mismatch/abs_logp_max": lambda s: 0.2,
+            **{f"mismatch/ratio_hist/{edge}": (lambda s, share=share: share)
+               for edge, share in [("0.8", 0.05), ("0.95", 0.9), ("1.05", 0.05)]}}
+
+
+def test_the_mismatch_panel_warns_once_the_latest_kl_passes_the_threshold(page, api, screenshot):
+    """KL 1e-3 · (step + 1) under the default warning at 0.01: quiet through step 5, a
+    warning from the live point at step 12 on, gone again when a step falls back below."""
+    run = api.submit("mismatch")
+    worker = api.worker(run["id"])
+    worker.post(f"/api/runs/{run['id']}/metrics/", {"points": points(MISMATCH, range(6))})
+    page.goto(f"/runs/{run['id']}/")
+    expect(page.get_by_role("heading", name="Trainer/engine mismatch: KL(π_behav‖π_prox) per token")).to_be_visible()
+    wait_for_trace_length(page, "mismatch", "KL, all tokens", 6)
+    wait_for_trace_length(page, "mismatch-ratio", "ratio p99", 6)
+    warning = page.locator("#chart-mismatch-warning")
+    expect(warning).to_be_hidden()
+    line = page.evaluate("document.getElementById('chart-mismatch').layout.shapes[0]")
+    assert line["y0"] == line["y1"] == 0.01 and line["line"]["dash"] == "dash"
+    assert page.evaluate("document.getElementById('chart-mismatch-hist').data[0].y") == ["0.8", "0.95", "1.05"]
+    assert not page.get_by_role("heading", name="mismatch/ratio_hist/0.95").count()  # not an "other" chart
+    expect(page.locator("#live-text")).to_have_text("Live")
+
+    worker.post(f"/api/runs/{run['id']}/metrics/", {"points": points(MISMATCH, [12])})
+    expect(warning).to_be_visible()
+    expect(warning).to_contain_text("mismatch KL 0.0130 at step 12 is above 0.01")
+    page.locator("#chart-mismatch").scroll_into_view_if_needed()
+    screenshot(page, "06b-run-mismatch-warning", full_page=False)
+    worker.post(f"/api/runs/{run['id']}/metrics/", {"points": points({"mismatch/kl": lambda s: 0.002}, [13])})
+    expect(warning).to_be_hidden()
+
+
 def test_a_dropped_live_connection_says_so_and_resumes_from_the_last_step(page, api, screenshot):
     run = api.submit("flaky-network")
     worker = api.worker(run["id"])

@@ -266,7 +266,7 @@ class Controller:
             adv = algorithms.group_advantages(rewards, self.spec.algorithm.group_size,
                                               self.spec.algorithm.adv_std_norm)
         return [TrainSample(s.completion.prompt_ids, s.completion.token_ids, s.completion.logprobs, a, reward=r,
-                            ref_logprobs=s.ref_logprobs, values=s.values)
+                            ref_logprobs=s.ref_logprobs, values=s.values, versions=s.completion.versions.per_token())
                 for s, a, r in zip(group.samples, adv, rewards)]
 
     # -- checkpoints (checkpointing.py) ----------------------------------------------------

@@ -175,7 +175,63 @@ class LossOutput:
     behav_weight_mean: float  # mean importance weight proximal/behaviour (ppo) or current/behaviour (reinforce)
     tokens: int  # tokens in the mask
     weights: torch.Tensor  # the per-token importance weight used (detached; 0 where a token was dropped)
-    dropped: int = 0  # tokens left out because their behaviour weight passed the cap (ppo)
+    dropped: int = 0  # tokens whose behaviour weight the cap or the correction's band set to 0
+    truncated: int = 0  # tokens whose behaviour weight was cut down to the cap (reinforce, correction tis)
+
+
+CORRECTIONS = ("none", "tis", "mis")
+CORRECTION_LEVELS = ("token", "sequence")
+
+
+@dataclass(frozen=True)
+class Correction:
+    """``algorithm.correction``: how the trainer/engine importance ratio ρ = π_prox/π_behav
+    (reinforce: π_θ/π_behav, detached) is bounded before it weights the loss.
+
+    ``level`` picks the ratio: ``token``, each token's own ρ_t; ``sequence``, the
+    sequence's ρ = exp(Σ_t log ρ_t) on every one of its tokens. ``method`` picks the rule:
+    ``tis`` truncates, w = min(ρ, cap); ``mis`` masks, w = ρ inside [1/cap, cap] and 0
+    outside. ``none`` keeps the loss's own rule (ppo: drop above ``behav_weight_cap``;
+    reinforce: truncate at it)."""
+    method: str = "none"
+    level: str = "token"
+    cap: float = 2.0
+
+    def __post_init__(self):
+        if self.method not in CORRECTIONS:
+            raise ValueError(f"unknown correction {self.method!r}; choose one of {', '.join(CORRECTIONS)}")
+        if self.level not in CORRECTION_LEVELS:
+            raise ValueError(f"unknown correction level {self.level!r}; choose one of {', '.join(CORRECTION_LEVELS)}")
+        if self.method != "none" and not self.cap > 1.0:
+            raise ValueError(f"a correction's cap must be > 1, not {self.cap}")
+
+    @classmethod
+    def of(cls, algo) -> "Correction":
+        return cls(getattr(algo, "correction", "none"), getattr(algo, "correction_level", "token"),
+                   getattr(algo, "correction_cap", 2.0))
+
+
+def corrected_weights(log_ratio: torch.Tensor, mask: torch.Tensor, correction: Correction
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The importance weights ``correction`` gives tokens whose log-ratio log π_prox − log π_behav
+    is ``log_ratio`` [batch, seq] (only ``mask``'s tokens count, in a sequence's sum too).
+
+    Returns (weights, dropped, truncated): the detached per-token weight (0 off the mask), and
+    per token whether the rule set it to 0 (mis) or cut it down to the cap (tis)."""
+    lr = log_ratio.detach().float() * mask
+    if correction.level == "sequence":
+        lr = lr.sum(-1, keepdim=True).expand_as(mask)
+    # exp of a sequence's summed log-ratio overflows long before the comparison matters: clamp
+    # to where the cap decides anyway (log 1e30 ≫ log cap)
+    ratio = torch.exp(lr.clamp(-69.0, 69.0))
+    on = mask > 0
+    if correction.method == "tis":
+        truncated = (ratio > correction.cap) & on
+        return ratio.clamp(max=correction.cap) * mask, torch.zeros_like(on), truncated
+    if correction.method == "mis":
+        outside = ((ratio > correction.cap) | (ratio < 1.0 / correction.cap)) & on
+        return ratio * mask * (~outside).float(), outside, torch.zeros_like(on)
+    raise ValueError("correction none has no weights of its own: the loss's behav_weight_cap rule applies")
 
 
 def normalizer(mask: torch.Tensor, how: str) -> float:
@@ -200,11 +256,17 @@ def ppo_decoupled_loss(
     clip: float,
     behav_weight_cap: float,
     denominator: float,
+    correction: Optional[Correction] = None,
 ) -> LossOutput:
     """AReaL's decoupled PPO: clip the current/proximal ratio, weight each token by the
     proximal/behaviour ratio, and leave out (weight 0) the tokens whose proximal/behaviour
     ratio passes ``behav_weight_cap``: a token that stale a policy would rarely have
     sampled is dropped, as AReaL does, not kept at the cap.
+
+    π_prox/π_behav is already the whole importance ratio between the trainer and the engine
+    (policy drift since the token's version times the trainer/engine mismatch), so a
+    ``correction`` (tis or mis) *replaces* that cap rule: multiplying it on top would weight
+    each token by the ratio twice.
 
     ``advantages`` is per sequence [batch] or per token [batch, seq].
     """
@@ -212,9 +274,15 @@ def ppo_decoupled_loss(
     ratio = torch.exp(logp - logp_prox.detach())
     clipped = torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
     surrogate = torch.minimum(ratio * adv, clipped * adv)
-    raw_w = torch.exp(logp_prox - logp_behav).detach()
-    kept = (raw_w <= behav_weight_cap).float() * mask
-    behav_w = raw_w * kept
+    truncated = 0
+    if correction is not None and correction.method != "none":
+        behav_w, dropped_t, truncated_t = corrected_weights(logp_prox - logp_behav, mask, correction)
+        kept = mask * (~dropped_t).float()
+        truncated = int(truncated_t.sum())
+    else:
+        raw_w = torch.exp(logp_prox - logp_behav).detach()
+        kept = (raw_w <= behav_weight_cap).float() * mask
+        behav_w = raw_w * kept
     per_token = -behav_w * surrogate
     n = float(mask.sum())
     with torch.no_grad():
@@ -227,6 +295,7 @@ def ppo_decoupled_loss(
         tokens=int(n),
         weights=behav_w,
         dropped=int(n - trained),
+        truncated=truncated,
     )
 
 
@@ -237,22 +306,131 @@ def reinforce_tis_loss(
     mask: torch.Tensor,
     weight_cap: float,
     denominator: float,
+    correction: Optional[Correction] = None,
 ) -> LossOutput:
     """PipelineRL-style REINFORCE with truncated importance sampling:
     −min(π/μ, cap)·A·log π per token, the weight treated as a constant (truncated, not
-    dropped: that is what makes it TIS)."""
+    dropped: that is what makes it TIS). A ``correction`` (tis or mis) bounds the same
+    ratio π/μ its own way instead (token-level tis at cap c is this loss at weight_cap c)."""
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
-    raw_w = torch.exp(logp - logp_behav).detach()
-    weight = raw_w.clamp(max=weight_cap) * mask
-    per_token = -weight * adv * logp * mask
     n = float(mask.sum())
+    if correction is not None and correction.method != "none":
+        weight, dropped_t, truncated_t = corrected_weights(logp - logp_behav, mask, correction)
+        dropped, truncated = int(dropped_t.sum()), int(truncated_t.sum())
+    else:
+        raw_w = torch.exp(logp - logp_behav).detach()
+        weight = raw_w.clamp(max=weight_cap) * mask
+        dropped, truncated = 0, int(((raw_w > weight_cap).float() * mask).sum())
+    per_token = -weight * adv * logp * mask
     return LossOutput(
         loss=per_token.sum() / denominator,
-        clip_frac=float(((raw_w > weight_cap).float() * mask).sum()) / max(n, 1.0),
-        behav_weight_mean=float(weight.sum()) / max(n, 1.0),
+        clip_frac=truncated / max(n, 1.0),
+        behav_weight_mean=float(weight.sum()) / max(n - dropped, 1.0),
         tokens=int(n),
         weights=weight,
+        dropped=dropped,
+        truncated=truncated,
     )
+
+
+# -- the trainer/engine mismatch, as metrics ------------------------------------------------
+# Each trained token's log-ratio r = log π_prox − log π_behav: at staleness 0 π_prox is the
+# very version that sampled the token, so r is the mismatch between the trainer's numerics
+# and the engine's alone; a stale token's r adds the policy's drift since its version. Kept
+# as sums (additive over micro-batches, minibatch steps and data-parallel ranks) and maxima.
+STALENESS_BUCKETS = ("0", "1", "2", "3plus")  # a token's staleness: current version − its version
+RATIO_EDGES = (0.5, 0.8, 0.95, 1.05, 1.25, 2.0)  # inner edges of mismatch/ratio_hist's bins
+RATIO_BINS = ("0",) + tuple(f"{e:g}" for e in RATIO_EDGES)  # each bin named by its lower edge
+QUANTILE_STEP = 0.01  # the quantiles' resolution in log-ratio (a ratio to within ±0.5%)
+QUANTILE_HALF = 400  # bins each side of 0: ratios e^±4 and beyond land in the end bins
+_GROUPS = 1 + len(STALENESS_BUCKETS)  # all tokens, then each staleness bucket: [n, Σ k3, Σ |r|] each
+_HIST_AT = 3 * _GROUPS
+_FINE_AT = _HIST_AT + len(RATIO_BINS)
+MISMATCH_SUMS = _FINE_AT + 2 * QUANTILE_HALF + 1
+
+
+@dataclass
+class MismatchSums:
+    """What the mismatch metrics are computed from: ``sums`` (float64 [MISMATCH_SUMS]: per
+    group the token count, Σ k3 and Σ |r|; the coarse ratio histogram; the fine log-ratio
+    histogram the quantiles come from) and ``maxima`` (float64 [_GROUPS]: max |r| per group,
+    -1 for none), so ranks add the one and take the maximum of the other."""
+    sums: torch.Tensor
+    maxima: torch.Tensor
+
+    @classmethod
+    def zeros(cls) -> "MismatchSums":
+        return cls(torch.zeros(MISMATCH_SUMS, dtype=torch.float64), torch.full((_GROUPS,), -1.0, dtype=torch.float64))
+
+    def add(self, other: "MismatchSums") -> "MismatchSums":
+        return MismatchSums(self.sums + other.sums, torch.maximum(self.maxima, other.maxima))
+
+    @property
+    def tokens(self) -> int:
+        return int(self.sums[0])
+
+    def stats(self) -> dict[str, float]:
+        """The ``mismatch/*`` metrics (none when no token was seen)."""
+        s, m = self.sums.tolist(), self.maxima.tolist()
+        n = s[0]
+        if n <= 0:
+            return {}
+        out = {"mismatch/kl": s[1] / n, "mismatch/abs_logp_mean": s[2] / n, "mismatch/abs_logp_max": m[0]}
+        for g, name in enumerate(STALENESS_BUCKETS, start=1):
+            ng = s[3 * g]
+            if ng > 0:
+                out[f"mismatch/kl_stale{name}"] = s[3 * g + 1] / ng
+                out[f"mismatch/abs_logp_max_stale{name}"] = m[g]
+        for name, count in zip(RATIO_BINS, s[_HIST_AT:_FINE_AT]):
+            out[f"mismatch/ratio_hist/{name}"] = count / n
+        fine = s[_FINE_AT:]
+        for label, q in (("p1", 0.01), ("p50", 0.5), ("p99", 0.99)):
+            want, seen = max(1.0, math.ceil(q * n)), 0.0
+            for k, count in enumerate(fine):
+                seen += count
+                if seen >= want:
+                    break
+            out[f"mismatch/ratio_{label}"] = math.exp((k - QUANTILE_HALF) * QUANTILE_STEP)
+        return out
+
+
+def mismatch_sums(log_ratio: torch.Tensor, mask: torch.Tensor, staleness: Optional[torch.Tensor] = None
+                  ) -> MismatchSums:
+    """The ``MismatchSums`` of the ``mask``'s tokens, their log π_prox − log π_behav
+    ``log_ratio`` and ``staleness`` [batch, seq] (a negative staleness, or none given: the
+    token counts in the totals only)."""
+    on = mask.detach().cpu() > 0
+    r = log_ratio.detach().cpu().to(torch.float64)[on]
+    stale = (staleness.detach().cpu().to(torch.long)[on] if staleness is not None
+             else torch.full_like(r, -1, dtype=torch.long))
+    out = MismatchSums.zeros()
+    if r.numel() == 0:
+        return out
+    k3 = torch.expm1(r) - r  # exp(r) − 1 − r ≥ 0: an unbiased estimate of KL(π_behav‖π_prox)
+    a = r.abs()
+    bucket = stale.clamp(max=len(STALENESS_BUCKETS) - 1)
+    for g in range(_GROUPS):
+        sel = torch.ones_like(a, dtype=torch.bool) if g == 0 else bucket == g - 1
+        if g and not bool(sel.any()):
+            continue
+        out.sums[3 * g: 3 * g + 3] = torch.stack([sel.sum().to(torch.float64), k3[sel].sum(), a[sel].sum()])
+        out.maxima[g] = a[sel].max()
+    edges = torch.tensor(RATIO_EDGES, dtype=torch.float64)
+    out.sums[_HIST_AT:_FINE_AT] = torch.bincount(torch.bucketize(r.exp(), edges, right=True),
+                                                 minlength=len(RATIO_BINS)).to(torch.float64)
+    fine = (r / QUANTILE_STEP).round().clamp(-QUANTILE_HALF, QUANTILE_HALF).to(torch.long) + QUANTILE_HALF
+    out.sums[_FINE_AT:] = torch.bincount(fine, minlength=2 * QUANTILE_HALF + 1).to(torch.float64)
+    return out
+
+
+def mismatch_stats(sums: MismatchSums, tokens: float, dropped: float, truncated: float) -> dict[str, float]:
+    """The step's ``mismatch/*`` metrics: ``sums``' and the shares of its ``tokens`` that the
+    cap or the correction dropped (weight 0) and truncated (weight cut to the cap)."""
+    out = sums.stats()
+    if tokens > 0:
+        out["mismatch/dropped_share"] = dropped / tokens
+        out["mismatch/truncated_share"] = truncated / tokens
+    return out
 
 
 KL_ESTIMATORS = ("k2", "k3")

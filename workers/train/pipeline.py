@@ -253,6 +253,9 @@ class Hyper:
     top_p: float = 1.0
     kl_coef: float = 0.0  # > 0: the micro-batches carry log π_ref ("ref", from the inference stage)
     kl_estimator: str = "k2"
+    correction: str = "none"  # algorithm.correction, correction_level, correction_cap
+    correction_level: str = "token"
+    correction_cap: float = 2.0
 
     @classmethod
     def of(cls, spec, denominator: float) -> "Hyper":
@@ -262,7 +265,8 @@ class Hyper:
                    loss=algo.loss, top_k=spec.rollout.top_k, top_p=spec.rollout.top_p,
                    # kl_penalty 'reward': GAE's rewards carry the KL (trainer.with_critic_targets), the loss not
                    kl_coef=algo.kl_coef if algo.kl_penalty == "loss" else 0.0,
-                   kl_estimator=algo.kl_estimator)
+                   kl_estimator=algo.kl_estimator, correction=algo.correction,
+                   correction_level=algo.correction_level, correction_cap=algo.correction_cap)
 
 
 def micro_batches(samples: list, rows: int = 0, pad_id: int = 0, parts: Optional[list[list[int]]] = None) -> list[dict]:
@@ -302,13 +306,14 @@ def _loss(kind: str, out: torch.Tensor, mb: dict, hyper: Hyper, stats: Optional[
         logits = out[:, :-1].float() / max(hyper.temperature, 1e-5)
         logp, entropy = algorithms.token_logprobs(logits, ids[:, 1:], top_k=hyper.top_k, top_p=hyper.top_p,
                                                   with_entropy=True)
+        correction = algorithms.Correction(hyper.correction, hyper.correction_level, hyper.correction_cap)
         if hyper.loss == "ppo":
             # one optimiser step per batch: π_prox is the policy being differentiated (as the trainer)
             result = algorithms.ppo_decoupled_loss(logp, logp.detach(), mb["behav"], mb["adv"], mask, hyper.clip,
-                                                   hyper.behav_weight_cap, hyper.denominator)
+                                                   hyper.behav_weight_cap, hyper.denominator, correction)
         else:
             result = algorithms.reinforce_tis_loss(logp, mb["behav"], mb["adv"], mask, hyper.behav_weight_cap,
-                                                   hyper.denominator)
+                                                   hyper.denominator, correction)
         loss = result.loss
         if hyper.kl_coef > 0:
             if "ref" not in mb:

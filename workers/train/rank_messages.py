@@ -25,6 +25,7 @@ class Sample(_Message):
     reward: float = 0.0  # algorithm.advantage gae: each rank's critic turns it into per-token advantages
     values: Optional[list[float]] = None  # critic.forward stage: the critic's values, from the inference stage
     ref_logprobs: Optional[list[float]] = None  # algorithm.kl_reference stage: log π_ref, from the inference stage
+    versions: Optional[list[int]] = None  # the policy version of each token: the mismatch metrics' staleness
 
 
 class StepShare(_Message):

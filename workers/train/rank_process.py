@@ -113,7 +113,8 @@ class _Rank:
         from workers.train.trainer import TrainSample
 
         return [TrainSample(s.prompt_ids, s.token_ids, s.behav_logprobs, s.advantage, s.prox_logprobs,
-                            reward=s.reward, values=s.values, ref_logprobs=s.ref_logprobs) for s in samples]
+                            reward=s.reward, values=s.values, ref_logprobs=s.ref_logprobs, versions=s.versions)
+                for s in samples]
 
     def _train(self, request: TrainRequest) -> StatsReply:
         """``Trainer.train_step`` on this rank's shares of the planned steps."""
@@ -147,17 +148,24 @@ class _Rank:
         import torch
         import torch.distributed as dist
 
-        from workers.train.algorithms import CRITIC_SUM_KEYS, critic_stats
+        from workers.train.algorithms import CRITIC_SUM_KEYS, MismatchSums, critic_stats, mismatch_stats
 
-        keys = ("loss", "kl", "clip", "entropy", "tokens", "padded", "micro", "dropped", "value_loss", "value_clip")
+        keys = ("loss", "kl", "clip", "entropy", "tokens", "padded", "micro", "dropped", "truncated", "value_loss",
+                "value_clip")
         device = self.trainer.engine.device
         sums = torch.tensor([[float(st[k]) for k in keys] for st in steps], dtype=torch.float64, device=device)
+        mismatch = MismatchSums.zeros()
+        for st in steps:
+            mismatch = mismatch.add(st["mismatch"])
+        mismatch_sums, mismatch_max = mismatch.sums.to(device), mismatch.maxima.to(device)
         slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
         critic = (torch.tensor([critic_sums[k] for k in CRITIC_SUM_KEYS], dtype=torch.float64, device=device)
                   if critic_sums is not None else None)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            dist.all_reduce(mismatch_sums, op=dist.ReduceOp.SUM)
+            dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX)
             if critic is not None:
                 dist.all_reduce(critic, op=dist.ReduceOp.SUM)
         rows = [dict(zip(keys, row)) for row in sums.tolist()]
@@ -169,6 +177,8 @@ class _Rank:
             "policy/clip_frac": sum(r["clip"] for r in rows) / tokens,
             "policy/behav_dropped_frac": sum(r["dropped"] for r in rows) / tokens,
             "policy/entropy": sum(r["entropy"] for r in rows) / tokens,
+            **mismatch_stats(MismatchSums(mismatch_sums.cpu(), mismatch_max.cpu()), sum(r["tokens"] for r in rows),
+                             sum(r["dropped"] for r in rows), sum(r["truncated"] for r in rows)),
             "trainer/tokens_per_s": sum(r["padded"] for r in rows) / seconds,
             "trainer/micro_batches": int(sum(r["micro"] for r in rows)),
         }

@@ -82,7 +82,8 @@ def _sample(s) -> Sample:
     return Sample(prompt_ids=list(s.prompt_ids), token_ids=list(s.token_ids), behav_logprobs=list(s.behav_logprobs),
                   advantage=float(s.advantage), prox_logprobs=prox, reward=float(s.reward),
                   values=None if s.values is None else list(s.values),
-                  ref_logprobs=None if s.ref_logprobs is None else list(s.ref_logprobs))
+                  ref_logprobs=None if s.ref_logprobs is None else list(s.ref_logprobs),
+                  versions=None if getattr(s, "versions", None) is None else list(s.versions))
 
 
 def plan_train(batch: list, spec: RunSpec, version: int, world: int) -> list[TrainRequest]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ class TrainSample:
     token_advantages: Optional[list[float]] = None  # GAE per token
     # algorithm.kl_reference stage: log π_ref per token, from the inference stage (workers/train/reference.py)
     ref_logprobs: Optional[list[float]] = None
+    # the policy version that generated each token: the mismatch metrics split by staleness with it
+    versions: Optional[list[int]] = None
 
 
 def step_denominator(batch: list[TrainSample], normalize: str) -> float:
@@ -413,6 +416,15 @@ class Trainer:
         prox = prox.to(device) if prox is not None else None
         return ids.to(device), att.to(device), mask.to(device), behav.to(device), adv.to(device), prox
 
+    def _staleness(self, batch: list[TrainSample], columns: int) -> torch.Tensor:
+        """Each generated token's staleness, the version this step trains from minus the one that
+        generated it, as [batch, columns]; -1 where a sample came without its versions."""
+        pairs = [(s.prompt_ids, s.token_ids) for s in batch]
+        known = [s.versions is not None and len(s.versions) == len(s.token_ids) for s in batch]
+        values = [[self.version - v for v in s.versions] if ok else [-1] * len(s.token_ids)
+                  for s, ok in zip(batch, known)]
+        return per_token(pairs, columns, values)
+
     @staticmethod
     def _per_token(batch: list[TrainSample], columns: int, field: str) -> torch.Tensor:
         """A per-generated-token field of each sample as [batch, columns], in the mask's layout."""
@@ -555,6 +567,9 @@ class Trainer:
             "policy/clip_frac": sum(st["clip"] for st in steps) / tokens,
             "policy/behav_dropped_frac": sum(st["dropped"] for st in steps) / tokens,
             "policy/entropy": sum(st["entropy"] for st in steps) / tokens,
+            **algorithms.mismatch_stats(functools.reduce(algorithms.MismatchSums.add, (st["mismatch"] for st in steps)),
+                                        tokens, sum(st["dropped"] for st in steps),
+                                        sum(st["truncated"] for st in steps)),
             "trainer/tokens_per_s": sum(st["padded"] for st in steps) / (time.perf_counter() - t0),
             "trainer/micro_batches": sum(st["micro"] for st in steps),
             "trainer/optimizer_steps": len(steps),
@@ -601,8 +616,8 @@ class Trainer:
     # is known — the same step as train_step on the whole batch.
     def begin_step(self) -> None:
         self._acc = {"loss": 0.0, "kl": 0.0, "clip": 0.0, "entropy": 0.0, "tokens": 0, "seqs": 0,
-                     "padded": 0, "micro": 0, "seconds": 0.0, "dropped": 0, "value_loss": 0.0, "value_clip": 0.0,
-                     "loss_ones": 0.0}
+                     "padded": 0, "micro": 0, "seconds": 0.0, "dropped": 0, "truncated": 0, "value_loss": 0.0,
+                     "value_clip": 0.0, "loss_ones": 0.0, "mismatch": algorithms.MismatchSums.zeros()}
         # gae in a streamed step: the sums of each arriving part's critic targets (critic_sums)
         self.critic_sums = None
         # gae with algorithm.whiten_advantages in a streamed step (see _side_gradient)
@@ -626,6 +641,7 @@ class Trainer:
         gradients over ranks, so each rank's share of the sum is scaled up before), and
         ``min_micro_batches`` the most any rank packs (idle passes fill up the rest)."""
         algo, t0, acc = self.spec.algorithm, time.perf_counter(), self._acc
+        correction = algorithms.Correction.of(algo)
         later = False  # the advantages whitened in the gradients at the step's end (see _side_gradient)
         if self.critic is not None and (batch[0].token_advantages is None if batch else not last):
             # a streamed step (schedule.stream_train): the critic values each part as it arrives,
@@ -660,13 +676,14 @@ class Trainer:
             # one optimiser step per batch the current weights *are* the proximal ones
             # (π_prox = π_θ.detach(), exactly, no extra forward); with several, train_step
             # computed π_prox before the first.
+            logp_prox = logp.detach() if prox is None else prox
+
             def policy_loss(advantages):
                 if algo.loss == "ppo":
-                    return algorithms.ppo_decoupled_loss(logp, logp.detach() if prox is None else prox, behav,
-                                                         advantages, mask, algo.clip, algo.behav_weight_cap,
-                                                         denominator)
+                    return algorithms.ppo_decoupled_loss(logp, logp_prox, behav, advantages, mask, algo.clip,
+                                                         algo.behav_weight_cap, denominator, correction)
                 return algorithms.reinforce_tis_loss(logp, behav, advantages, mask, algo.behav_weight_cap,
-                                                     denominator)
+                                                     denominator, correction)
 
             if later:
                 if prox is not None:  # the ratio would not be 1: the loss not linear in the advantages
@@ -707,6 +724,9 @@ class Trainer:
             acc["entropy"] += float((entropy.detach() * mask).sum())
             acc["tokens"] += out.tokens
             acc["dropped"] += out.dropped
+            acc["truncated"] += out.truncated
+            acc["mismatch"] = acc["mismatch"].add(algorithms.mismatch_sums(
+                logp_prox - behav, mask, self._staleness(part, mask.shape[1])))
             acc["padded"] += ids.numel()
             acc["micro"] += 1
         acc["seqs"] += len(batch)
@@ -861,6 +881,7 @@ class Trainer:
             "policy/clip_frac": acc["clip"] / tokens,
             "policy/behav_dropped_frac": acc["dropped"] / tokens,
             "policy/entropy": acc["entropy"] / tokens,
+            **algorithms.mismatch_stats(acc["mismatch"], acc["tokens"], acc["dropped"], acc["truncated"]),
             "trainer/tokens_per_s": acc["padded"] / acc["seconds"],
             "trainer/micro_batches": acc["micro"],
             "trainer/step_s": acc["seconds"],

@@ -83,11 +83,17 @@ export function groupPoints(points) {
 
 // Line chart of some metric keys against step, live: history from the API (init), then
 // points from the websocket (append) through Plotly.extendTraces, without redrawing.
-// def: {id, title, traces: [{key, name, axis: "y2"?}], band: {mean, std}?, ytitle?, y2title?, yrange?}
+// def: {id, title, traces: [{key, name, axis: "y2"?}], band: {mean, std}?, ytitle?, y2title?, yrange?, ylog?,
+//       warn: {key, value, name}? (a dashed line at value, and a warning while key's latest point is above it)}
 export class LiveChart {
   constructor(container, def) {
     this.def = def;
     Object.assign(this, chartBox(container, def.id, def.title));
+    if (def.warn && Number.isFinite(def.warn.value)) {
+      this.warning = el("p", { class: "chart-warning", role: "alert", id: `chart-${def.id}-warning` });
+      this.warning.hidden = true;
+      this.plot.before(this.warning);
+    }
     this.traces = []; // {key, role: "line" | "upper" | "lower", last: step}
     this.pending = { mean: new Map(), std: new Map() }; // band halves waiting for each other
     this.hasData = false;
@@ -130,8 +136,34 @@ export class LiveChart {
     }
     if (this.def.ytitle) layout.yaxis.title = { text: this.def.ytitle };
     if (this.def.yrange) Object.assign(layout.yaxis, { range: this.def.yrange, autorange: false });
+    if (this.def.ylog) layout.yaxis.type = "log";
+    if (this.warning) {
+      const at = this.def.warn.value;
+      layout.shapes = [{ type: "line", xref: "paper", x0: 0, x1: 1, yref: "y", y0: at, y1: at,
+        line: { color: "#c92a2a", width: 1.5, dash: "dash" } }];
+      layout.annotations = [{ xref: "paper", x: 1, xanchor: "right", yref: "y", y: this.def.ylog ? Math.log10(at) : at,
+        yanchor: "bottom", text: `warning above ${at}`, showarrow: false, font: { size: 10, color: "#c92a2a" } }];
+    }
     window.Plotly.newPlot(this.plot, data, layout, PLOT_CONFIG);
     showData(this, data.some((trace) => trace.x.length > 0));
+    this.checkWarning();
+  }
+
+  // The warning shows while the warned key's latest value is above the line.
+  checkWarning() {
+    if (!this.warning) return;
+    const index = this.traces.findIndex((t) => t.role === "line" && t.key === this.def.warn.key);
+    const ys = index >= 0 && this.plot.data ? this.plot.data[index].y : [];
+    const xs = index >= 0 && this.plot.data ? this.plot.data[index].x : [];
+    const latest = ys.length ? ys[ys.length - 1] : null;
+    const over = latest !== null && latest > this.def.warn.value;
+    this.warning.hidden = !over;
+    this.box.classList.toggle("warned", over);
+    if (over) {
+      this.warning.textContent = `⚠ ${this.def.warn.name} ${latest.toPrecision(3)} at step ${xs[xs.length - 1]} is above `
+        + `${this.def.warn.value}: the trainer and the engine disagree on the sampled tokens' log-probs `
+        + "(see algorithm.correction).";
+    }
   }
 
   // byKey: {key: [{step, value}, ...] sorted by step}. Points at or before a trace's
@@ -168,6 +200,7 @@ export class LiveChart {
     const dense = indices.filter((i) => this.plot.data[i].mode === "lines+markers" && this.plot.data[i].x.length >= FEW_POINTS);
     if (dense.length) window.Plotly.restyle(this.plot, { mode: "lines" }, dense);
     this.thinIfLong();
+    this.checkWarning();
     return indices.length;
   }
 
@@ -240,10 +273,14 @@ export class HistogramChart {
   }
 
   draw(xs, columns) {
-    const trace = { type: "heatmap", x: xs, y: this.buckets, z: columns, transpose: true, colorscale: "Blues", reversescale: true, // more samples: darker
-      colorbar: { title: { text: this.def.ztitle || "" }, thickness: 12 }, hovertemplate: "step %{x}<br>%{y} behind: %{z}<extra></extra>" };
+    // categorical: uneven buckets (a ratio histogram's edges) as evenly spaced rows named by their lower edge
+    const ys = this.def.categorical ? this.buckets.map(String) : this.buckets;
+    const hover = this.def.hover ? `${this.def.hover} %{y}` : "%{y} behind";
+    const trace = { type: "heatmap", x: xs, y: ys, z: columns, transpose: true, colorscale: "Blues", reversescale: true, // more samples: darker
+      colorbar: { title: { text: this.def.ztitle || "" }, thickness: 12 }, hovertemplate: `step %{x}<br>${hover}: %{z}<extra></extra>` };
     const layout = baseLayout({ showlegend: false, hovermode: "closest" });
-    layout.yaxis = { title: { text: this.def.ytitle || "" }, dtick: 1, automargin: true };
+    layout.yaxis = this.def.categorical ? { title: { text: this.def.ytitle || "" }, type: "category", automargin: true }
+      : { title: { text: this.def.ytitle || "" }, dtick: 1, automargin: true };
     window.Plotly.react(this.plot, [trace], layout, PLOT_CONFIG);
     showData(this, xs.length > 0);
   }

@@ -30,6 +30,26 @@ const CHARTS = [
     { key: "loss/policy", name: "policy loss" }, { key: "loss/kl", name: "KL" },
     { key: "reward/kl", name: "KL charged to the rewards" },
     { key: "policy/clip_frac", name: "clip fraction", axis: "y2" }, { key: "policy/entropy", name: "entropy", axis: "y2" }] },
+  // The trainer/engine mismatch (docs/engine.md): k3 per token by staleness, log axis (fp32 runs
+  // sit near 1e-12, a broken setup near 1), the warning line at settings.FLUXRL_MISMATCH_KL_WARN.
+  { id: "mismatch", title: "Trainer/engine mismatch: KL(π_behav‖π_prox) per token", ylog: true,
+    y2title: "share of tokens", warn: { key: "mismatch/kl", value: run.mismatch_kl_warn, name: "mismatch KL" }, traces: [
+    { key: "mismatch/kl", name: "KL, all tokens" }, { key: "mismatch/kl_stale0", name: "KL, staleness 0 (numerics alone)" },
+    { key: "mismatch/kl_stale1", name: "KL, staleness 1" }, { key: "mismatch/kl_stale2", name: "KL, staleness 2" },
+    { key: "mismatch/kl_stale3plus", name: "KL, staleness ≥ 3" },
+    { key: "mismatch/dropped_share", name: "dropped share", axis: "y2" },
+    { key: "mismatch/truncated_share", name: "truncated share", axis: "y2" }] },
+  { id: "mismatch-ratio", title: "Importance ratio π_prox/π_behav and |Δ log p|", ytitle: "ratio", y2title: "|Δ log p|", traces: [
+    { key: "mismatch/ratio_p1", name: "ratio p1" }, { key: "mismatch/ratio_p50", name: "ratio p50" },
+    { key: "mismatch/ratio_p99", name: "ratio p99" },
+    { key: "mismatch/abs_logp_mean", name: "|Δ log p| mean", axis: "y2" },
+    { key: "mismatch/abs_logp_max", name: "|Δ log p| max", axis: "y2" },
+    { key: "mismatch/abs_logp_max_stale0", name: "|Δ log p| max, staleness 0", axis: "y2" },
+    { key: "mismatch/abs_logp_max_stale1", name: "|Δ log p| max, staleness 1", axis: "y2" },
+    { key: "mismatch/abs_logp_max_stale2", name: "|Δ log p| max, staleness 2", axis: "y2" },
+    { key: "mismatch/abs_logp_max_stale3plus", name: "|Δ log p| max, staleness ≥ 3", axis: "y2" }] },
+  { id: "mismatch-hist", title: "Importance ratio distribution per step", heatmap: true, prefix: "mismatch/ratio_hist/",
+    categorical: true, ytitle: "ratio from", ztitle: "share of tokens", hover: "ratio from" },
   { id: "critic", title: "Critic (algorithm.advantage gae)", advantage: "gae", y2title: "explained variance", traces: [
     { key: "critic/value_loss", name: "value loss" }, { key: "critic/explained_var", name: "explained variance", axis: "y2" },
     { key: "critic/adv_std", name: "advantage std" }] },
@@ -53,7 +73,7 @@ for (const def of CHARTS.filter((d) => (!d.advantage || d.advantage === run.adva
   charts.push(chart);
   if (!def.heatmap) chart.keys().forEach((k) => known.add(k));
 }
-const histogram = charts.find((c) => c instanceof HistogramChart);
+const histograms = charts.filter((c) => c instanceof HistogramChart);
 const otherSection = document.getElementById("other-metrics-section");
 const otherCharts = new Map();
 
@@ -100,7 +120,7 @@ function evalKeysBySet(keys) {
   return bySet;
 }
 
-const isOther = (key) => !known.has(key) && !histogram.matches(key) && !EVAL_SET_KEY.test(key);
+const isOther = (key) => !known.has(key) && !histograms.some((h) => h.matches(key)) && !EVAL_SET_KEY.test(key);
 
 // Plain fetch, keys sorted: the first chart's URL must equal the page's <link rel=preload>.
 async function fetchSeries(keys) {

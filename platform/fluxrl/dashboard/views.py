@@ -128,7 +128,8 @@ def run_detail(request, team, pk):
                 "cancel_requested": run.cancel_requested, "terminal": run.is_terminal,
                 # which charts apply: a GAE run's critic has its own (static/js/run.js)
                 "advantage": ((run.resolved_spec or {}).get("algorithm") or {}).get("advantage", "group"),
-                "shared": bool(((run.resolved_spec or {}).get("rollout") or {}).get("share_engines"))},
+                "shared": bool(((run.resolved_spec or {}).get("rollout") or {}).get("share_engines")),
+                "mismatch_kl_warn": settings.FLUXRL_MISMATCH_KL_WARN},
         "series": index,  # key -> last step; the charts load each series' history from the API
         "since_step": max(index.values(), default=None),
         "samples": SampleSerializer(samples, many=True).data,

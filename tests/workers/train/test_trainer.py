@@ -1,6 +1,7 @@
 """The Trainer (DeepSpeed on gloo, one rank) on the tiny model: the weights that leave it
 are full tensors at every ZeRO stage, and the KL reference runs beside the policy."""
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -161,3 +162,25 @@ def test_the_weights_checksum_takes_scalar_buffers_and_tells_values_apart():
     assert tensors_checksum(state) != tensors_checksum(same)
     # a transposed view hashes as its values, like the contiguous copy
     assert tensors_checksum({"t": state["w"].t()}) == tensors_checksum({"t": state["w"].t().contiguous()})
+
+
+def test_the_step_reports_the_trainer_engine_mismatch_by_staleness_and_what_the_correction_dropped(
+        tiny_model_path, hf):
+    """Half the samples' behaviour log-probs are the model's own (staleness 0: the trainer
+    agrees with them to float noise), half are 0.5 lower and two versions old: their ratio
+    is e^0.5 ≈ 1.65, outside mis's band [1/1.5, 1.5]."""
+    batch = _batch(hf)
+    shifted = [dataclasses.replace(s, versions=[2] * len(s.token_ids)) if i % 2 else
+               dataclasses.replace(s, behav_logprobs=[lp - 0.5 for lp in s.behav_logprobs],
+                                   versions=[0] * len(s.token_ids))
+               for i, s in enumerate(batch)]
+    trainer = Trainer(_spec(loss="ppo", minibatches=1, correction="mis", correction_cap=1.5), tiny_model_path,
+                      threads=1)
+    trainer.version = 2
+    stats = trainer.train_step(shifted)
+    assert stats["mismatch/kl_stale0"] < 1e-6
+    assert stats["mismatch/kl_stale2"] == pytest.approx(math.exp(0.5) - 1.5, abs=1e-3)
+    assert stats["mismatch/abs_logp_max_stale2"] == pytest.approx(0.5, abs=1e-3)
+    assert stats["mismatch/dropped_share"] == 0.5 == stats["policy/behav_dropped_frac"]
+    assert stats["mismatch/ratio_p50"] == pytest.approx(1.0) and stats["mismatch/ratio_p99"] == pytest.approx(
+        math.exp(0.5), abs=0.01)

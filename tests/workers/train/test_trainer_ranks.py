@@ -93,7 +93,8 @@ def _max_diff(a: dict, b: dict) -> float:
 
 def _assert_same_stats(got: dict, want: dict) -> None:
     assert set(got) == set(want)
-    for key in ("loss/policy", "loss/kl", "policy/clip_frac", "policy/entropy"):
+    for key in ("loss/policy", "loss/kl", "policy/clip_frac", "policy/entropy", "mismatch/kl", "mismatch/abs_logp_max",
+                "mismatch/ratio_p50", "mismatch/dropped_share"):
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
     assert got.get("trainer/optimizer_steps") == want.get("trainer/optimizer_steps")
 
