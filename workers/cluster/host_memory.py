@@ -14,8 +14,10 @@ what differs on the CPU:
 - **A trainer** (in the coordinator, or a process per rank): the policy's weights, gradients
   and optimizer states, the critic's and the KL reference as :func:`trainer_memory` counts
   them in ``model.dtype`` (``auto`` is float32 on the CPU), and the largest transient: the
-  optimizer step's or a micro-batch's forward (activations, full-vocabulary logits,
-  autocast's weight copies; :func:`forward_memory`).
+  optimizer step's, a micro-batch's forward (activations, full-vocabulary logits, autocast's
+  weight copies; :func:`forward_memory`) or, under ZeRO-3, a weight sync's: the largest module
+  gathered and, on rank 0, the whole model's copy that ``Trainer.state_dict`` builds from the
+  gathered modules in host memory.
 - **A vLLM engine core**: its KV cache, which vLLM's CPU backend allocates whole
   (``VLLM_CPU_KVCACHE_SPACE``: ``rollout.kv_cache_gb`` rounded, at least 1), the weights
   twice (the tensors, and the checkpoint's pages it maps while loading them: 1.9x measured)
@@ -38,9 +40,9 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from workers.cluster.memory import (CRITIC_STAGE, DTYPE_BYTES, GIB, REFERENCE_STAGE, REWARD_MODEL, Item, ModelSize, forward_memory, inference_forward_gib,
-                                    reference_adapter_params, run_trainer_memory, trainer_holds_reference, trainer_memory,
-                                    trainer_precision)
+from workers.cluster.memory import (CRITIC_STAGE, DTYPE_BYTES, GIB, REFERENCE_STAGE, REWARD_MODEL, Item, ModelSize,
+                                    inference_forward_gib, reference_adapter_params, run_trainer_memory,
+                                    trainer_forward_gib, trainer_holds_reference, trainer_memory, trainer_precision)
 from workers.spec import model_dtype
 
 if TYPE_CHECKING:
@@ -114,9 +116,11 @@ class HostMemoryPlan:
         return lines
 
 
-def trainer_items(spec: "RunSpec", model: ModelSize, ranks: int, dtype: str, owner: str) -> list[Item]:
+def trainer_items(spec: "RunSpec", model: ModelSize, ranks: int, dtype: str, owner: str,
+                  keeps_copy: bool = True) -> list[Item]:
     """A trainer rank's states (the policy's, the critic's, the KL reference) and its largest
-    transient, on the host."""
+    transient, on the host. ``keeps_copy``: the rank whose ZeRO-3 weight sync keeps the gathered
+    copy (rank 0; the others take part in the gather and keep nothing)."""
     stage = spec.trainer.zero_stage
     mem = run_trainer_memory(spec, model, dtype, ranks)
     items = [Item(owner, "weights", mem.weights_gib, "trainer"),
@@ -129,9 +133,12 @@ def trainer_items(spec: "RunSpec", model: ModelSize, ranks: int, dtype: str, own
                           critic.weights_gib + critic.gradients_gib + critic.optimizer_gib, "critic"))
     if trainer_holds_reference(spec):
         items.append(Item(owner, "KL reference model", mem.reference_gib, "reference"))
-    activations, logits = forward_memory(model, spec.trainer.micro_batch_tokens, dtype, stage,
-                                         spec.trainer.gradient_checkpointing)
+    _, activations, logits = trainer_forward_gib(spec, model, dtype)
     what, gib = mem.transient
+    if stage == 3 and keeps_copy and mem.gather_gib:  # the state dict fills up in host memory
+        sync = mem.gather_gib + model.params * DTYPE_BYTES[dtype] / GIB
+        if sync > gib:
+            what, gib = "a weight sync's copy of the model and its largest module gathered (ZeRO-3)", sync
     if mem.cast_gib + activations + logits > gib:
         what, gib = "a micro-batch's forward", mem.cast_gib + activations + logits
     items.append(Item(owner, what, gib, "forward"))
@@ -187,7 +194,7 @@ def plan_host_memory(spec: "RunSpec", plan, model: ModelSize, host_memory_gib: f
             name = f"trainer rank {p.index}"
             processes.append(ProcessLoad(name, p.node, tuple(
                 [Item(name, "runtime (measured)", COORDINATOR_RUNTIME_GIB + TRAINER_RUNTIME_GIB, "runtime")]
-                + trainer_items(spec, model, ranks, dtype, name))))
+                + trainer_items(spec, model, ranks, dtype, name, keeps_copy=p.index == 0))))
     for p in plan.engines:
         if plan.engine_processes:
             name = f"engine {p.index} server"

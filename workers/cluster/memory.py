@@ -12,8 +12,8 @@ counted, per GPU, and where it comes from:
   the fp32 master copy and Adam's two moments, partitioned as ZeRO does (stage 1 the
   master copy and moments, 2 also the gradients, 3 also the weights), and the largest of
   the transients: the fp32 gradients flattened at the optimizer step, under ZeRO-3 the
-  full weights gathered for a weight sync (``Trainer.state_dict`` gathers every
-  parameter at once), under autocast the low-precision weight copies the forward keeps
+  largest module's weights gathered for a weight sync (``Trainer.state_dict`` gathers one
+  module's own parameters at a time), under autocast the low-precision weight copies the forward keeps
   for the backward.
 - **KL reference** (``algorithm.kl_coef > 0``, in the trainer): a full copy on every trainer
   GPU, in the dtype the policy was loaded in (fp32 under autocast; ``Trainer.__init__`` moves
@@ -43,15 +43,19 @@ cache freed; ``RolloutEngine.sleep``): *generating* (the trainer's weights, grad
 optimizer states, the reference, and the engines' share) and *training* (the trainer's
 all, transients included, and the reference; the engines hold nothing), and between the
 two *updating* (the engines' weights awake, their KV cache still asleep, the receive
-buffers; the trainer's persistent states and, under ZeRO-3, its gathered weights).
+buffers; the trainer's persistent states and, under ZeRO-3, its largest module gathered).
 
 Also per trainer rank: its **CUDA context and runtime buffers** (cuBLAS, NCCL, DeepSpeed's
 buckets: ``RUNTIME_GIB``, measured), the **critic** (``algorithm.advantage: gae``: a second
 model with its own DeepSpeed engine at ``critic.zero_stage``), and, as the largest transient
-beside the optimizer step's and ZeRO-3's gather, a **micro-batch's activations and its
-logits at the full vocabulary** (:func:`forward_memory`; ``trainer.micro_batch_tokens``,
-``trainer.gradient_checkpointing``). Checked against the peaks measured on an H200 (docs/benchmarks.md,
-"On a GPU"; ``tests/workers/cluster/test_memory_plan.py``): within 25% of each.
+beside the optimizer step's and ZeRO-3's gather, the **largest micro-batch's activations and
+its logits at the full vocabulary** (:func:`forward_memory`: what autograd keeps of each layer,
+by architecture and precision, and the logits' peak with the entropy and, with top-p/top-k,
+the truncation; the forward is ``trainer.micro_batch_tokens``, or the longest sequence where
+that is longer: :func:`forward_tokens`). Each term is checked within 15% of what a real HF
+forward and backward keeps on the CPU at a 100k vocabulary and 2,048 tokens
+(``tests/workers/cluster/test_forward_calibration.py``), and the rank's total within 25% of
+the peaks measured on an H200 (docs/benchmarks.md, "On a GPU"; ``test_memory_plan.py``).
 
 Not counted (they come on top): the critic's own activations (its forward and backward
 come after the policy's), the trainer's send buckets (a few x 32 MiB), what a sleeping
@@ -87,12 +91,20 @@ RUNTIME_GIB = {0: 1.4, 1: 2.3, 2: 2.3, 3: 2.7}
 # An inference stage's worker (plain torch, no NCCL or DeepSpeed): its CUDA context and
 # cuBLAS workspace. Estimated, not measured: no such worker has run on a GPU yet.
 STAGE_RUNTIME_GIB = 0.8
-# Values a decoder layer keeps per token for the backward, in units of the hidden size h and
-# the MLP's width i: the attention block's inputs, q, k, v and output (about 8 h with grouped
-# K/V heads), the gated MLP's gate, up and product (3 i); SDPA/flash attention keeps no
-# token x token matrix. Korthikanti et al. (2022) count 34 bytes a token x h for a 16-bit
-# layer with a 4h MLP, the same order (8 h + 12 h = 20 h values, 40 bytes).
-ACTIVATION_VALUES = (8, 3)  # (x h, x i)
+# Bytes a full-vocabulary logit entry costs at its peak in the trainer's forward and backward
+# (``Trainer._logprobs``: the model's output, its ``.float()`` over the temperature, then
+# ``token_logprobs`` with the entropy, as the training forward always asks): the log-softmax and
+# the probabilities its entropy keeps (8), and in the backward the gradients of the entropy, the
+# gathered log-probs, the log-softmax and the division (16). With ``rollout.top_p`` < 1 (or
+# ``top_k``) ``truncated_logits`` adds its sort's values and int64 indices, its cumulative sum,
+# boolean masks and the masked copy. Measured: the peak of the live vocabulary-sized tensors over
+# a forward and backward on this CPU, 23.9 and 37.8 bytes an entry, the same in bf16, autocast
+# and fp32 (tests/workers/cluster/test_forward_calibration.py).
+LOGITS_ENTRY_BYTES = 24
+TRUNCATED_LOGITS_ENTRY_BYTES = 38
+# A run without rollout.max_model_len bounds its prompts by nothing the planner can read: its
+# longest sequence is counted as rollout.max_tokens and this many prompt tokens.
+PROMPT_TOKENS_ASSUMED = 1024
 
 
 # -- the model ------------------------------------------------------------------------------
@@ -113,6 +125,15 @@ class ModelSize:
     vocab: Optional[int] = None
     adapter: Optional[int] = None  # model.lora: the adapter's parameters (the only ones that train)
     saved_dtype: Optional[str] = None  # the dtype its config names (how a reward model's folder loads)
+    # the largest module's own parameters (what ZeRO-3 gathers at once for a weight sync)
+    largest_module: Optional[int] = None
+    heads: Optional[int] = None  # attention heads
+    kv_hidden: Optional[int] = None  # key/value heads x head size (= hidden without grouped K/V)
+    # the decoder layer's kind, which sizes what autograd keeps of it (:func:`layer_activation_bytes`):
+    # "gated" (RMSNorm, rotary attention, SwiGLU: Llama, Qwen2, Mistral) or "gpt2" (LayerNorm,
+    # fused QKV, a two-matrix MLP); ``activation``: that MLP's (GPT-2's "gelu_new")
+    family: Optional[str] = None
+    activation: Optional[str] = None
 
 
 def model_size(path: str, lora=None, head: str = "causal-lm") -> Optional[ModelSize]:
@@ -135,6 +156,8 @@ def model_size(path: str, lora=None, head: str = "causal-lm") -> Optional[ModelS
             model = auto.from_config(config)
         params = sum(p.numel() for p in model.parameters())
         largest = max((p.numel() for p in model.parameters()), default=0)
+        largest_module = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
+                             default=0)
         adapter = None
         if lora is not None:
             from workers.train.lora import adapter_param_count
@@ -146,7 +169,27 @@ def model_size(path: str, lora=None, head: str = "causal-lm") -> Optional[ModelS
         return None
     saved = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32").replace("torch.", "")
     return ModelSize(params, _kv_values_per_token(config), largest, **_shape(config), adapter=adapter,
-                     saved_dtype=saved if saved in DTYPE_BYTES else "float32")
+                     saved_dtype=saved if saved in DTYPE_BYTES else "float32", largest_module=largest_module,
+                     **_layer_kind(config))
+
+
+def _layer_kind(config) -> dict:
+    """heads, kv_hidden, family and activation of a config (None where it does not say)."""
+    config = getattr(config, "text_config", None) or config
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if isinstance(hidden, int) and heads else None)
+    kv_hidden = kv_heads * head_dim if isinstance(kv_heads, int) and isinstance(head_dim, int) else None
+    if hasattr(config, "rms_norm_eps"):
+        family, activation = "gated", getattr(config, "hidden_act", None)
+    elif hasattr(config, "layer_norm_epsilon") or hasattr(config, "layer_norm_eps"):
+        family = "gpt2"
+        activation = getattr(config, "activation_function", None) or getattr(config, "hidden_act", None)
+    else:
+        family = activation = None
+    return {"heads": heads if isinstance(heads, int) else None, "kv_hidden": kv_hidden, "family": family,
+            "activation": activation if isinstance(activation, str) else None}
 
 
 def _shape(config) -> dict:
@@ -188,7 +231,7 @@ def trainer_precision(dtype: str, zero_stage: int) -> str:
 class TrainerMemory:
     """A trainer rank's GPU memory in GiB (activations come on top). Transients, of which
     only the largest counts (they never coexist): ``step_gib``, the fp32 gradients
-    flattened for the optimizer step; ``gather_gib``, ZeRO-3's full weights gathered for a
+    flattened for the optimizer step; ``gather_gib``, ZeRO-3's largest module gathered for a
     weight sync; ``cast_gib``, autocast's low-precision weight copies kept from the
     forward for the backward."""
     weights_gib: float
@@ -204,7 +247,7 @@ class TrainerMemory:
     def transient(self) -> tuple[str, float]:
         """(what, GiB) of the largest transient."""
         return max((("fp32 gradients and AdamW's temporaries at the optimizer step", self.step_gib),
-                    ("weights gathered for a weight sync (ZeRO-3)", self.gather_gib),
+                    ("largest module gathered for a weight sync (ZeRO-3)", self.gather_gib),
                     ("low-precision weight copies for the backward (autocast)", self.cast_gib)),
                    key=lambda t: t[1])
 
@@ -217,7 +260,8 @@ class TrainerMemory:
         return self.weights_gib + self.gradients_gib + self.optimizer_gib + self.transient_gib
 
 
-def trainer_memory(params: int, dtype: str, zero_stage: int, ranks: int) -> TrainerMemory:
+def trainer_memory(params: int, dtype: str, zero_stage: int, ranks: int,
+                   largest_module: Optional[int] = None) -> TrainerMemory:
     """Bytes per parameter as DeepSpeed 0.19.8 holds them (``lp``: the model dtype's
     bytes, ``n``: the ranks; see :func:`trainer_precision`):
 
@@ -238,6 +282,11 @@ def trainer_memory(params: int, dtype: str, zero_stage: int, ranks: int) -> Trai
     - mixed, stage 3: weights lp / n, gradients 4 / n (``grad_partitions_flat_buffer``
       in fp32), master 4 / n, moments 8 / n, step 4 / n (per sub-group: an upper bound),
       gather lp.
+
+    ZeRO-3's gather for a weight sync (``Trainer.state_dict``, ``_gathered_state_dict``) holds
+    one module's own parameters at a time, gathered, copied to the CPU and released before the
+    next: its bytes per parameter above are of ``largest_module`` parameters (the embedding or
+    the LM head, as a rule), or of all ``params`` when that is unknown (an upper bound).
 
     At every stage the step adds AdamW's temporaries: torch's multi-tensor AdamW computes
     ``sqrt(v)`` into new tensors, 4 bytes a parameter it updates at once (4; 4 / n of a
@@ -271,7 +320,8 @@ def trainer_memory(params: int, dtype: str, zero_stage: int, ranks: int) -> Trai
         updated = min(updated, ZERO3_SUB_GROUP)
     step += ADAM_TEMPORARY_BYTES * updated / params if params else 0.0
     gib = params / GIB
-    return TrainerMemory(weights * gib, gradients * gib, (master + moments) * gib, step * gib, gather * gib,
+    gathered = min(largest_module or params, params) / GIB
+    return TrainerMemory(weights * gib, gradients * gib, (master + moments) * gib, step * gib, gather * gathered,
                          cast * gib, master > 0, reference * gib)
 
 
@@ -303,7 +353,7 @@ def run_trainer_memory(spec: "RunSpec", model: ModelSize, dtype: str, ranks: int
         in_trainer = spec.algorithm.kl_reference != "stage"
         return lora_trainer_memory(model.params, model.adapter, dtype, stage, ranks,
                                    reference_adapter_params(spec, model) if in_trainer else 0)
-    return trainer_memory(model.params, dtype, stage, ranks)
+    return trainer_memory(model.params, dtype, stage, ranks, model.largest_module)
 
 
 def reference_adapter_params(spec: "RunSpec", model: ModelSize) -> int:
@@ -317,47 +367,119 @@ def reference_adapter_params(spec: "RunSpec", model: ModelSize) -> int:
     return model.adapter
 
 
-def forward_memory(model: ModelSize, tokens: int, dtype: str, zero_stage: int,
-                   checkpointing: bool = False) -> tuple[float, float]:
-    """(activations, logits) in GiB of one micro-batch of ``tokens`` (padded) tokens in the
-    trainer's forward and backward; (0, 0) when the model's shape is unknown.
+def longest_sequence(spec: "RunSpec") -> int:
+    """The longest sequence a trainer micro-batch can hold: rollout.max_model_len (prompt and
+    completion; vLLM skips longer prompts), else rollout.max_tokens and ``PROMPT_TOKENS_ASSUMED``
+    prompt tokens."""
+    return spec.rollout.max_model_len or spec.rollout.max_tokens + PROMPT_TOKENS_ASSUMED
 
-    - Activations: ``ACTIVATION_VALUES`` per token and layer, in the dtype the forward
-      computes in (lp under autocast and DeepSpeed's bf16/fp16 modes, 4 in fp32); with
-      ``trainer.gradient_checkpointing`` only each layer's input (h values) and one layer's
-      full set.
-    - Logits at the full vocabulary: the model's output (lp, or 4 in fp32), then in fp32 its
-      ``.float()`` copy, the log-softmax and its gradient (12 bytes): ``tokens x vocab``
-      each. For Qwen2.5's 151,936-token vocabulary and 4,096 tokens that is 8.1 GiB in bf16,
-      more than the 0.5 B model's weights and Adam states together.
+
+def forward_tokens(spec: "RunSpec") -> int:
+    """Padded tokens of the largest trainer forward: ``trainer.micro_batch_tokens``, or the longest
+    sequence where that is longer (``pack_first_fit_decreasing`` gives a sequence longer than the
+    budget a micro-batch of its own)."""
+    return max(spec.trainer.micro_batch_tokens, longest_sequence(spec))
+
+
+def layer_activation_bytes(model: ModelSize, precision: str) -> tuple[float, float]:
+    """(bytes per token and layer, bytes per token and row length) that autograd keeps of one
+    decoder layer for the backward: the tensors its saved-tensor hooks see in HF's forward,
+    each storage once (``tests/workers/cluster/test_forward_calibration.py`` measures them).
+    ``precision``: :func:`trainer_precision`'s. ``a`` is the forward's element size (the model
+    dtype's in DeepSpeed's bf16/fp16 mode and under autocast, 4 in fp32); h hidden, kv the K/V
+    heads' width, i the MLP's, n the heads.
+
+    - "gated" (RMSNorm, RoPE, SDPA, SwiGLU: Llama, Qwen2). Each RMSNorm keeps its input upcast
+      to fp32 (4h), its 1/rms (4), the normalised values and its output (2 a h); attention keeps
+      q after RoPE and the output (2 a h), K and V (2 a kv) and SDPA's fp32 log-sum-exp (4 n);
+      the MLP keeps gate, up, SiLU(gate) and their product (4 a i). Under autocast the residual
+      stream is fp32: each norm keeps 4h + 4 + 4h, every projection its own low-precision cast
+      of its input (5 a h: q, k, v, gate, up), and SDPA q, K and V cast after K/V are repeated
+      to every head (3 a h) and its output (a h). SDPA keeps each layer's own copy of the padding
+      mask (a per token and row position).
+    - "gpt2" (LayerNorm, fused QKV, GELU MLP): each LayerNorm keeps its input, mean, 1/std and
+      output (2 a h + 4 a), attention the fused QKV output (3 a h), q, k and the output (3 a h)
+      and the log-sum-exp (4 n); the MLP, with GELU's tanh form written out (``gelu_new``), five
+      i-wide tensors (5 a i; two with a fused GELU); each layer copies the padding mask (a per
+      token and row position; 2 under autocast). Under autocast: 24 h + 10 i + 4 n + 16.
+
+    The first element per layer, the second x the micro-batch's row length (the padding mask;
+    without padding HF passes none, so this is an upper bound)."""
+    h, i = model.hidden, model.intermediate or 4 * model.hidden
+    n = model.heads or 1
+    kv = model.kv_hidden or h
+    a = 4 if precision == "fp32" else 2
+    if model.family == "gpt2":
+        mlp = (5 if model.activation in (None, "gelu_new", "gelu_fast") else 2) * i
+        if precision == "autocast":
+            return 24 * h + 2 * mlp + 4 * n + 16, 2
+        return a * (10 * h + mlp) + 4 * n + 4 * a, a
+    if precision == "autocast":
+        return 2 * (8 * h + 4) + a * (5 * h + 4 * h + 4 * i) + 4 * n, a
+    return 2 * (4 * h + 4 + 2 * a * h) + a * (2 * h + 2 * kv + 4 * i) + 4 * n, a
+
+
+def forward_memory(model: ModelSize, tokens: int, dtype: str, zero_stage: int,
+                   checkpointing: bool = False, row: Optional[int] = None,
+                   truncated: bool = False) -> tuple[float, float]:
+    """(activations, logits) in GiB of one micro-batch of ``tokens`` (padded) tokens, rows of
+    at most ``row`` tokens (default ``tokens``), in the trainer's forward and backward; (0, 0)
+    when the model's shape is unknown.
+
+    - Activations: :func:`layer_activation_bytes` per token and layer, and once per forward the
+      token ids (8) and the final norm; with ``trainer.gradient_checkpointing`` each layer keeps
+      only its input (the residual stream: 4 h under autocast, a h otherwise) and one layer's
+      full set is rebuilt at a time.
+    - Logits at the full vocabulary: ``LOGITS_ENTRY_BYTES`` per ``tokens x vocab`` entry,
+      ``TRUNCATED_LOGITS_ENTRY_BYTES`` with ``truncated`` (rollout.top_p < 1 or top_k). For
+      Qwen2.5's 151,936-token vocabulary and 4,096 tokens that is 13.9 GiB, more than the 0.5 B
+      model's weights and Adam states together.
     """
     if not (model.hidden and model.layers and model.vocab):
         return 0.0, 0.0
-    act = 4 if trainer_precision(dtype, zero_stage) == "fp32" else DTYPE_BYTES[dtype]
-    per_layer = ACTIVATION_VALUES[0] * model.hidden + ACTIVATION_VALUES[1] * (model.intermediate or 4 * model.hidden)
+    precision = trainer_precision(dtype, zero_stage)
+    a = 4 if precision == "fp32" else DTYPE_BYTES[dtype]
+    row = min(row or tokens, tokens)
+    per_layer, per_row = layer_activation_bytes(model, precision)
+    per_layer += per_row * row
+    final_norm = (8 if precision == "autocast" else 4 + 2 * a) * model.hidden + 4
+    once = 8 + final_norm
     if checkpointing:
-        values = model.layers * model.hidden + per_layer
+        residual = 4 if precision == "autocast" else a
+        values = model.layers * residual * model.hidden + per_layer
     else:
         values = model.layers * per_layer
-    activations = tokens * values * act / GIB
-    logits = tokens * model.vocab * (act + 12) / GIB
+    activations = tokens * (values + once) / GIB
+    entry = TRUNCATED_LOGITS_ENTRY_BYTES if truncated else LOGITS_ENTRY_BYTES
+    logits = tokens * model.vocab * entry / GIB
     return activations, logits
 
 
 def inference_forward_gib(model: ModelSize, tokens: int, act_bytes: int, logits: bool, sort: bool) -> float:
     """GiB of one no-grad forward of ``tokens`` padded tokens in an inference stage's worker
-    (nothing is kept for a backward): one layer's values and the residual stream
-    (``ACTIVATION_VALUES`` + 2 h per token, in ``act_bytes``) and, for the KL reference
+    (nothing is kept for a backward): about one layer's live values (its input, q, k, v and
+    output, the MLP's three i-wide tensors) and the residual stream, 10 h + 3 i per token in
+    ``act_bytes``, and, for the KL reference
     (``logits``), the full-vocabulary logits: the model's output, its fp32 ``.float()`` and
     temperature-scaled copies and the log-softmax (``act_bytes`` + 12 per entry), plus a
     sort's values and int64 indices (12) when top-k/top-p truncate. 0 when the shape is unknown."""
     if not (model.hidden and model.vocab):
         return 0.0
-    per_layer = (ACTIVATION_VALUES[0] + 2) * model.hidden + ACTIVATION_VALUES[1] * (model.intermediate or 4 * model.hidden)
-    total = tokens * per_layer * act_bytes
+    total = tokens * (10 * model.hidden + 3 * (model.intermediate or 4 * model.hidden)) * act_bytes
     if logits:
         total += tokens * model.vocab * (act_bytes + 12 + (12 if sort else 0))
     return total / GIB
+
+
+def trainer_forward_gib(spec: "RunSpec", model: ModelSize, dtype: str) -> tuple[int, float, float]:
+    """(tokens, activations GiB, logits GiB) of the trainer's largest forward for ``spec``
+    (:func:`forward_tokens`, :func:`forward_memory`)."""
+    tokens = forward_tokens(spec)
+    truncated = spec.rollout.top_p < 1 or spec.rollout.top_k > 0
+    activations, logits = forward_memory(model, tokens, dtype, spec.trainer.zero_stage,
+                                         spec.trainer.gradient_checkpointing, row=longest_sequence(spec),
+                                         truncated=truncated)
+    return tokens, activations, logits
 
 
 def trainer_rank_peak_gib(spec: "RunSpec", model: ModelSize, ranks: int, dtype: Optional[str] = None) -> float:
@@ -367,8 +489,7 @@ def trainer_rank_peak_gib(spec: "RunSpec", model: ModelSize, ranks: int, dtype: 
     dtype = dtype or model_dtype(spec, on_gpu=True)
     stage = spec.trainer.zero_stage
     mem = run_trainer_memory(spec, model, dtype, ranks)
-    activations, logits = forward_memory(model, spec.trainer.micro_batch_tokens, dtype, stage,
-                                         spec.trainer.gradient_checkpointing)
+    _, activations, logits = trainer_forward_gib(spec, model, dtype)
     critic = (trainer_memory(model.params, dtype, spec.critic.zero_stage, ranks)
               if spec.algorithm.advantage == "gae" else None)
     return (RUNTIME_GIB[stage] + mem.weights_gib + mem.gradients_gib + mem.optimizer_gib
@@ -502,10 +623,10 @@ def plan_memory(spec: "RunSpec", plan, gpu_memory_gib: float, model: ModelSize,
     trainer = run_trainer_memory(spec, model, dtype, ranks)
     critic = (trainer_memory(model.params, dtype, spec.critic.zero_stage, ranks)
               if spec.algorithm.advantage == "gae" else None)  # the trainer trains it, wherever it values
-    activations, logits = forward_memory(model, spec.trainer.micro_batch_tokens, dtype, stage,
-                                         spec.trainer.gradient_checkpointing)
+    tokens, activations, logits = trainer_forward_gib(spec, model, dtype)
     forward_gib = trainer.cast_gib + activations + logits
-    forward_what = (f"a micro-batch's forward (activations {activations:.1f}, full-vocabulary logits {logits:.1f}"
+    forward_what = (f"a micro-batch's forward of {tokens} tokens (activations {activations:.1f}, full-vocabulary "
+                    f"logits {logits:.1f}"
                     + (f", autocast's weight copies {trainer.cast_gib:.1f}" if trainer.cast_gib else "") + ")")
     reference = trainer_holds_reference(spec)
     collective = spec.rollout.weight_transport == "collective"
@@ -535,8 +656,8 @@ def plan_memory(spec: "RunSpec", plan, gpu_memory_gib: float, model: ModelSize,
                     what, gib = trainer.transient
                     if forward_gib > gib:
                         what, gib = forward_what, forward_gib
-                    if phase == "updating":  # ZeRO-3 gathers the full weights to send them
-                        what, gib = "weights gathered for a weight sync (ZeRO-3)", trainer.gather_gib
+                    if phase == "updating":  # ZeRO-3 gathers each module in turn to send them
+                        what, gib = "largest module gathered for a weight sync (ZeRO-3)", trainer.gather_gib
                     if gib and phase != "generating":
                         items.append(Item(owner, what, gib, "forward" if what == forward_what else "trainer"))
                     if reference:

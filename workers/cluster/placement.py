@@ -48,9 +48,11 @@ Layouts:
   vLLM's share leaves) or one of their own after the trainer's and the engines'. The memory
   plan counts their models and forwards on it. On a CPU plan they run on the CPU, unbound.
 
-On GPUs a node's cores are split evenly among the trainer and engine processes on it. Trainer ranks split
-evenly over the nodes (rank r on node ``r // (ranks / nodes)``); engines are spread over
-the nodes in contiguous, balanced groups (an engine never spans nodes).
+On GPUs a node's cores are split evenly among the trainer and engine processes on it. Over
+several nodes a disaggregated plan gives each role whole nodes where they fit (the trainer
+the first nodes, the engines the rest); otherwise trainer ranks split evenly over the nodes
+(rank r on node ``r // (ranks / nodes)``) and the engines are spread over them in
+contiguous, balanced groups. An engine never spans nodes (:func:`_node_roles`).
 """
 from __future__ import annotations
 
@@ -264,10 +266,36 @@ class Plan:
                 format_cores(block) for block in _blocks(list(process.cpu_cores), self.tensor_parallel))
         return env
 
+    def node_roles(self) -> list[str]:
+        """What each node holds, runs of alike nodes together: "  nodes 0-15: trainer ranks 0-127
+        (8 a node)", "  nodes 16-31: engines 0-31 (2 a node, tensor_parallel 4)"."""
+        def kinds(node):
+            return (len(self.on_node(node, "trainer")), len(self.on_node(node, "engine")))
+
+        lines, node = [], 0
+        while node < self.nodes:
+            last = node
+            while last + 1 < self.nodes and kinds(last + 1) == kinds(node):
+                last += 1
+            ranks, engines = kinds(node)
+            span = [p for n in range(node, last + 1) for p in self.on_node(n) if p.role != "inference"]
+            parts = []
+            for role, count, what in (("trainer", ranks, "trainer ranks"), ("engine", engines, "engines")):
+                if count:
+                    idx = [p.index for p in span if p.role == role]
+                    parts.append(f"{what} {idx[0]}-{idx[-1]}" if len(idx) > 1 else f"{what[:-1]} {idx[0]}")
+                    if last > node:
+                        parts[-1] += f" ({count} a node)"
+            where = f"nodes {node}-{last}" if last > node else f"node {node}"
+            lines.append(f"  {where}: " + ("; ".join(parts) or "nothing"))
+            node = last + 1
+        return lines
+
     def describe(self) -> str:
         lines = [f"{self.device} plan: {self.nodes} node(s)"
                  + (f" x {self.gpus_per_node} GPUs, {'colocated' if self.colocate else 'disaggregated'}"
                     if self.device == "gpu" else "")]
+        lines += self.node_roles()
         for p in self.processes:
             where = f"node {p.node}, cores {p.cpu_bind} ({p.threads} threads)"
             if p.cuda_visible_devices is not None:
@@ -410,11 +438,62 @@ def plan_gpu(spec: "RunSpec", machine: Machine) -> Plan:
         per_node, asked = machine.gpus_per_node, ""
     if per_node > machine.gpus_per_node:
         raise PlacementError(f"{asked}, the machine has {machine.gpus_per_node}" + (" per node" if nodes > 1 else ""))
-    ranks_per_node = _ranks_per_node(res.trainer_ranks, nodes)
     if tp > per_node:
         raise PlacementError(f"resources.tensor_parallel: an engine needs {tp} GPUs on one node, a node has "
                              f"{per_node} (an engine does not span nodes)")
-    engines_per_node = _spread(spec.rollout.engines, nodes)
+    ranks_on, engines_on = _node_roles(res.trainer_ranks, spec.rollout.engines, nodes, per_node, tp, colocate)
+    utilization = res.gpu_memory_utilization or (COLOCATED_GPU_MEMORY_UTILIZATION if colocate
+                                                 else ENGINE_GPU_MEMORY_UTILIZATION)
+    cores = list(range(machine.cpu_cores))
+    trainers, engines = [], []
+    for node in range(nodes):
+        n_ranks, n_engines = ranks_on[node], engines_on[node]
+        blocks = _blocks(cores, n_ranks + n_engines)  # every process on the node runs at once
+        trainer_gpus = tuple(range(n_ranks))
+        visible = ",".join(machine.device_id(g) for g in trainer_gpus)
+        first_rank, first_engine = sum(ranks_on[:node]), sum(engines_on[:node])
+        for j in range(n_ranks):
+            block = blocks[j]
+            trainers.append(Process("trainer", first_rank + j, node, block, len(block), gpus=(j,),
+                                    cuda_visible_devices=visible, local_rank=j,
+                                    cuda_devices=(machine.device_id(j),)))
+        start = 0 if colocate else n_ranks
+        for j in range(n_engines):
+            gpus = tuple(range(start + j * tp, start + (j + 1) * tp))
+            devices = tuple(machine.device_id(g) for g in gpus)
+            block = blocks[n_ranks + j]
+            engines.append(Process("engine", first_engine + j, node, block, len(block), gpus=gpus,
+                                   cuda_visible_devices=",".join(devices), gpu_memory_utilization=utilization,
+                                   cuda_devices=devices))
+    stages = _inference_stages(spec, machine, ranks_on[0], engines_on[0], tp, per_node, colocate)
+    overlapped = spec.schedule.mode == "async" or spec.schedule.stream_train
+    return Plan("gpu", nodes, per_node, tp, colocate, overlapped, tuple(trainers + engines + stages),
+                engine_processes=True)
+
+
+def _node_roles(ranks: int, engines: int, nodes: int, per_node: int, tp: int,
+                colocate: bool) -> tuple[list[int], list[int]]:
+    """(trainer ranks, engines) on each node of a GPU plan. The rule:
+
+    - **Whole-node roles** when they fit: a disaggregated plan over several nodes gives the
+      trainer the first ``ceil(ranks / GPUs per node)`` nodes, its ranks split evenly over them,
+      and the engines the remaining nodes (balanced, contiguous), as AReaL and StreamRL lay
+      large runs out: the trainer's ZeRO collectives span the fewest nodes, and no node splits
+      its GPUs and NICs between training and generation. Preferred whenever it fits.
+    - **An even split** otherwise: every node runs ``ranks / nodes`` trainer ranks and its share
+      of the engines (colocated plans, one node, or where the roles do not fill whole nodes).
+
+    Neither fitting: the even split's refusal, which names the node and its GPUs."""
+    if not colocate and nodes > 1 and ranks and engines:
+        trainer_nodes = -(-ranks // per_node)
+        engine_nodes = nodes - trainer_nodes
+        if engine_nodes >= 1 and ranks % trainer_nodes == 0:
+            spread = _spread(engines, engine_nodes)
+            if spread[0] * tp <= per_node:
+                return ([ranks // trainer_nodes] * trainer_nodes + [0] * engine_nodes,
+                        [0] * trainer_nodes + spread)
+    ranks_per_node = _ranks_per_node(ranks, nodes)
+    engines_per_node = _spread(engines, nodes)
     for node, n_engines in enumerate(engines_per_node):
         engine_gpus = n_engines * tp
         need = max(ranks_per_node, engine_gpus) if colocate else ranks_per_node + engine_gpus
@@ -424,33 +503,7 @@ def plan_gpu(spec: "RunSpec", machine: Machine) -> Plan:
             raise PlacementError(f"resources: needs {need} GPUs on node {node} ({how}), the node has {per_node}; "
                                  "lower resources.trainer_ranks, rollout.engines or resources.tensor_parallel"
                                  + ("" if colocate else ", or set resources.colocate"))
-    utilization = res.gpu_memory_utilization or (COLOCATED_GPU_MEMORY_UTILIZATION if colocate
-                                                 else ENGINE_GPU_MEMORY_UTILIZATION)
-    cores = list(range(machine.cpu_cores))
-    trainers, engines = [], []
-    for node in range(nodes):
-        n_engines = engines_per_node[node]
-        blocks = _blocks(cores, ranks_per_node + n_engines)  # every process on the node runs at once
-        trainer_gpus = tuple(range(ranks_per_node))
-        visible = ",".join(machine.device_id(g) for g in trainer_gpus)
-        first_rank, first_engine = node * ranks_per_node, sum(engines_per_node[:node])
-        for j in range(ranks_per_node):
-            block = blocks[j]
-            trainers.append(Process("trainer", first_rank + j, node, block, len(block), gpus=(j,),
-                                    cuda_visible_devices=visible, local_rank=j,
-                                    cuda_devices=(machine.device_id(j),)))
-        start = 0 if colocate else ranks_per_node
-        for j in range(n_engines):
-            gpus = tuple(range(start + j * tp, start + (j + 1) * tp))
-            devices = tuple(machine.device_id(g) for g in gpus)
-            block = blocks[ranks_per_node + j]
-            engines.append(Process("engine", first_engine + j, node, block, len(block), gpus=gpus,
-                                   cuda_visible_devices=",".join(devices), gpu_memory_utilization=utilization,
-                                   cuda_devices=devices))
-    stages = _inference_stages(spec, machine, ranks_per_node, engines_per_node[0], tp, per_node, colocate)
-    overlapped = spec.schedule.mode == "async" or spec.schedule.stream_train
-    return Plan("gpu", nodes, per_node, tp, colocate, overlapped, tuple(trainers + engines + stages),
-                engine_processes=True)
+    return [ranks_per_node] * nodes, engines_per_node
 
 
 INFERENCE_STAGES = (REWARD_MODEL, REFERENCE_STAGE, CRITIC_STAGE)

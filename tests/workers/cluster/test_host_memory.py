@@ -9,13 +9,15 @@ from workers.cluster.memory import GIB, ModelSize
 from workers.cluster.placement import Machine, PlacementError, plan_placement
 from workers.spec import validate_spec
 
-QWEN_05B = ModelSize(494_032_768, hidden=896, intermediate=4864, layers=24, vocab=151_936)
+QWEN_05B = ModelSize(494_032_768, hidden=896, intermediate=4864, layers=24, vocab=151_936, heads=14, kv_hidden=128,
+                     family="gated")
 P = 494_032_768 / GIB  # GiB per byte of each parameter
 
 
 def spec(dtype="bfloat16", **extra):
     base = {"name": "t", "model": {"path": "m", "dtype": dtype}, "task": {"dataset": "gen:add"},
-            "trainer": {"micro_batch_tokens": 1024}, "schedule": {"mode": "sync"}}
+            "trainer": {"micro_batch_tokens": 1024}, "schedule": {"mode": "sync"},
+            "rollout": {"max_model_len": 256}}  # as examples/own-model/real-size.yaml
     for key, value in extra.items():
         base[key] = {**base.get(key, {}), **value}
     return validate_spec(base)
@@ -30,23 +32,25 @@ def test_the_real_size_example_plans_each_process_item_by_item():
     plan = plan_placement(spec(), Machine(cpu_cores=2, host_memory_gib=23.6), QWEN_05B)
     assert [p.name for p in plan.host_memory.processes] == ["coordinator", "engine 0 server", "engine 0 vLLM core"]
     # bf16 at ZeRO 0 is autocast: fp32 weights, gradients and Adam states; the forward of 1024
-    # tokens keeps autocast's bf16 weight copies (2 P), 24 layers x (8 x 896 + 3 x 4864) bf16
-    # values a token, and the logits at 151,936 x (2 + 12) bytes a token
-    forward = 2 * P + 1024 * 24 * (8 * 896 + 3 * 4864) * 2 / GIB + 1024 * 151_936 * 14 / GIB
+    # tokens keeps autocast's bf16 weight copies (2 P), per token 24 layers x (34 h + 8 i + 4 heads
+    # + 8 bytes, and the padding mask, 2 bytes x 256 positions: no row is longer than max_model_len),
+    # the ids and the final norm (8 + 8 h + 4), and the logits at 151,936 x 24 bytes a token
+    layer = 34 * 896 + 8 * 4864 + 4 * 14 + 8 + 2 * 256
+    forward = 2 * P + 1024 * (24 * layer + 8 + 8 * 896 + 4) / GIB + 1024 * 151_936 * 24 / GIB
     assert items(plan, "coordinator") == {
         "runtime (measured)": COORDINATOR_RUNTIME_GIB, "trainer runtime (measured)": TRAINER_RUNTIME_GIB,
         "weights": round(4 * P, 3), "gradients": round(4 * P, 3), "Adam states": round(8 * P, 3),
         "a micro-batch's forward": round(forward, 3)}
-    assert round(forward, 2) == 3.94
+    assert round(forward, 2) == 6.01
     assert items(plan, "engine 0 server") == {"runtime (measured)": ENGINE_SERVER_RUNTIME_GIB}
     assert items(plan, "engine 0 vLLM core") == {
         "vLLM runtime (measured)": VLLM_CORE_RUNTIME_GIB, "KV cache (VLLM_CPU_KVCACHE_SPACE)": 1.0,
         "weights, as loaded": round(2 * 2 * P, 3), "the first weight update's copy": round(2 * 2 * P, 3)}
-    assert plan.host_memory.by_process() == {"coordinator": 12.08, "engine 0 server": 0.71,
+    assert plan.host_memory.by_process() == {"coordinator": 14.14, "engine 0 server": 0.71,
                                              "engine 0 vLLM core": 5.5}
     described = plan.describe()
-    assert "coordinator: 12.1 GiB of host memory (runtime (measured) 0.53" in described
-    assert "node 0: 18.3 of 23.6 GiB planned in all" in described
+    assert "coordinator: 14.1 GiB of host memory (runtime (measured) 0.53" in described
+    assert "node 0: 20.3 of 23.6 GiB planned in all" in described
 
 
 def test_a_plan_the_machine_cannot_hold_is_refused_naming_each_process_and_what_lowers_it(monkeypatch):
@@ -55,13 +59,13 @@ def test_a_plan_the_machine_cannot_hold_is_refused_naming_each_process_and_what_
     with pytest.raises(PlacementError) as err:
         plan_placement(spec("float32"), small, QWEN_05B)
     message = str(err.value)
-    assert message.startswith("resources: node 0's processes need 22.3 GiB of host memory, it has 16.0 "
-                              "(coordinator 12.4; engine 0 server 0.7; engine 0 vLLM core 9.2). The largest item is "
-                              "coordinator's a micro-batch's forward (4.3).")
+    assert message.startswith("resources: node 0's processes need 24.0 GiB of host memory, it has 16.0 "
+                              "(coordinator 14.1; engine 0 server 0.7; engine 0 vLLM core 9.2). The largest item is "
+                              "coordinator's a micro-batch's forward (6.0).")
     assert "set model.dtype bfloat16" in message and "lower trainer.micro_batch_tokens (now 1024)" in message
     assert "FLUXRL_SKIP_HOST_MEMORY_CHECK=1" in message
     monkeypatch.setenv("FLUXRL_SKIP_HOST_MEMORY_CHECK", "1")
-    assert plan_placement(spec("float32"), small, QWEN_05B).host_memory.node_total_gib(0) == pytest.approx(22.3, abs=0.05)
+    assert plan_placement(spec("float32"), small, QWEN_05B).host_memory.node_total_gib(0) == pytest.approx(24.0, abs=0.05)
 
 
 def test_unknown_memory_or_model_size_plans_without_refusing():

@@ -62,7 +62,7 @@ def test_the_same_split_over_2_gpus_with_zero3_fits_on_94_gib_not_on_80():
         ("engine 0", "vLLM share (gpu_memory_utilization 0.1)", 9.4)]
     # the update: ZeRO-3 gathers the full weights; the engine's weights wake (split over its 2 GPUs), its KV cache not
     assert [(i.owner, i.what, round(i.gib, 2)) for i in updating.items] == persistent + [
-        ("trainer rank 1", "weights gathered for a weight sync (ZeRO-3)", 13.04),
+        ("trainer rank 1", "largest module gathered for a weight sync (ZeRO-3)", 13.04),
         ("engine 0", "weights (awake for the update)", 6.52)]
     assert [(i.owner, i.what, round(i.gib, 2)) for i in training.items] == persistent + [
         ("trainer rank 1", "fp32 gradients and AdamW's temporaries at the optimizer step", 16.76)]
@@ -208,10 +208,12 @@ def _tiny_llama(folder, tied=False):
 
 def test_model_size_counts_parameters_on_the_meta_device(tmp_path):
     # per layer: q 64x64 + k 64x32 + v 64x32 + o 64x64 + MLP 3x64x128 + 2 norms of 64 = 36992
-    # (the largest tensor: an MLP projection, 64 x 128, above the 100 x 64 embedding)
+    # (the largest tensor, and module: an MLP projection, 64 x 128, above the 100 x 64 embedding)
     assert model_size(_tiny_llama(tmp_path / "untied")) == ModelSize(2 * 36992 + 2 * 6400 + 64, 2 * 2 * 2 * 16,
                                                                      64 * 128, hidden=64, intermediate=128,
-                                                                     layers=2, vocab=100, saved_dtype="float32")
+                                                                     layers=2, vocab=100, saved_dtype="float32",
+                                                                     largest_module=64 * 128, heads=4, kv_hidden=32,
+                                                                     family="gated", activation="silu")
     assert model_size(_tiny_llama(tmp_path / "tied", tied=True)).params == 2 * 36992 + 6400 + 64
     assert model_size(str(tmp_path / "none")) is None
     # the planner reads model.path itself (the controller has resolved it by then); CPU plans are not counted

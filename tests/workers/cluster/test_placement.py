@@ -62,22 +62,25 @@ def test_engines_are_processes_of_their_own_by_default_and_on_gpus_always():
 
 
 def test_two_nodes_of_8_gpus():
+    # the 8 ranks fill node 0 and the 4 engines node 1: whole-node roles fit, so each role gets its node
     plan = plan_placement(spec({"queue": "gpu", "gpus": 16, "nodes": 2, "trainer_ranks": 8, "tensor_parallel": 2,
                                 "gpu_memory_utilization": 0.85}, engines=4),
                           Machine(cpu_cores=12, gpus_per_node=8, gpu_memory_gib=80))
     assert (plan.nodes, plan.gpus_per_node) == (2, 8)
     rows = [(p.name, p.node, p.local_rank, p.cuda_visible_devices, p.gpu_memory_utilization, p.cpu_bind)
             for p in plan.processes]
-    per_node = [("0-1", "2-3", "4-5", "6-7"), ("8-9", "10-11")]
-    expected = []
-    for node in (0, 1):
-        expected += [(f"trainer {4 * node + j}", node, j, "0,1,2,3", None, per_node[0][j]) for j in range(4)]
-    for node in (0, 1):
-        expected += [(f"engine {2 * node + j}", node, None, gpus, 0.85, per_node[1][j])
-                     for j, gpus in enumerate(("4,5", "6,7"))]
+    trainer_cores = ("0-1", "2-3", "4-5", "6-7", "8", "9", "10", "11")
+    expected = [(f"trainer {j}", 0, j, "0,1,2,3,4,5,6,7", None, trainer_cores[j]) for j in range(8)]
+    expected += [(f"engine {j}", 1, None, gpus, 0.85, cores)
+                 for j, (gpus, cores) in enumerate((("0,1", "0-2"), ("2,3", "3-5"), ("4,5", "6-8"), ("6,7", "9-11")))]
     assert rows == expected
-    assert [p.name for p in plan.on_node(1, "engine")] == ["engine 2", "engine 3"]
-    assert plan.env(plan.trainers[5])["RANK"] == "5" and plan.env(plan.trainers[5])["LOCAL_RANK"] == "1"
+    assert [p.name for p in plan.on_node(1, "engine")] == ["engine 0", "engine 1", "engine 2", "engine 3"]
+    assert plan.env(plan.trainers[5])["RANK"] == "5" and plan.env(plan.trainers[5])["LOCAL_RANK"] == "5"
+    assert plan.node_roles() == ["  node 0: trainer ranks 0-7", "  node 1: engines 0-3"]
+    # 12 ranks need both nodes, leaving none to the engines: the even split
+    even = plan_placement(spec({"queue": "gpu", "gpus": 16, "nodes": 2, "trainer_ranks": 12}, engines=2),
+                          Machine(cpu_cores=12, gpus_per_node=8, gpu_memory_gib=80))
+    assert even.node_roles() == ["  nodes 0-1: trainer ranks 0-11 (6 a node); engines 0-1 (1 a node)"]
 
 
 def test_colocated_engines_share_the_trainer_gpus_and_sleep_through_its_steps():
@@ -220,9 +223,12 @@ def test_tensor_parallel_larger_than_a_node():
 
 
 def test_trainer_ranks_must_divide_over_nodes():
-    message = "resources.trainer_ranks: 3 trainer rank(s) do not divide evenly over 2 nodes (resources.nodes)"
-    assert refused({"nodes": 2, "trainer_ranks": 3}, FOUR) == message
-    assert refused({"nodes": 2, "trainer_ranks": 3}, Machine(cpu_cores=8)) == message
+    message = "resources.trainer_ranks: {} trainer rank(s) do not divide evenly over 2 nodes (resources.nodes)"
+    assert refused({"nodes": 2, "trainer_ranks": 3}, Machine(cpu_cores=8)) == message.format(3)
+    # on GPUs 3 ranks take node 0 whole and the engine node 1; 5 need both nodes, split evenly
+    assert [(p.name, p.node) for p in plan_placement(spec({"nodes": 2, "trainer_ranks": 3}), FOUR).processes] == [
+        ("trainer 0", 0), ("trainer 1", 0), ("trainer 2", 0), ("engine 0", 1)]
+    assert refused({"nodes": 2, "trainer_ranks": 5}, FOUR) == message.format(5)
 
 
 def test_gpus_asked_of_a_machine_without_any():
@@ -348,8 +354,10 @@ def test_a_mask_of_gpu_uuids_and_one_of_two_nodes():
     uuids = ("GPU-8f6c2a1e-0000-0000-0000-000000000001", "GPU-8f6c2a1e-0000-0000-0000-000000000002")
     plan = plan_placement(spec({"queue": "gpu", "nodes": 2, "gpus_per_node": 2, "trainer_ranks": 2}, engines=2),
                           Machine(cpu_cores=4, gpus_per_node=2, gpu_memory_gib=80, visible_devices=uuids))
+    # whole-node roles: the two ranks on node 0, the two engines on node 1
     assert [(p.name, p.node, p.cuda_visible_devices) for p in plan.processes] == [
-        ("trainer 0", 0, uuids[0]), ("trainer 1", 1, uuids[0]), ("engine 0", 0, uuids[1]), ("engine 1", 1, uuids[1])]
+        ("trainer 0", 0, ",".join(uuids)), ("trainer 1", 0, ",".join(uuids)), ("engine 0", 1, uuids[0]),
+        ("engine 1", 1, uuids[1])]
     assert plan.env(plan.engines[1])["CUDA_VISIBLE_DEVICES"] == uuids[1]
 
 
