@@ -1,5 +1,5 @@
 """Does the default spec learn as well as its alternatives on models FluxRL did not build?
-Issue 40's question: with ``algorithm.minibatches`` left to its default (2 for ``ppo``), a
+The question: with ``algorithm.minibatches`` left to its default (2 for ``ppo``), a
 Qwen2 folder with its own tokenizer learned sums worse than with ``minibatches: 1``.
 
 Each configuration (``--values``: what ``algorithm.minibatches`` is set to, ``default``
@@ -12,7 +12,7 @@ with max staleness 2, ``--steps`` steps, everything else as the spec's defaults 
 (``--base user``, a new user's run) or as examples/add-async.yaml has it (``--base
 example``); then the held-out greedy accuracy on 200 prompts. The table gives, per model and
 configuration, the median final accuracy over the seeds (and each seed's), and whether
-``default`` is within 0.03 of ``1`` (issue 40's bar).
+``default`` is within 0.03 of ``1`` (the bar).
 
     .venv/bin/python bench/defaults.py [--models qwen2,llama,gpt2,external,/path/to/folder] [--seeds 0,1]
                                        [--values default,1] [--steps 150] [--base user|example]
@@ -31,7 +31,7 @@ import yaml
 from sync_vs_async import ROOT, interleaved, merged, run_cli
 
 logger = logging.getLogger("defaults")
-BAR = 0.03  # how far below minibatches 1 the default may end (issue 40)
+BAR = 0.03  # how far below minibatches 1 the default may end
 
 
 def stem(model: str, value: str, seed: int) -> str:
@@ -57,7 +57,7 @@ BASES = ("user", "example")
 
 def spec_for(model: str, value: str, seed: int, steps: int, data: Path, base: str = "user") -> dict:
     """The run of ``model`` in configuration ``value``. ``base`` ``user``: the spec's own
-    defaults for everything issue 40's user did not set (a constant lr after a 10-step
+    defaults for everything a new user does not set (a constant lr after a 10-step
     warm-up); ``example``: examples/add-async.yaml's (the lr decayed linearly to 0, no warm-up)."""
     from workers.models.modelzoo import ARCHS, ensure_zoo_model
 

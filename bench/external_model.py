@@ -1,6 +1,6 @@
 """A model folder built apart from FluxRL's zoo: what a user brings to a run.
 
-Issue 40 found the default spec learning worse than ``algorithm.minibatches: 1`` on "a Qwen2
+A user found the default spec learning worse than ``algorithm.minibatches: 1`` on "a Qwen2
 folder with its own 64-id tokenizer", a model the zoo's code did not build. This script
 builds such a folder with nothing from ``workers.models``, only transformers and tokenizers:
 

@@ -108,3 +108,24 @@ def test_the_architecture_notes_are_cited_by_the_code():
     cited = {section for p in tracked_text_files() if p.suffix != ".md"
              for doc, section in CITATION.findall(p.read_text(errors="replace")) if doc == "docs/architecture.md"}
     assert {"2", "4", "5", "7"} <= cited, cited
+
+
+# A page or a comment says what the code is; what it was belongs in docs/changelog.md (and
+# in git log). "used to" as history ("it used to send one blob"), not as purpose ("a key
+# used to sign"): not after a form of "be" or "get".
+DIARY = re.compile(r"(?<!\bis )(?<!\bare )(?<!\bwas )(?<!\bwere )(?<!\bbe )(?<!\bbeen )(?<!\bbeing )(?<!\bgets )"
+                   r"(?<!\bget )\bused to\b|\bbefore this change\b|\bissue #?\d+|\bas of this (?:change|commit)\b",
+                   re.I)
+HISTORY_FILES = {"docs/changelog.md"}
+
+
+def test_docs_and_code_describe_what_is_not_what_was():
+    found = []
+    for path in tracked_text_files():
+        name = path.relative_to(ROOT).as_posix()
+        if name in HISTORY_FILES or name.startswith(("bench/results/", "tests/test_docs.py")):
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if DIARY.search(line):
+                found.append(f"{name}:{number}: {line.strip()[:120]}")
+    assert not found, "history in the docs or comments (it belongs in docs/changelog.md):\n" + "\n".join(found)

@@ -1,5 +1,5 @@
 """bench/external_model.py: the model folder built apart from the zoo's code for
-bench/defaults.py (issue 40): its 64-id character tokenizer and chat template, and a folder
+bench/defaults.py: its 64-id character tokenizer and chat template, and a folder
 that FluxRL's own loader takes as any user's."""
 from bench.external_model import build_model, build_tokenizer, encode
 

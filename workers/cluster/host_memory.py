@@ -2,7 +2,7 @@
 
 On a CPU plan every process's states live in the host's memory, and a plan that needs more
 than the machine has ends with the kernel's OOM killer, minutes in and with no word of why
-(issue 40: Qwen2.5-0.5B's shape in float32 on a 24 GB machine). :func:`plan_host_memory`
+(Qwen2.5-0.5B's shape in float32 on a 24 GB machine, for one). :func:`plan_host_memory`
 gives each process of the plan (named as ``result.json``'s ``memory_peak_gib`` names it) its
 items; :meth:`HostMemoryPlan.problem` refuses a plan whose processes on a node need more than
 its memory. The arithmetic of the states is the GPU planner's (``workers/cluster/memory.py``);

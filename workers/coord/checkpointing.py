@@ -134,8 +134,8 @@ class Checkpointer:
                        "accuracy_before": r.accuracy_before},
             "seconds": seconds, "trainer_busy_s": run.trainer_busy_s,
             "gen_busy_s": run.metrics.gen_busy() - run.metrics.busy_before,
-            # plain data copied here, on the loop: the ranker object used to be pickled in
-            # the writer thread while the loop went on learning ("deque mutated during iteration")
+            # plain data copied here, on the loop: pickling the ranker object in the writer
+            # thread while the loop goes on learning fails ("deque mutated during iteration")
             "ranker": run.ranker.state_dict(),
         }
 

@@ -103,8 +103,8 @@ class Fleet:
         self.gather_onto: Optional[int] = None  # rollout.gather_tail: the engine a step's tail is gathered onto
         self.request_ended = asyncio.Event()  # a sequence's request ended (set by ``generate``)
         # Rollout engines whose core process dies are taken out of service; their requests
-        # continue on a live engine. (Restarting one in the same process is not done: a
-        # restart attempt hung, see issue #7.)
+        # continue on a live engine. (Restarting one in the same process is not done: vLLM's
+        # engine core does not start again cleanly beside a dead one; an attempt hung.)
         self.engine_deaths = 0
         self.dead: list[RolloutEngine] = []
         self.retired_tokens, self.retired_busy = 0, 0.0  # counters of dead engines

@@ -7,8 +7,8 @@ tensor (safetensors' own writer), the wire carries chunks of at most
 :func:`chunk_bytes` (``FLUXRL_WEIGHT_CHUNK_MB``, never over the wire's blob cap), the
 engine server appends them to a file of its own (:class:`WeightSpool`, whose size caps
 come from the model folder it serves and the disk's free space), and the engine reads
-tensors from that file lazily (:func:`iter_weight_file`). It used to be one blob: a model
-over ``FLUXRL_WIRE_MAX_BLOB_MB`` (about 1.07 B parameters in float32) failed before step 1.
+tensors from that file lazily (:func:`iter_weight_file`). So a model over
+``FLUXRL_WIRE_MAX_BLOB_MB`` (about 1.07 B parameters in float32) updates like any other.
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""A Parquet upload and an imported save_to_disk folder train (issue 43, "a parquet dataset and
-a datasets folder train"): the same rows as Parquet (other column names, mapped), as a
-DatasetDict folder in the team's import folder, and as JSONL become byte-identical versions,
+"""A Parquet upload and an imported save_to_disk folder train: the same rows as Parquet (other
+column names, mapped), as a DatasetDict folder in the team's import folder, and as JSONL become byte-identical versions,
 and a run submitted on each version trains on the real engine (vLLM and DeepSpeed on the
 tiny model, in this process: the engine-ready spec dispatch would hand the engine)."""
 import asyncio

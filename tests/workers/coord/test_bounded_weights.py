@@ -1,8 +1,8 @@
 """Weights of any size on every path: with the wire's blob cap at 1 MiB, below
 the tiny model's weights, a run trains on both transports, and after every update the
 engines hold the trainer's weights checksum for checksum. The RPC path sends the file in
-chunks of at most 1 MiB to engine servers (it used to send one blob, which the cap
-refused: every engine died at the first update), or, to a server on this host, names the
+chunks of at most 1 MiB to engine servers (one blob would be refused by the cap, and
+every engine would die at the first update), or, to a server on this host, names the
 file by its path; the collective's buckets do not go through the wire. With the trainer in rank processes, rank 0 writes the file itself."""
 import asyncio
 import os

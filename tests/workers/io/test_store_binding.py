@@ -22,7 +22,7 @@ from workers.weights.broadcast import (ABORT_PREFIX, WeightBroadcastError, Weigh
                                       host_group)
 from workers.weights.sync import tensors_checksum
 
-OLD_ABORT_KEY = "fluxrl/weights/abort"  # the fixed name every update used to watch
+OLD_ABORT_KEY = "fluxrl/weights/abort"  # a fixed name an attacker could guess
 
 
 def _listening(pids) -> list[tuple[int, str, int]]:
@@ -215,7 +215,7 @@ def _single_trainer(model_path, queue):
 @pytest.mark.timeout(180)
 def test_a_single_process_trainer_serves_no_store_on_every_interface(tiny_model_path):
     """One in-process trainer is its own world: an in-memory store, no TCP store at all
-    (it used to serve env://'s on the wildcard address)."""
+    (env://'s would serve one on the wildcard address)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     child = ctx.Process(target=_single_trainer, args=(tiny_model_path, queue), daemon=True)

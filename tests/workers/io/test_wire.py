@@ -118,7 +118,7 @@ def test_messages_and_blobs_cross_between_two_processes_holding_the_key(listener
 
 def test_a_closed_listeners_port_can_be_bound_again_at_once():
     # a resumed run binds its rendezvous anew right after the first run closed it; the accept
-    # thread's poll used to keep the socket listening for up to half a second
+    # thread's poll must not keep the socket listening for up to half a second
     for _ in range(5):
         first = wire.listen("127.0.0.1", 0, key=KEY)
         time.sleep(0.1)  # the accept thread is in its poll

@@ -159,7 +159,7 @@ time.sleep(600)
 
 def test_a_server_whose_launcher_is_killed_before_it_connects_exits(tiny_model_path):
     # The window between the server's address line and the client's connection: a run's
-    # engine SIGKILLed there used to leave the server waiting in accept for good.
+    # engine SIGKILLed there must not leave the server waiting in accept for good.
     launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, tiny_model_path], stdout=subprocess.PIPE,
                                 cwd=REPO)
     try:

@@ -56,7 +56,7 @@ def test_weights_leaving_the_trainer_are_full_trained_tensors_at_zero_stage(stag
     start = hf.state_dict()
     trainer = Trainer(_spec(trainer={"zero_stage": stage}), tiny_model_path, threads=1)
     before = trainer.state_dict()
-    assert set(before) == set(start)  # ZeRO-3 used to hand out (0,)-shaped placeholders
+    assert set(before) == set(start)  # not ZeRO-3's (0,)-shaped placeholders
     assert all(torch.equal(before[k], start[k]) for k in start)
 
     trainer.train_step(_batch(hf))
