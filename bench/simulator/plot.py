@@ -50,7 +50,7 @@ def svg_chart(panels: list[Panel], title: str, width: int = 560, height: int = 4
     left, right, top, bottom = 70, 20, 60, 60
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width * len(panels)}" height="{height}" '
            f'font-family="Helvetica, Arial, sans-serif" font-size="12">',
-           f'<rect width="100%" height="100%" fill="white"/>',
+           '<rect width="100%" height="100%" fill="white"/>',
            f'<text x="{width * len(panels) / 2}" y="22" text-anchor="middle" font-size="15" font-weight="bold">'
            f'{escape(title)}</text>']
     for k, panel in enumerate(panels):

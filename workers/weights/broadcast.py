@@ -212,7 +212,7 @@ class WeightGroup:
             try:
                 work.wait(_SLICE)
                 return
-            except RuntimeError as exc:
+            except RuntimeError:
                 if work.is_completed():
                     # Either the operation failed (a peer crashed, gloo's timeout) or it
                     # finished just as the slice ran out ("Operation timed out!" from the

@@ -1,6 +1,6 @@
-"""Dashboard pages: server-rendered reads through the apps' services; the pages' forms
-and buttons call the REST API from the browser (static/js), so the API's validation
-and errors are the only ones."""
+"""Dashboard pages: server-rendered reads through the apps' selectors (each scoped to the
+viewer's teams) and services; the pages' forms and buttons call the REST API from the
+browser (static/js), so the API's validation and errors are the only ones."""
 import json
 from functools import wraps
 from pathlib import Path
@@ -11,7 +11,6 @@ from django.conf import settings
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
-from django.db.models import Count, Max
 from django.http import HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse_lazy
@@ -19,15 +18,17 @@ from django.utils.http import url_has_allowed_host_and_scheme, urlencode
 from django.views import static
 from django.views.decorators.http import require_GET, require_POST
 
-from fluxrl.accounts.services import may_create_team, visible_teams
-from fluxrl.datasets.models import Dataset
+from fluxrl.accounts.selectors import teams_by_slug
+from fluxrl.accounts.services import may_create_team
+from fluxrl.datasets import selectors as datasets_selectors
 from fluxrl.datasets.services import generator_catalog, import_folders, read_rows
 from fluxrl.errors import NotFound
 from fluxrl.metrics.services import last_steps
-from fluxrl.modelstore.models import StoredModelVersion
-from fluxrl.rewards.models import RewardFunction
+from fluxrl.modelstore.selectors import team_models
+from fluxrl.rewards import selectors as rewards_selectors
 from fluxrl.rewards.services import builtin_catalog, sandbox_state
 from fluxrl.runs import exports
+from fluxrl.runs import selectors as runs_selectors
 from fluxrl.runs.services import engine_sharing
 from fluxrl.runs.api.serializers import SampleSerializer
 from fluxrl.runs.models import MAX_STEP, Run
@@ -64,15 +65,14 @@ def team_page(view):
 
 
 def render_page(request, team, template: str, context: dict, section: str = ""):
-    teams = visible_teams(request.user).order_by("slug")
+    teams = teams_by_slug(request.user)
     return render(request, template, {"team": team, "teams": teams, "section": section,
                                       "plotly_version": plotly.__version__, **context})
 
 
 def visible_run(request, pk: int) -> Run:
     """A run of one of the user's teams; 404 for any other, as if it did not exist."""
-    runs = Run.objects.filter(team__in=visible_teams(request.user))
-    return get_object_or_404(runs.select_related("team", "owner", "dataset_version", "reward_version"), pk=pk)
+    return get_object_or_404(runs_selectors.visible_runs(request.user), pk=pk)
 
 
 # --- sign in, team -----------------------------------------------------------------------
@@ -113,7 +113,7 @@ def runs_list(request, team):
     rows = [{"run": run, **services.run_facts(run)} for run in page]
     return render_page(request, team, "dashboard/runs.html", {
         "page": page, "rows": rows, "filters": filters, "sort": sort, "filtered": any(filters.values()),
-        "choices": services.filter_choices(team), "has_runs": team.runs.exists(),
+        "choices": services.filter_choices(team), "has_runs": runs_selectors.team_has_runs(team),
     }, "runs")
 
 
@@ -122,7 +122,7 @@ def runs_list(request, team):
 def run_detail(request, team, pk):
     run = visible_run(request, pk)
     index = last_steps(run)
-    samples = run.samples.order_by("-step", "-id")[:RECENT_SAMPLES]
+    samples = runs_selectors.recent_samples(run, RECENT_SAMPLES)
     data = {
         "run": {"id": run.pk, "name": run.name, "status": run.status, "failure_reason": run.failure_reason,
                 "cancel_requested": run.cancel_requested, "terminal": run.is_terminal,
@@ -133,7 +133,7 @@ def run_detail(request, team, pk):
         "series": index,  # key -> last step; the charts load each series' history from the API
         "since_step": max(index.values(), default=None),
         "samples": SampleSerializer(samples, many=True).data,
-        "sample_count": run.samples.count(),
+        "sample_count": runs_selectors.sample_count(run),
     }
     # The first chart's history, fetched while Plotly (4.8 MB) loads; static/js/run.js asks
     # for the same URL (keys sorted, MAX_POINTS) and gets the preloaded response.
@@ -164,7 +164,7 @@ def new_run(request, team):
     if request.GET.get("from", "").isdigit():  # "clone": start from another run's spec
         source = visible_run(request, int(request.GET["from"]))
         initial = services.flatten(services.display_spec(source))
-        initial["tags"] = ", ".join(source.tags.values_list("name", flat=True))
+        initial["tags"] = ", ".join(runs_selectors.tag_names(source))
     return render_page(request, team, "dashboard/new_run.html", {
         "sections": services.spec_form(initial), "choices": services.spec_choices(team),
         "tags": initial.get("tags", ""), "source": source, "sandbox": sandbox_state(),
@@ -177,8 +177,7 @@ def compare(request, team):
     # ?runs=1,2 (shareable links) or run=1&run=2 (the runs list's checkboxes)
     parts = request.GET.get("runs", "").split(",") + request.GET.getlist("run")
     ids = list(dict.fromkeys(int(p) for p in parts if p.strip().isdigit() and int(p) <= MAX_STEP))[:MAX_COMPARED]
-    found = {run.pk: run for run in Run.objects.filter(team=team, pk__in=ids).select_related(
-        "owner", "dataset_version", "reward_version")}
+    found = runs_selectors.team_runs_by_id(team, ids)
     runs = [found[pk] for pk in ids if pk in found]
     for run in runs:  # full model or LoRA, beside each run's name
         run.training = services.training_kind(run.resolved_spec or {})
@@ -193,7 +192,7 @@ def compare(request, team):
     }
     return render_page(request, team, "dashboard/compare.html", {
         "runs": runs, "missing": [pk for pk in ids if pk not in found], "diff": diff, "page_data": data,
-        "recent": Run.objects.filter(team=team).order_by("-created_at")[:100],
+        "recent": runs_selectors.recent_runs(team, 100),
     }, "compare")
 
 
@@ -203,9 +202,8 @@ def compare(request, team):
 @require_GET
 @team_page
 def datasets(request, team):
-    found = Dataset.objects.filter(team=team).annotate(version_count=Count("versions"), latest=Max("versions__version"))
     return render_page(request, team, "dashboard/datasets.html", {
-        "datasets": found.order_by("name"),
+        "datasets": datasets_selectors.team_datasets(team),
         "generators": [{**g, "params_json": json.dumps(g["params"])} for g in generator_catalog()],
         "imports": import_folders(team),
     }, "datasets")
@@ -215,13 +213,8 @@ def datasets(request, team):
 @team_page
 def stored_models(request, team):
     """The team's uploaded model folders: the newest version of each, and the upload form."""
-    versions = StoredModelVersion.objects.filter(model__team=team).select_related("model").order_by(
-        "model__name", "-version")
-    models = {}
-    for v in versions:  # newest first within each model
-        models.setdefault(v.model_id, {"version": v, "count": 0})["count"] += 1
     return render_page(request, team, "dashboard/models.html", {
-        "models": list(models.values()),
+        "models": team_models(team),
         "max_mb": settings.FLUXRL_MAX_MODEL_BYTES // 2**20,
     }, "models")
 
@@ -229,8 +222,8 @@ def stored_models(request, team):
 @require_GET
 @team_page
 def dataset_detail(request, team, pk):
-    dataset = get_object_or_404(Dataset.objects.filter(team__in=visible_teams(request.user)), pk=pk)
-    versions = list(dataset.versions.select_related("created_by").order_by("-version"))
+    dataset = get_object_or_404(datasets_selectors.visible_datasets(request.user), pk=pk)
+    versions = datasets_selectors.dataset_versions(dataset)
     wanted = request.GET.get("version", "")
     version = next((v for v in versions if str(v.version) == wanted), versions[0] if versions else None)
     rows = read_rows(version, 0, PREVIEW_ROWS) if version else []
@@ -245,17 +238,15 @@ def dataset_detail(request, team, pk):
 @require_GET
 @team_page
 def rewards(request, team, pk=None):
-    functions = RewardFunction.objects.filter(team=team).annotate(latest=Max("versions__version")).order_by("name")
+    functions = rewards_selectors.team_reward_functions(team)
     function = version = None
     if pk is not None:
-        function = get_object_or_404(RewardFunction.objects.filter(team__in=visible_teams(request.user)), pk=pk)
-        versions = function.versions.order_by("-version")
-        wanted = request.GET.get("version", "")
-        version = versions.filter(version=wanted).first() if wanted.isdigit() else versions.first()
+        function = get_object_or_404(rewards_selectors.visible_reward_functions(request.user), pk=pk)
+        version = rewards_selectors.reward_version(function, request.GET.get("version", ""))
     datasets = services.spec_choices(team)["datasets"]
     return render_page(request, team, "dashboard/rewards.html", {
         "functions": functions, "builtins": builtin_catalog(), "function": function, "version": version,
-        "versions": function.versions.order_by("-version") if function else [],
+        "versions": rewards_selectors.reward_versions(function) if function else [],
         "code": version.code if version else REWARD_TEMPLATE,
         "datasets": [ref for ref in datasets if not ref.startswith("gen:")],
         # The form sends no timeout_s: the API gives each row min(2 s, FLUXRL_TRY_MAX_SECONDS / rows),

@@ -30,9 +30,7 @@ from workers.tasks.datasets import GENERATORS
 
 from . import live, tasks
 from .engine_inputs import (  # noqa: F401 - re-exported: callers name them as runs.services.X
-    BUILTIN_MODELS,
     MODEL_FIELD,
-    MODEL_ROOTS_ENV,
     CLASSIFIER,
     REWARD_MODEL_FIELD,
     check_lora_init,
@@ -40,19 +38,14 @@ from .engine_inputs import (  # noqa: F401 - re-exported: callers name them as r
     check_reward_model_path,
     stored_model_version,
     engine_spec,
-    model_roots,
     team_eval_dataset,
     team_reward_function,
     resolve_spec,
-    run_dir,
     run_output_dir,
-    runs_root,
     spec_errors,
 )
 from .lifecycle import (  # noqa: F401 - re-exported as above
-    ALLOWED_TRANSITIONS,
     IllegalTransition,
-    prune_after,
     resume_from_checkpoint,
     transition,
 )

@@ -9,9 +9,14 @@ import time
 import pytest
 from django.test import Client
 
+from tests import sandbox_path
 from tests.platform.servers import REPO, show_logs, start, stop, wait_until
-from tests.sandbox_path import MISSING, fresh_probe, no_bwrap  # noqa: F401 - fixtures
+from tests.sandbox_path import MISSING
 from workers.rewards.sandbox import UNSAFE_ENV
+
+# The sandbox fixtures, bound here so that pytest finds them: fresh_probe (autouse) for every
+# test of this module, no_bwrap where a test names it.
+fresh_probe, no_bwrap = sandbox_path.fresh_probe, sandbox_path.no_bwrap
 
 PAGES = ["/rewards/", "/runs/new/"]
 REAL_PATH = os.environ["PATH"]

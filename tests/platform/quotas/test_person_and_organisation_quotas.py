@@ -4,7 +4,7 @@ shared engine pool is its organisation's (or its team's), however many teams the
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
-from fluxrl.accounts.models import Organisation, Role
+from fluxrl.accounts.models import Organisation
 from fluxrl.quotas.models import OrganisationQuota, UserQuota
 from fluxrl.quotas.services import pool_tenant
 from fluxrl.runs.models import Run

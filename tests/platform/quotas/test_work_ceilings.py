@@ -2,8 +2,6 @@
 per run by the deployment: training, each evaluation set at one evaluation, and every
 evaluation of the run together. A spec over one is a 400 naming the field, the amount and
 the limit, and stores nothing."""
-import pytest
-
 from fluxrl.runs.models import Run
 
 

@@ -6,7 +6,6 @@ once, and all succeed."""
 import json
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest

@@ -93,15 +93,15 @@ def test_tokens_the_platform_would_refuse_are_left_out_not_the_sample(caplog):
 
 def test_the_engine_cli_sends_the_warnings_to_stderr_with_their_level_and_logger():
     """Under the platform the engine's stderr is its engine.log, shown on the dashboard."""
-    script = f"""
+    script = """
 from workers.cli.engine import configure_logging
 configure_logging()
 from workers.io.ports import free_port
 from workers.io.report import PlatformClient, Reporter
 port = free_port("127.0.0.1")
-reporter = Reporter(None, PlatformClient(f"http://127.0.0.1:{{port}}", "flxr_test", 1, timeout=1),
+reporter = Reporter(None, PlatformClient(f"http://127.0.0.1:{port}", "flxr_test", 1, timeout=1),
                     flush_every_s=0.05, close_timeout_s=0.2)
-reporter.log(1, {{"reward/mean": 1.0}})
+reporter.log(1, {"reward/mean": 1.0})
 reporter.close()
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,

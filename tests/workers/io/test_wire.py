@@ -21,7 +21,7 @@ from pydantic import TypeAdapter, ValidationError
 from workers.io import wire
 from workers.rollout.client import EngineClient
 from workers.rollout.messages import REQUESTS, EngineServerConfig, StartRequest
-from workers.cluster.node import (TO_COORDINATOR, TO_NODE, Cluster, Join, NodeError, PathRefused, TrainerCall, _call_group,
+from workers.cluster.node import (TO_NODE, Cluster, Join, NodeError, PathRefused, TrainerCall, _call_group,
                           confined)
 from workers.rollout.engine import EngineDied
 

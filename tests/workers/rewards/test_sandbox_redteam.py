@@ -7,7 +7,6 @@ cannot contain reward code must be told so, not pass its tests.
 """
 import json
 import os
-import platform
 import socket
 import subprocess
 import textwrap

@@ -5,10 +5,13 @@ import os
 import subprocess
 import sys
 
-import pytest
-
-from tests.sandbox_path import MISSING, fresh_probe, no_bwrap  # noqa: F401 - fixtures
+from tests import sandbox_path
+from tests.sandbox_path import MISSING
 from workers.rewards.sandbox import UNSAFE_ENV, sandbox_status, uid_pool
+
+# The sandbox fixtures, bound here so that pytest finds them: fresh_probe (autouse) for every
+# test of this module, no_bwrap where a test names it.
+fresh_probe, no_bwrap = sandbox_path.fresh_probe, sandbox_path.no_bwrap
 
 POOL = f"{uid_pool().start}-{uid_pool().stop - 1}"  # 61000-61063 unless FLUXRL_SANDBOX_UID_BASE/COUNT say otherwise
 

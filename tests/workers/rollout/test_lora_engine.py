@@ -11,7 +11,6 @@ the whole sequence."""
 import asyncio
 
 import pytest
-import torch
 
 from tests.workers.rollout.lora_adapters import RANK
 from tests.workers.rollout.lora_adapters import adapter_file as _file

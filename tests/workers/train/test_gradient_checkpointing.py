@@ -2,7 +2,6 @@
 backward (its activations are not kept: the memory planner counts one layer's), and the
 step it takes is the step without it."""
 import pytest
-import torch
 
 from tests.workers.train.test_trainer import _batch, _spec
 from workers.train.trainer import Trainer
