@@ -298,8 +298,9 @@ FLUXRL_INGEST_MAX_BYTES = int(os.environ.get("FLUXRL_INGEST_MAX_BYTES", str(1024
 # each at most this many characters.
 FLUXRL_SAMPLE_MAX_TOKENS = int(os.environ.get("FLUXRL_SAMPLE_MAX_TOKENS", "16384"))
 FLUXRL_SAMPLE_MAX_TOKEN_CHARS = 200
-# The run page warns when a step's trainer/engine mismatch (mismatch/kl, the mean per-token
-# k3 estimate of KL(π_behav‖π_prox)) passes this: bf16 numerics on a healthy setup stay
+# The run page warns when a step's trainer/engine mismatch at staleness 0 (mismatch/kl_stale0,
+# the mean per-token k3 estimate of KL(π_behav‖π_prox) where both are the same weights, so the
+# numerics alone; stale tokens add the policy's drift, expected in async runs) passes this: bf16 numerics on a healthy setup stay
 # near 1e-3, and well past 1e-2 the importance weights stop being a small correction.
 FLUXRL_MISMATCH_KL_WARN = float(os.environ.get("FLUXRL_MISMATCH_KL_WARN", "0.01"))
 # How ingested points reach PostgreSQL: copy (binary COPY; a batch holding stored points

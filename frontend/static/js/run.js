@@ -33,7 +33,7 @@ const CHARTS = [
   // The trainer/engine mismatch (docs/engine.md): k3 per token by staleness, log axis (fp32 runs
   // sit near 1e-12, a broken setup near 1), the warning line at settings.FLUXRL_MISMATCH_KL_WARN.
   { id: "mismatch", title: "Trainer/engine mismatch: KL(π_behav‖π_prox) per token", ylog: true,
-    y2title: "share of tokens", warn: { key: "mismatch/kl", value: run.mismatch_kl_warn, name: "mismatch KL" }, traces: [
+    y2title: "share of tokens", warn: { key: "mismatch/kl_stale0", value: run.mismatch_kl_warn, name: "staleness-0 mismatch KL" }, traces: [
     { key: "mismatch/kl", name: "KL, all tokens" }, { key: "mismatch/kl_stale0", name: "KL, staleness 0 (numerics alone)" },
     { key: "mismatch/kl_stale1", name: "KL, staleness 1" }, { key: "mismatch/kl_stale2", name: "KL, staleness 2" },
     { key: "mismatch/kl_stale3plus", name: "KL, staleness ≥ 3" },
