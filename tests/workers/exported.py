@@ -61,11 +61,20 @@ def wandb_records(run_file) -> list:
     return records
 
 
-def wandb_run(run_root) -> tuple[Path, list]:
-    """(the one offline-run-* folder under run_root/wandb, its records)."""
+def wandb_run(run_root, wait_s: float = 30.0) -> tuple[Path, list]:
+    """(the one offline-run-* folder under run_root/wandb, its records). W&B's service
+    process writes the run file behind the client: read it again until it holds the run's
+    exit record (the last one a finished run writes), for up to ``wait_s``."""
+    import time
+
     folders = sorted(Path(run_root).glob("wandb/offline-run-*"))
     assert len(folders) == 1, folders
-    return folders[0], wandb_records(next(folders[0].glob("run-*.wandb")))
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = wandb_records(next(folders[0].glob("run-*.wandb")))
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return folders[0], records
+        time.sleep(0.2)
 
 
 def wandb_history(records) -> dict[str, list[tuple[int, float]]]:

@@ -93,9 +93,12 @@ def _max_diff(a: dict, b: dict) -> float:
 
 def _assert_same_stats(got: dict, want: dict) -> None:
     assert set(got) == set(want)
-    for key in ("loss/policy", "loss/kl", "policy/clip_frac", "policy/entropy", "mismatch/kl", "mismatch/abs_logp_max",
+    for key in ("loss/policy", "loss/kl", "policy/clip_frac", "policy/entropy", "mismatch/kl",
                 "mismatch/ratio_p50", "mismatch/dropped_share"):
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    # a max over tokens of float32 differences: at float noise both ways (a few 1e-6), whatever
+    # the reduction order of the two layouts
+    assert got["mismatch/abs_logp_max"] == pytest.approx(want["mismatch/abs_logp_max"], abs=2e-5)
     assert got.get("trainer/optimizer_steps") == want.get("trainer/optimizer_steps")
 
 
