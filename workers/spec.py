@@ -781,7 +781,9 @@ def check_server_uri(uri: str) -> tuple[Optional[str], Optional[str]]:
         return None, "not a URI"
     if parsed.auth is not None or not parsed.host or not same or not 0 < port < 65536:
         return None, "an MLflow server URI is scheme://host:port[/path]"
-    return f"{scheme.lower()}://{parsed.host.lower()}:{port}", None
+    from workers.io.exporters import connected_origin  # the origin as the exporter compares it
+
+    return connected_origin(uri), None
 
 
 def server_origin(uri: str) -> Optional[str]:
