@@ -75,6 +75,53 @@ def _auto_dtype() -> str:
     return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
 
 
+# Absolute caps on what one spec may ask, whatever the deployment: a completion longer than
+# any model's context an RL run generates, and a run (or one evaluation) longer than a month,
+# are mistakes, and each multiplies a run's total work (run_work; the platform bounds that).
+MAX_TOKENS = 262_144
+MAX_RUN_MINUTES = 30 * 24 * 60
+
+
+class EnvironmentSpec(_Strict):
+    """task.environment: each sample is an episode of several turns (docs/guides/agentic.md).
+    The policy generates a turn, the environment answers with an observation (a tool's
+    output, feedback, a new message), until the environment ends the episode or a budget
+    runs out. Observation tokens are masked out of the loss."""
+    name: str = Field(min_length=1, max_length=200, description="a built-in environment "
+                      "(workers.agents.builtin.BUILTIN_ENVIRONMENTS: tools, guess_number), 'user' with code, or "
+                      "(on the platform) a team environment name@version")
+    code: Optional[str] = Field(None, max_length=200_000, description="user Python defining a class Environment "
+                                "with reset(self, row) and step(self, text, token_ids) returning (observation, "
+                                "reward, done); run only in the OS sandbox")
+    tools: list[Literal["calculator", "python"]] = Field(
+        default_factory=lambda: ["calculator"], max_length=8, description="tools the 'tools' environment offers "
+        "(parsed from the model's tool-call format, e.g. Qwen2's <tool_call> JSON)")
+    params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the environment")
+    max_turns: int = Field(4, ge=1, le=64, description="generated turns per episode at most")
+    max_turn_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKENS, description="tokens one turn generates "
+                                           "at most; default: rollout.max_tokens")
+    max_episode_tokens: int = Field(512, ge=1, le=MAX_TOKENS, description="generated and observation tokens "
+                                    "of an episode at most (after the prompt)")
+    max_observation_tokens: int = Field(256, ge=1, le=MAX_TOKENS, description="an observation longer than this "
+                                        "is cut to it (and says so)")
+    rewards: Literal["final", "turns", "both"] = Field(
+        "final", description="final: the reward section scores the episode's last generated turn; turns: the "
+        "environment's per-turn rewards alone; both: their sum")
+    timeout_s: float = Field(5.0, gt=0, le=600, description="each environment call (reset, step) and each tool "
+                             "call at most, wall clock: a call past it is killed and named in the sample")
+    memory_mb: int = Field(512, ge=64, le=8192, description="a sandboxed environment's or tool's memory at most")
+    output_chars: int = Field(4000, ge=1, le=1_000_000, description="a tool's output beyond this many "
+                              "characters is cut off (output_limit)")
+
+    @model_validator(mode="after")
+    def _code_for_user(self):
+        if self.name == "user" and not self.code:
+            raise ValueError("task.environment.name 'user' needs task.environment.code")
+        if self.code and self.name != "user" and "@" not in self.name:
+            raise ValueError(f"task.environment.code is given but name is {self.name!r}: use name 'user'")
+        return self
+
+
 class TaskSpec(_Strict):
     # A JSONL file path, or a built-in generator "gen:<name>" (see workers.tasks.datasets.GENERATORS).
     dataset: str
@@ -91,6 +138,8 @@ class TaskSpec(_Strict):
         "message (chat)"))
     system_prompt: Optional[str] = Field(None, max_length=20000, description="chat: a system message for rows "
                                          "without their own")
+    environment: Optional[EnvironmentSpec] = Field(None, description="multi-turn episodes with tools or an "
+                                                   "environment (docs/guides/agentic.md)")
 
     @field_validator("dataset")
     @classmethod
@@ -363,11 +412,6 @@ class AlgorithmSpec(_Strict):
         return self
 
 
-# Absolute caps on what one spec may ask, whatever the deployment: a completion longer than
-# any model's context an RL run generates, and a run (or one evaluation) longer than a month,
-# are mistakes, and each multiplies a run's total work (run_work; the platform bounds that).
-MAX_TOKENS = 262_144
-MAX_RUN_MINUTES = 30 * 24 * 60
 
 
 class RolloutSpec(_Strict):
