@@ -18,11 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # train meet only in coord).
 WORKER_LAYERS = [
     ["workers.io", "workers.tasks"],
-    ["workers.spec"],
+    ["workers.spec", "workers.agents.api"],
     ["workers.rewards", "workers.weights"],
     ["workers.models"],
     ["workers.rollout", "workers.train"],
-    ["workers.cluster"],
+    ["workers.cluster", "workers.agents"],
+    ["workers.api"],
     ["workers.coord"],
     ["workers.cli"],
     ["workers.__main__"],
@@ -40,12 +41,13 @@ PLATFORM_LAYERS = [
     ["fluxrl.accounts"],
     ["fluxrl.quotas"],
     ["fluxrl.datasets", "fluxrl.modelstore"],
-    ["fluxrl.rewards"],
+    ["fluxrl.rewards", "fluxrl.environments"],
     ["fluxrl.runs"],
     ["fluxrl.metrics"],
     ["fluxrl.dashboard"],
     ["fluxrl.api", "fluxrl.accounts.authentication"],
-    ["fluxrl.accounts.api", "fluxrl.quotas.api", "fluxrl.datasets.api", "fluxrl.modelstore.api", "fluxrl.rewards.api", "fluxrl.runs.api",
+    ["fluxrl.accounts.api", "fluxrl.quotas.api", "fluxrl.datasets.api", "fluxrl.modelstore.api", "fluxrl.rewards.api", "fluxrl.environments.api",
+     "fluxrl.runs.api",
      "fluxrl.runs.consumers",
      "fluxrl.accounts.websocket_auth"],
     ["fluxrl.metrics.api"],
@@ -167,7 +169,7 @@ def test_the_checker_finds_an_upward_import_and_a_circle():
              "workers.train.trainer": {"workers.rollout.engine"}, "workers.rollout.engine": set()}
     assert circles(edges) == [["workers.coord.controller", "workers.io.wire"]]
     assert layer_violations(edges, WORKER_LAYERS) == [
-        "workers.io.wire imports workers.coord.controller: workers.io (layer 0) may not import workers.coord (layer 6)",
+        "workers.io.wire imports workers.coord.controller: workers.io (layer 0) may not import workers.coord (layer 7)",
         "workers.train.trainer imports workers.rollout.engine: workers.train (layer 4) may not import workers.rollout "
         "(layer 4)"]
 

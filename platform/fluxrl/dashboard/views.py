@@ -21,7 +21,8 @@ from django.views.decorators.http import require_GET, require_POST
 from fluxrl.accounts.selectors import teams_by_slug
 from fluxrl.accounts.services import may_create_team
 from fluxrl.datasets import selectors as datasets_selectors
-from fluxrl.datasets.services import generator_catalog, import_folders, read_rows
+from fluxrl.datasets.imports import import_folders
+from fluxrl.datasets.services import generator_catalog, read_rows
 from fluxrl.errors import NotFound
 from fluxrl.metrics.services import last_steps
 from fluxrl.modelstore.selectors import team_models
@@ -129,6 +130,8 @@ def run_detail(request, team, pk):
                 # which charts apply: a GAE run's critic has its own (static/js/run.js)
                 "advantage": ((run.resolved_spec or {}).get("algorithm") or {}).get("advantage", "group"),
                 "shared": bool(((run.resolved_spec or {}).get("rollout") or {}).get("share_engines")),
+                # agentic runs (task.environment) get the agent/* charts
+                "agentic": bool(((run.resolved_spec or {}).get("task") or {}).get("environment")),
                 "mismatch_kl_warn": settings.FLUXRL_MISMATCH_KL_WARN},
         "series": index,  # key -> last step; the charts load each series' history from the API
         "since_step": max(index.values(), default=None),

@@ -10,7 +10,7 @@ from fluxrl.api.base import TeamScopedMixin, VersionsMixin, validated
 from fluxrl.api.parsers import LimitedMultiPartParser
 from fluxrl.errors import NotFound
 
-from .. import services
+from .. import imports, services
 from ..models import Dataset, DatasetVersion
 from .serializers import (
     DatasetGenerateSerializer,
@@ -65,7 +65,7 @@ class DatasetImportView(TeamScopedMixin, generics.GenericAPIView):
     def get(self, request):
         query = validated(ImportFoldersQuerySerializer, request.query_params)
         team = self.team_for_new_object(query.get("team"))
-        return Response(ImportFoldersSerializer(services.import_folders(team)).data)
+        return Response(ImportFoldersSerializer(imports.import_folders(team)).data)
 
     @extend_schema(responses={201: DatasetVersionSerializer},
                    summary="Import a save_to_disk folder from the team's import folder as a new dataset version",
