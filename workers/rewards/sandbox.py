@@ -60,11 +60,13 @@ MAX_PROCESSES = 64  # RLIMIT_NPROC of the sandbox user: threads count too
 CHILD_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/work", "LANG": "C.UTF-8",
              "PYTHONDONTWRITEBYTECODE": "1"}
 
-# Executed by the child interpreter. Reads the code, then one JSON request per line.
-_CHILD = r'''
+# The guards every sandboxed child runs first (reward code here; environments and the Python
+# tool in workers/agents): reads the first JSON line (``code``, ``exec_filter``, ``where``: the
+# words naming the code in refusals), loads the exec filter and installs the audit hook.
+# ``out`` is the protocol stream, ``first`` the first message.
+CHILD_GUARDS = r'''
 import json, os, sys, traceback
 out = sys.stdout
-sys.stdout = sys.stderr  # user prints must not corrupt the protocol
 def reply(**kw):
     out.write(json.dumps(kw) + "\n"); out.flush()
 workdir = os.getcwd()
@@ -83,9 +85,9 @@ def real_path(path):
     return None if path is None or isinstance(path, int) else os.path.realpath(os.fsdecode(path))
 def hook(event, args):
     if event.startswith(BLOCK):
-        raise PermissionError(f"sandbox: {event} is not allowed in reward code")
+        raise PermissionError(f"sandbox: {event} is not allowed in {WHERE}")
     if event == "import" and args[0] in BLOCK_IMPORT:
-        raise ImportError(f"sandbox: importing {args[0]} is not allowed in reward code")  # ImportError: optional imports degrade
+        raise ImportError(f"sandbox: importing {args[0]} is not allowed in {WHERE}")  # ImportError: optional imports degrade
     if event in PATH_WRITE:
         real = real_path(args[0])
         # dir_fd (args[-1] of mkdir and utime) would make a relative path land elsewhere
@@ -110,7 +112,7 @@ def hook(event, args):
         if os.path.isdir(real) and real != workdir and not real.startswith(workdir + os.sep):
             raise PermissionError(f"sandbox: opening the folder {real} is not allowed")
 first = json.loads(sys.stdin.readline())
-code = first["code"]
+code, WHERE = first["code"], first.get("where", "reward code")
 if first.get("exec_filter"):
     # The second seccomp filter (no execve), loaded now that the interpreter is running.
     import ctypes
@@ -129,6 +131,11 @@ for name in ("mkfifo", "mknod"):  # no audit event for these: take them away
     for module in (os, sys.modules["posix"]):
         module.__dict__.pop(name, None)
 sys.addaudithook(hook)
+'''
+
+# Executed by the reward child interpreter: the guards, then one JSON request per line.
+_CHILD = CHILD_GUARDS + r'''
+sys.stdout = sys.stderr  # user prints must not corrupt the protocol
 ns = {"__name__": "reward_module"}
 try:
     exec(compile(code, "<reward>", "exec"), ns)

@@ -59,10 +59,49 @@ def gen_countdown(n: int, seed: int = 0, numbers: int = 3, max_value: int = 20) 
     return rows
 
 
+def tool_arith_prompt(a: int, b: int, op: str = "*") -> str:
+    """The prompt of a gen:tool_arith row, one wording for training, warm-starting and benches."""
+    return f"What is {a} {op} {b}?"
+
+
+_OPS = {"*": lambda a, b: a * b, "+": lambda a, b: a + b, "-": lambda a, b: a - b}
+
+
+def gen_tool_arith(n: int, seed: int = 0, digits_a: int = 3, digits_b: int = 2) -> list[dict]:
+    """Products a small model cannot work out in its head ("What is 347 * 29?" -> "10063"),
+    for the agentic tools task: the calculator (or the Python tool) answers them exactly."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a = rng.randrange(10 ** (digits_a - 1), 10 ** digits_a)
+        b = rng.randrange(10 ** (digits_b - 1), 10 ** digits_b)
+        rows.append({"prompt": tool_arith_prompt(a, b, "*"), "answer": str(_OPS["*"](a, b)), "a": a, "b": b, "op": "*"})
+    return rows
+
+
+def guess_number_prompt(low: int, high: int, game: int) -> str:
+    """The prompt of a gen:guess_number row (the game's number keeps held-out prompts apart
+    from training ones)."""
+    return (f"Game {game}. I am thinking of a whole number from {low} to {high}. Guess it: answer with one "
+            "number, and I will tell you whether my number is higher or lower.")
+
+
+def gen_guess_number(n: int, seed: int = 0, low: int = 1, high: int = 100) -> list[dict]:
+    """A secret whole number in [low, high] for the guess_number environment, which answers
+    each guess with higher or lower: {"prompt", "answer" (the secret), "low", "high"}."""
+    if high <= low:
+        raise DatasetError(f"gen:guess_number needs high above low (got low={low}, high={high})")
+    rng = random.Random(seed)
+    return [{"prompt": guess_number_prompt(low, high, k), "answer": str(rng.randint(low, high)), "low": low,
+             "high": high} for k in range(1, n + 1)]
+
+
 GENERATORS: dict[str, Callable[..., list[dict]]] = {
     "add": gen_add,
     "chain": gen_chain,
     "countdown": gen_countdown,
+    "tool_arith": gen_tool_arith,
+    "guess_number": gen_guess_number,
 }
 
 # Every parameter a generator takes from a spec (gen:<name>?k=v) or the datasets API, with
@@ -72,6 +111,8 @@ GENERATOR_PARAMS: dict[str, dict[str, tuple[int, int]]] = {
     "add": {"max_digits": (1, 100)},
     "chain": {"max_terms": (1, 100), "max_value": (1, 10 ** 9)},
     "countdown": {"numbers": (1, 100), "max_value": (1, 10 ** 9)},
+    "tool_arith": {"digits_a": (1, 18), "digits_b": (1, 18)},
+    "guess_number": {"low": (-10 ** 9, 10 ** 9), "high": (-10 ** 9, 10 ** 9)},
 }
 MAX_GENERATED_ROWS = 200_000  # rows of one generated dataset (task.size + task.eval_size)
 MAX_GENERATED_CHARS = 20_000_000  # rows x characters a row, about: seconds of one core at the bound
@@ -89,6 +130,10 @@ def _row_chars(name: str, params: dict) -> int:
         return 3 * params.get("max_digits", 3) + 2
     if name == "chain":
         return 2 * min(params.get("max_terms", 14), 5) * digits  # a geometric number of terms, ~3 on average
+    if name == "tool_arith":
+        return 20 + 2 * (params.get("digits_a", 3) + params.get("digits_b", 2))
+    if name == "guess_number":
+        return 170 + 3 * 11
     return 2 * params.get("numbers", 3) * digits + 2 * digits
 
 

@@ -6,8 +6,9 @@ from workers.tasks.datasets import generate
 
 def test_generators_are_listed_with_their_parameters(api_a):
     generators = {g["name"]: g for g in api_a.get("/api/datasets/generators/").json()}
-    assert set(generators) == {"add", "chain", "countdown"}
+    assert set(generators) == {"add", "chain", "countdown", "tool_arith", "guess_number"}
     assert generators["add"]["params"] == {"max_digits": 3}
+    assert generators["tool_arith"]["params"] == {"digits_a": 3, "digits_b": 2}
 
 
 def test_generate_creates_a_version_equal_to_the_engine_generator(api_a):
