@@ -73,6 +73,7 @@ INSTALLED_APPS = [
     "fluxrl.datasets",
     "fluxrl.modelstore",
     "fluxrl.rewards",
+    "fluxrl.environments",
     "fluxrl.runs",
     "fluxrl.metrics",
     "fluxrl.quotas",
@@ -311,6 +312,8 @@ FLUXRL_INGEST_INSERT = os.environ.get("FLUXRL_INGEST_INSERT", "copy")
 FLUXRL_LIVE_MAX_POINTS = int(os.environ.get("FLUXRL_LIVE_MAX_POINTS", "1000"))
 FLUXRL_METRICS_MAX_POINTS = int(os.environ.get("FLUXRL_METRICS_MAX_POINTS", "10000"))  # per series, per read
 FLUXRL_REWARD_CODE_MAX_BYTES = 64 * 1024
+# A team environment's code (POST /api/environments/); a larger upload is refused (400 on code).
+FLUXRL_ENVIRONMENT_CODE_MAX_BYTES = int(os.environ.get("FLUXRL_ENVIRONMENT_CODE_MAX_BYTES", str(64 * 1024)))
 FLUXRL_REWARD_TRY_MAX_ROWS = 20
 FLUXRL_REWARD_TRY_MAX_TIMEOUT_S = 5.0
 # A "try it" call is bounded: rows x per-row timeout <= FLUXRL_TRY_MAX_SECONDS, and at most

@@ -24,6 +24,7 @@ from django.db import close_old_connections
 from fluxrl.accounts import services as accounts
 from fluxrl.accounts.models import Membership, RunToken
 from fluxrl.datasets import services as datasets
+from fluxrl.environments.services import create_environment
 from fluxrl.modelstore import services as modelstore
 from fluxrl.rewards.services import create_function
 from fluxrl.runs.models import Run, RunStatus
@@ -93,6 +94,9 @@ def fuzz_world(team_a, alice, bob, settings, monkeypatch, keep_test_connection, 
     dataset = datasets.generate_version(team_a, alice, "add", "add", n=20, seed=1)
     reward = create_function(team_a, alice, "exact", "def reward(prompt, completion, **f):\n    return 1.0\n")
     stored = modelstore.upload_version(team_a, alice, "rm", tiny_rm_upload())
+    environment = create_environment(team_a, alice, "counter", "class Environment:\n    def reset(self, row):\n"
+                                      "        pass\n\n    def step(self, text, token_ids):\n"
+                                      "        return ('again', 0.0, False)\n")
     run = submit_run(team_a, alice, {"name": "fuzz", "model": {"path": "builtin:tiny"}, "task": {"dataset": "add@1"}})
     transition(run, RunStatus.STARTING)
     transition(run, RunStatus.RUNNING)
@@ -107,7 +111,7 @@ def fuzz_world(team_a, alice, bob, settings, monkeypatch, keep_test_connection, 
         "bob": bob,
         "team": team_a,
         "ids": {"teams": team_a.slug, "tokens": victim.pk, "datasets": dataset.dataset_id, "rewards": reward.function_id,
-                "runs": run.pk, "models": stored.model_id},
+                "runs": run.pk, "models": stored.model_id, "environments": environment.environment_id},
     }
 
 

@@ -31,6 +31,7 @@ from rest_framework.test import APIClient
 from fluxrl.accounts import services as accounts
 from fluxrl.accounts.models import Membership, Role, Team
 from fluxrl.datasets.services import add_version
+from fluxrl.environments.services import create_environment
 from fluxrl.modelstore.services import upload_version as upload_model
 from fluxrl.metrics.services import ingest_points
 from fluxrl.rewards.services import create_function
@@ -49,8 +50,9 @@ PUBLIC_ROUTES = {"api/docs/", "api/redoc/", "api-auth/login/", "api-auth/logout/
 WORKER_ROUTES = {"api/runs/<int:pk>/metrics/", "api/runs/<int:pk>/samples/", "api/runs/<int:pk>/status/",
                  "api/runs/<int:pk>/checkpoints/"}
 LOGIN_PATHS = ("/login/", "/admin/login/", "/api-auth/login/")
-OWNED_APPS = {"auth", "accounts", "datasets", "rewards", "runs", "metrics"}
+OWNED_APPS = {"auth", "accounts", "datasets", "rewards", "environments", "runs", "metrics"}
 CODE = "def reward(prompt, completion, **fields):\n    return 1.0\n"
+ENV_CODE = "class Environment:\n    def reset(self, row):\n        pass\n\n    def step(self, text, token_ids):\n        return ('', 0.0, True)\n"
 
 
 # --- one of everything, for a team ------------------------------------------------------
@@ -68,6 +70,7 @@ class World:
     run_key: str
     refs: dict = field(default_factory=dict)
     model: object = None  # an uploaded model folder (fluxrl.modelstore)
+    environment: object = None  # a team environment (fluxrl.environments)
 
 
 def build_world(team: Team, admin, member, marker: str) -> World:
@@ -92,8 +95,10 @@ def build_world(team: Team, admin, member, marker: str) -> World:
     api_token, _ = accounts.create_api_token(admin, f"{marker}-token")
     _, run_key = accounts.create_run_token(run)
     stored = upload_model(team, admin, f"{marker}-rm", tiny_rm_upload(), description=marker)
+    environment = create_environment(team, admin, f"{marker}-env", ENV_CODE + f"# {marker}\n", description=marker)
     return World(team, admin, member, dataset.dataset, reward.function, run, api_token, run_key,
-                 refs={"dataset": f"{marker}-data@1", "reward": f"{marker}-reward@1"}, model=stored.model)
+                 refs={"dataset": f"{marker}-data@1", "reward": f"{marker}-reward@1", "environment": f"{marker}-env@1"},
+                 model=stored.model, environment=environment.environment)
 
 
 def write_checkpoint_model(run: Run, marker: str) -> None:
@@ -140,7 +145,7 @@ def fill(route: Route, world: World) -> str:
     """The route's URL with each path parameter naming one of the world's objects."""
     admin_model = getattr(getattr(route.callback, "model_admin", None), "model", None)
     owned = {Team: world.team, Run: world.run, type(world.dataset): world.dataset, type(world.reward): world.reward,
-             type(world.model): world.model,
+             type(world.model): world.model, type(world.environment): world.environment,
              get_user_model(): world.member, type(world.api_token): world.api_token,
              Membership: world.team.memberships.first()}
 
@@ -170,6 +175,7 @@ PARAM_FILLERS = {
     ("datasets", "pk"): lambda w: w.dataset.pk,
     ("rewards", "pk"): lambda w: w.reward.pk,
     ("models", "pk"): lambda w: w.model.pk,
+    ("environments", "pk"): lambda w: w.environment.pk,
     ("runs", "pk"): lambda w: w.run.pk,
     ("runs", "run_id"): lambda w: w.run.pk,
     ("versions", "version"): lambda w: 1,
@@ -202,6 +208,8 @@ def bodies(route: Route, target: World, has_params: bool) -> list[dict]:
         {**common, "team": target.team.slug, "function": target.refs["reward"], "rows": rows},
         {"function": target.refs["reward"], "rows": rows, "spec": spec},
         {"function": "numeric_match", "dataset": target.refs["dataset"], "spec": spec},
+        {**common, "code": ENV_CODE, "spec": {**spec, "task": {"dataset": "gen:add",
+                                                                 "environment": {"name": target.refs["environment"]}}}},
     ]
 
 
@@ -264,8 +272,10 @@ def team_state(world: World, data_dir) -> dict:
 def cross_team_references() -> list[str]:
     """Rows that tie one team's object to another team's: never allowed."""
     bad = []
-    for run in Run.objects.select_related("dataset_version__dataset", "reward_version__function"):
-        for version, parent in ((run.dataset_version, "dataset"), (run.reward_version, "function")):
+    for run in Run.objects.select_related("dataset_version__dataset", "reward_version__function",
+                                          "environment_version__environment"):
+        for version, parent in ((run.dataset_version, "dataset"), (run.reward_version, "function"),
+                                (run.environment_version, "environment")):
             if version is not None and getattr(version, parent).team_id != run.team_id:
                 bad.append(f"run {run.pk} of team {run.team_id} uses {version} of team {getattr(version, parent).team_id}")
     for token in accounts.ApiToken.objects.exclude(team=None):

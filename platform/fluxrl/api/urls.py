@@ -8,6 +8,7 @@ urlpatterns = [
     path("", include("fluxrl.datasets.api.urls")),
     path("", include("fluxrl.modelstore.api.urls")),
     path("", include("fluxrl.rewards.api.urls")),
+    path("", include("fluxrl.environments.api.urls")),
     path("", include("fluxrl.runs.api.urls")),
     path("", include("fluxrl.metrics.api.urls")),
     path("", include("fluxrl.quotas.api.urls")),

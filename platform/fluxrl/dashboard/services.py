@@ -132,6 +132,10 @@ def display_spec(run: Run) -> dict:
     reward.pop("code", None)
     reward["function"] = str(run.reward_version) if run.reward_version_id else (submitted.get("reward") or {}).get(
         "function", reward.get("function"))
+    environment = spec["task"].get("environment")
+    if environment and run.environment_version_id:  # its name@version, not the code it resolved to
+        environment.pop("code", None)
+        environment["name"] = str(run.environment_version)
     return spec
 
 

@@ -153,11 +153,13 @@ def check_lora_init(team, spec: dict) -> str | None:
 
 def engine_spec(spec: dict, dataset_version=None, reward_version=None, model_path: str | None = None,
                 reward_model_path: str | None = None, eval_sets: list | None = None,
-                lora_init: str | None = None) -> dict:
+                lora_init: str | None = None, environment_version=None) -> dict:
     """The spec with team references replaced by what a worker can use: the dataset's
-    immutable JSONL file (fields normalized to prompt/answer), the reward's code, and the
-    model folder as check_model_path resolved it. ``eval_sets``: for each of eval.sets,
-    (its team dataset version or None, its team reward function's code or None)."""
+    immutable JSONL file (fields normalized to prompt/answer), the reward's code, the
+    team environment's code (task.environment becomes name 'user' with that code, which the
+    engine runs only in its sandbox), and the model folder as check_model_path resolved it.
+    ``eval_sets``: for each of eval.sets, (its team dataset version or None, its team reward
+    function's code or None)."""
     resolved = copy.deepcopy(spec)
     for one, (set_dataset, set_code) in zip(((resolved.get("eval") or {}).get("sets") or []), eval_sets or []):
         if set_dataset is not None:
@@ -174,6 +176,8 @@ def engine_spec(spec: dict, dataset_version=None, reward_version=None, model_pat
         resolved["task"].update(dataset=str(dataset_version.path), prompt_field="prompt", answer_field="answer")
     if reward_version is not None:
         resolved.setdefault("reward", {}).update(function="user", code=reward_version.code)
+    if environment_version is not None:
+        resolved["task"]["environment"].update(name="user", code=environment_version.code)
     try:
         return validate_spec(resolved).to_dict()
     except SpecError as exc:
@@ -196,7 +200,7 @@ def resolve_spec(run: Run) -> dict:
         reward_model_path = check_reward_model_path(run.team, run.spec)
     return engine_spec(run.spec, run.dataset_version, run.reward_version, model_path=model_path,
                        reward_model_path=reward_model_path, eval_sets=pinned_eval_sets(run),
-                       lora_init=check_lora_init(run.team, run.spec))
+                       lora_init=check_lora_init(run.team, run.spec), environment_version=run.environment_version)
 
 
 def team_reward_function(function) -> bool:

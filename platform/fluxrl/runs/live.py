@@ -60,7 +60,7 @@ def status_message(run: Run) -> dict:
 def sample_dict(sample: Sample) -> dict:
     return {"uid": sample.uid, "step": sample.step, "prompt": sample.prompt, "completion": sample.completion,
             "reward": sample.reward, "version_runs": sample.version_runs, "tokens": sample.tokens,
-            "length": sample.length, "error": sample.error}
+            "length": sample.length, "error": sample.error, "episode": sample.episode}
 
 
 def sample_messages(samples: list[dict], **extra) -> list[dict]:

@@ -30,6 +30,9 @@ class Run(models.Model):
     resolved_spec = models.JSONField(help_text="engine-ready spec at submission (see services.resolve_spec)")
     dataset_version = models.ForeignKey("datasets.DatasetVersion", null=True, blank=True, on_delete=models.PROTECT, related_name="runs")
     reward_version = models.ForeignKey("rewards.RewardVersion", null=True, blank=True, on_delete=models.PROTECT, related_name="runs")
+    # task.environment.name: a team environment's name@version, pinned at submission
+    environment_version = models.ForeignKey("environments.EnvironmentVersion", null=True, blank=True,
+                                            on_delete=models.PROTECT, related_name="runs")
     # model:<name> references of model.path and reward.model.path, pinned at submission
     model_version = models.ForeignKey("modelstore.StoredModelVersion", null=True, blank=True, on_delete=models.PROTECT,
                                       related_name="runs_as_policy")
@@ -93,6 +96,9 @@ class Sample(models.Model):
     tokens = models.JSONField(null=True, blank=True, help_text="each completion token's text, or null")
     length = models.IntegerField(help_text="completion tokens")
     error = models.TextField(blank=True)
+    # an episode of an agentic run (task.environment): its turns, tool calls and end
+    # reason (SampleInSerializer.episode); null for a single-turn sample
+    episode = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

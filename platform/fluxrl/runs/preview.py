@@ -37,7 +37,8 @@ from workers.spec import SpecError, TaskSpec, validate_spec
 from workers.tasks.datasets import GENERATORS, DatasetError, check_messages
 from workers.tasks.template_child import CHAT_TEMPLATE, TemplateDeadline, TemplateError
 
-from .services import MODEL_FIELD, check_model_path, load_spec_text, spec_errors
+from .engine_inputs import MODEL_FIELD, check_model_path
+from .services import load_spec_text, spec_errors
 
 PREVIEW_MAX_TOKENS = 4096  # token ids and texts returned (token_count counts them all)
 MAX_PROMPT_CHARS = template_child.MAX_PROMPT_CHARS

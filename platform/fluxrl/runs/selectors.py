@@ -11,9 +11,9 @@ from .models import Run, Sample
 
 
 def visible_runs(user) -> QuerySet[Run]:
-    """The runs of the user's teams, with their team, owner, dataset and reward versions."""
+    """The runs of the user's teams, with their team, owner, dataset, reward and environment versions."""
     return Run.objects.filter(team__in=visible_teams(user)).select_related(
-        "team", "owner", "dataset_version", "reward_version")
+        "team", "owner", "dataset_version", "reward_version", "environment_version__environment")
 
 
 def team_has_runs(team) -> bool:

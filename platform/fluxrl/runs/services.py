@@ -4,8 +4,7 @@ cancellation, resuming, and what workers report (samples, checkpoints).
 The status state machine lives in lifecycle.py and what the engine is given in
 engine_inputs.py, which the worker host's dispatcher (dispatch.py) uses too. This module
 sends the Celery tasks (tasks.py, which call dispatch.py) and imports them at the top;
-none of those imports this module. Their names stay importable from here
-(runs.services.transition, ...)."""
+none of those imports this module."""
 from __future__ import annotations
 
 import copy
@@ -19,6 +18,7 @@ from django.db.models import Q, QuerySet
 
 from fluxrl.accounts.services import merge_report, tracker_namespace
 from fluxrl.datasets import services as datasets
+from fluxrl.environments import services as environments
 from fluxrl.errors import Conflict, Forbidden, InvalidInput, NotFound, TooLarge, field_error
 from fluxrl.quotas import services as quotas
 from fluxrl.rewards import services as rewards
@@ -29,8 +29,7 @@ from workers.spec import (SpecError, namespace_defaults, report_outside_namespac
 from workers.tasks.datasets import GENERATORS
 
 from . import live, tasks
-from .engine_inputs import (  # noqa: F401 - re-exported: callers name them as runs.services.X
-    MODEL_FIELD,
+from .engine_inputs import (  # noqa: F401 - used here; some callers name them as runs.services.X
     CLASSIFIER,
     REWARD_MODEL_FIELD,
     check_lora_init,
@@ -40,13 +39,10 @@ from .engine_inputs import (  # noqa: F401 - re-exported: callers name them as r
     engine_spec,
     team_eval_dataset,
     team_reward_function,
-    resolve_spec,
-    run_output_dir,
     spec_errors,
 )
 from .lifecycle import (  # noqa: F401 - re-exported as above
     IllegalTransition,
-    resume_from_checkpoint,
     transition,
 )
 from .models import Checkpoint, Run, RunStatus, RunTag, Sample
@@ -127,6 +123,23 @@ def resolve_references(team, spec: dict):
     return dataset_version, reward_version
 
 
+ENVIRONMENT_FIELD = "spec.task.environment.name"
+
+
+def resolve_environment(team, spec: dict):
+    """The team environment version task.environment.name names (name@version, or the
+    newest for a bare name), or None for a built-in, inline code or no environment. Only
+    the team's own are found: another team's answers a 400 on the field that does not say
+    whether it exists."""
+    name = ((spec.get("task") or {}).get("environment") or {}).get("name")
+    if not environments.is_team_reference(name):
+        return None
+    try:
+        return environments.get_version(team, name, field=ENVIRONMENT_FIELD)
+    except NotFound as exc:  # a dangling reference is a bad spec, not a missing URL
+        raise InvalidInput("; ".join(f"{f}: {exc.message}" for f in exc.fields), fields=exc.fields) from None
+
+
 def resolve_eval_sets(team, spec: dict) -> list[tuple]:
     """For each of eval.sets, (its team dataset version or None, its team reward
     function's code or None): the team's own, pinned now like task.dataset and
@@ -169,14 +182,15 @@ def submit_run(team, owner, spec_input, tags=(), notes: str = "") -> Run:
     model_path = check_model_path(team, spec["model"]["path"])
     reward_model_path = check_reward_model_path(team, spec)
     dataset_version, reward_version = resolve_references(team, spec)
+    environment_version = resolve_environment(team, spec)
     reward_model = (spec.get("reward") or {}).get("model") or {}
     resolved_spec = engine_spec(spec, dataset_version, reward_version, model_path=model_path,
                                 reward_model_path=reward_model_path, eval_sets=resolve_eval_sets(team, spec),
-                                lora_init=check_lora_init(team, spec))
+                                lora_init=check_lora_init(team, spec), environment_version=environment_version)
     quotas.check_run_quota(team, resolved_spec, owner)  # locks the team's and owner's rows until stored
     run = Run.objects.create(
         team=team, owner=owner, name=spec["name"], spec=spec, notes=notes, resolved_spec=resolved_spec,
-        dataset_version=dataset_version, reward_version=reward_version,
+        dataset_version=dataset_version, reward_version=reward_version, environment_version=environment_version,
         model_version=stored_model_version(team, spec["model"]["path"]),
         reward_model_version=stored_model_version(team, reward_model.get("path"), REWARD_MODEL_FIELD, CLASSIFIER),
     )
@@ -302,7 +316,7 @@ def compress_versions(versions: list[int]) -> list[list[int]]:
 
 def add_samples(run: Run, samples: list[dict]) -> int:
     """Store validated samples ({step, prompt, completion, reward, versions, tokens,
-    length, error, uid}); samples whose uid is already stored are skipped (retried batches)."""
+    length, error, uid, episode}); samples whose uid is already stored are skipped (retried batches)."""
     if len(samples) > settings.FLUXRL_INGEST_MAX_SAMPLES:
         raise TooLarge(f"{len(samples)} samples in one batch; the limit is {settings.FLUXRL_INGEST_MAX_SAMPLES}.")
     rows = []
@@ -312,7 +326,7 @@ def add_samples(run: Run, samples: list[dict]) -> int:
         rows.append(Sample(
             run=run, uid=item.get("uid"), step=item["step"], prompt=item["prompt"], completion=item["completion"],
             reward=item.get("reward"), version_runs=compress_versions(versions), tokens=item.get("tokens"),
-            error=item.get("error") or "",
+            error=item.get("error") or "", episode=item.get("episode"),
             length=length if length is not None else len(versions),
         ))
     Sample.objects.bulk_create(rows, ignore_conflicts=True)

@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
-from fluxrl.runs.services import resolve_spec, submit_run
+from fluxrl.runs.engine_inputs import resolve_spec
+from fluxrl.runs.services import submit_run
 from workers.coord.controller import Controller
 from workers.spec import validate_spec
 from workers.tasks.datasets import generate
@@ -69,7 +70,7 @@ def test_parquet_and_folder_versions_hold_exactly_the_rows_of_the_same_jsonl(thr
 
 @pytest.mark.engine
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("kind", ["parquet", "folder"])
+@pytest.mark.parametrize("kind", ["parquet", pytest.param("folder", marks=pytest.mark.slow)])
 def test_a_run_on_a_parquet_or_folder_version_trains(three_versions, team_a, alice, tmp_path, monkeypatch, kind):
     from workers.tasks import prompts
 

@@ -10,7 +10,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 
 from fluxrl.modelstore.models import StoredModel, StoredModelVersion
 from fluxrl.runs.models import Run
-from fluxrl.runs.services import resolve_spec
+from fluxrl.runs.engine_inputs import resolve_spec
 from tests.platform.model_archives import POLICY, RM, folder_files, tar_gz, zipped
 
 def upload(client, body: bytes, file_name="rm.tar.gz", name="rm"):

@@ -18,7 +18,8 @@ from fluxrl.accounts.services import hash_key
 from fluxrl.celery import app as celery_app
 from fluxrl.runs import dispatch
 from fluxrl.runs.models import Run, RunStatus
-from fluxrl.runs.services import cancel_run, resolve_spec, submit_run, transition
+from fluxrl.runs.engine_inputs import resolve_spec
+from fluxrl.runs.services import cancel_run, submit_run, transition
 
 psutil = pytest.importorskip("psutil")
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -3,7 +3,8 @@ versions, pinned at submission and resolved again at dispatch; another team's ar
 and so is a file path on the worker host."""
 from fluxrl.datasets.services import generate_version
 from fluxrl.rewards.services import add_version, create_function
-from fluxrl.runs.services import resolve_spec, submit_run
+from fluxrl.runs.engine_inputs import resolve_spec
+from fluxrl.runs.services import submit_run
 
 CODE = "def reward(prompt, completion, **fields):\n    return 1.0\n"
 

@@ -7,7 +7,8 @@ import pytest
 from fluxrl.errors import InvalidInput
 from fluxrl.runs import dispatch
 from fluxrl.runs.models import Run, RunStatus
-from fluxrl.runs.services import check_model_path, engine_spec, resolve_spec, run_output_dir, submit_run
+from fluxrl.runs.engine_inputs import check_model_path, engine_spec, resolve_spec, run_output_dir
+from fluxrl.runs.services import submit_run
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from fluxrl.metrics.models import MetricPoint
 from fluxrl.metrics.services import ingest_points
 from fluxrl.runs import dispatch, services
 from fluxrl.runs.models import Run, RunStatus
+from fluxrl.runs.lifecycle import resume_from_checkpoint
 from fluxrl.runs.services import add_checkpoint, add_samples, transition
 
 FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
@@ -75,7 +76,7 @@ def test_a_failed_or_cancelled_run_with_a_checkpoint_is_queued_again(
     # running (tests/platform/runs/test_resume_sync.py), and the points after it go then.
     assert sorted(MetricPoint.objects.filter(run=run).values_list("step", flat=True)) == [1, 2, 3, 4, 5, 6]
     assert sorted(run.samples.values_list("step", flat=True)) == [1, 2, 3, 4, 5, 6]
-    assert services.resume_from_checkpoint(run)
+    assert resume_from_checkpoint(run)
 
 
 def test_another_teams_run_cannot_be_resumed(api_b, run_a, assert_error, queued):

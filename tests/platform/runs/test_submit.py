@@ -2,7 +2,7 @@ import pytest
 
 from fluxrl.rewards.services import add_version, create_function
 from fluxrl.runs.models import Run
-from fluxrl.runs.services import resolve_spec
+from fluxrl.runs.engine_inputs import resolve_spec
 
 CODE = "def reward(prompt, completion, **fields):\n    return 1.0\n"
 
@@ -26,7 +26,7 @@ def test_team_references_resolve_to_the_stored_file_and_inlined_code(api_a, team
     resolved = response.json()["resolved_spec"]
     assert resolved["task"] | {"size": 0, "eval_size": 0, "seed": 0} == {
         "dataset": str(dataset_a.path), "prompt_field": "prompt", "answer_field": "answer", "size": 0, "eval_size": 0, "seed": 0,
-        "prompt_format": "auto", "prompt_template": None, "system_prompt": None}
+        "prompt_format": "auto", "prompt_template": None, "system_prompt": None, "environment": None}
     assert (resolved["reward"]["function"], resolved["reward"]["code"], resolved["reward"]["timeout_s"]) == ("user", CODE, 3.0)
     assert (response.json()["dataset"], response.json()["reward"]) == ("add@1", "always@1")
 

@@ -16,10 +16,14 @@ class RunSerializer(serializers.ModelSerializer):
                                              help_text="name@version, or null for gen:<name>")
     reward = serializers.StringRelatedField(source="reward_version", allow_null=True,
                                             help_text="name@version, or null for a built-in or inline code")
+    environment = serializers.StringRelatedField(source="environment_version", allow_null=True,
+                                                 help_text="task.environment's team environment as name@version, or "
+                                                           "null for a built-in, inline code or none")
 
     class Meta:
         model = Run
-        fields = ["id", "team", "owner", "name", "status", "tags", "notes", "dataset", "reward", "created_at",
+        fields = ["id", "team", "owner", "name", "status", "tags", "notes", "dataset", "reward", "environment",
+                  "created_at",
                   "started_at", "finished_at", "failure_reason", "cancel_requested", "worker_host", "worker_pid",
                   "heartbeat_at"]
         read_only_fields = fields
@@ -91,10 +95,12 @@ class SampleSerializer(serializers.ModelSerializer):
     class Meta:
         model = Sample
         fields = ["id", "uid", "step", "prompt", "completion", "reward", "version_runs", "tokens", "length", "error",
-                  "created_at"]
+                  "episode", "created_at"]
         read_only_fields = fields
         extra_kwargs = {"tokens": {"help_text": "each completion token's text, in order (one per token of "
-                                                "version_runs); null for samples reported without it"}}
+                                                "version_runs); null for samples reported without it"},
+                        "episode": {"help_text": "an agentic run's episode (turns, tool calls, end reason); "
+                                                 "null for a single-turn sample"}}
 
 
 class StrictStringField(serializers.CharField):
@@ -106,6 +112,52 @@ class StrictStringField(serializers.CharField):
         if not isinstance(data, str):
             self.fail("invalid")
         return super().to_internal_value(data)
+
+
+class EpisodeTextField(serializers.CharField):
+    """Text of an episode (generated, observed, a tool's output), kept as sent (the
+    parser has already refused NUL characters, which PostgreSQL cannot store)."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("allow_blank", True)
+        kwargs.setdefault("trim_whitespace", False)
+        super().__init__(**kwargs)
+
+
+class ObservationInSerializer(serializers.Serializer):
+    role = serializers.ChoiceField(choices=["tool", "user"])
+    content = EpisodeTextField()
+
+
+class ToolRecordInSerializer(serializers.Serializer):
+    name = EpisodeTextField()
+    arguments = serializers.JSONField(default=dict)
+    output = EpisodeTextField(allow_null=True, default="")
+    error = EpisodeTextField(allow_null=True, default=None)
+    ms = serializers.FloatField(min_value=0, default=0.0)
+
+
+class TurnInSerializer(serializers.Serializer):
+    text = EpisodeTextField(help_text="the generated turn, decoded")
+    generated = serializers.IntegerField(min_value=0, max_value=MAX_INT, help_text="generated (trained) tokens")
+    observed = serializers.IntegerField(min_value=0, max_value=MAX_INT, default=0,
+                                        help_text="observation tokens after it (masked out of the loss)")
+    versions = serializers.ListField(
+        child=serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=MAX_INT), min_length=2,
+                                    max_length=2),
+        default=list, help_text="[[policy version, token count], ...] over the turn's generated tokens")
+    observation = ObservationInSerializer(required=False, allow_null=True, default=None)
+    tools = ToolRecordInSerializer(many=True, default=list)
+    reward = serializers.FloatField(required=False, allow_null=True, default=0.0)
+
+
+class EpisodeInSerializer(serializers.Serializer):
+    """An agentic run's episode (task.environment), turn by turn, for the run page."""
+
+    end_reason = serializers.CharField(max_length=64, help_text="why it ended: done, max_turns, max_episode_tokens, "
+                                                                "max_model_len or environment_error")
+    end_detail = EpisodeTextField(default="")
+    turns = TurnInSerializer(many=True, max_length=1024)
 
 
 class SampleInSerializer(serializers.Serializer):
@@ -123,6 +175,8 @@ class SampleInSerializer(serializers.Serializer):
                   "entry of versions; at most FLUXRL_SAMPLE_MAX_TOKENS tokens of FLUXRL_SAMPLE_MAX_TOKEN_CHARS characters")
     length = serializers.IntegerField(required=False, min_value=0, max_value=MAX_INT, help_text="default: len(versions)")
     error = serializers.CharField(required=False, allow_blank=True)
+    episode = EpisodeInSerializer(required=False, allow_null=True,
+                                  help_text="an agentic run's episode: its turns, tool calls and end reason")
 
     def validate_tokens(self, tokens):
         limit = settings.FLUXRL_SAMPLE_MAX_TOKENS

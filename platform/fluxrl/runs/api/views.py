@@ -41,7 +41,8 @@ from .serializers import (
 
 
 class RunMixin(TeamScopedMixin):
-    queryset = Run.objects.select_related("team", "owner", "dataset_version__dataset", "reward_version__function").prefetch_related("tags")
+    queryset = Run.objects.select_related("team", "owner", "dataset_version__dataset", "reward_version__function",
+                                         "environment_version__environment").prefetch_related("tags")
     serializer_class = RunSerializer
 
 
