@@ -30,7 +30,9 @@ from workers.tasks import builtin_rewards as rewards, datasets as tasks
 TRL_VERSION = "1.16.0"
 
 
-def trl_run(spec: dict, threads: int) -> dict:
+def trl_run(spec: dict, threads: int, vllm: bool = False) -> dict:
+    """``vllm``: generate with TRL's vLLM colocate mode (``use_vllm``) instead of HF generate.
+    The result's ``generation_s``: the time in TRL's generation and scoring of its batches."""
     try:
         import trl
         from datasets import Dataset
@@ -69,7 +71,7 @@ def trl_run(spec: dict, threads: int) -> dict:
         return [reward(text(p), text(c), a) for p, c, a in zip(prompts, completions, answer)]
 
     budget_s, every = 60 * spec["stop"]["max_minutes"], spec["eval"]["every_steps"]
-    clock = {"start": None, "eval_s": 0.0, "steps": 0}
+    clock = {"start": None, "eval_s": 0.0, "steps": 0, "generation_s": 0.0}
     curve: list[tuple[float, float]] = []
 
     class Budget(TrainerCallback):
@@ -100,15 +102,26 @@ def trl_run(spec: dict, threads: int) -> dict:
             per_device_train_batch_size=prompts * group, num_generations=group, steps_per_generation=1,
             max_completion_length=max_new, temperature=rollout["temperature"], top_p=1.0, top_k=0,
             beta=0.0, num_iterations=1, loss_type="dapo",
-            scale_rewards="group" if algo.get("adv_std_norm") else "none")
+            scale_rewards="group" if algo.get("adv_std_norm") else "none",
+            **({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3} if vllm else {}))
         dataset = Dataset.from_list([{"prompt": r["prompt"] if tiny else r["messages"], "answer": r["answer"]}
                                      for r in train])
-        trainer = GRPOTrainer(model=model, reward_funcs=score, args=config, train_dataset=dataset,
-                              processing_class=tokenizer, callbacks=[Budget()])
+        class Timed(GRPOTrainer):
+            """Times TRL's generation and scoring of each batch (the rest of a step is training)."""
+
+            def _generate_and_score_completions(self, *args, **kwargs):
+                t0 = time.time()
+                try:
+                    return super()._generate_and_score_completions(*args, **kwargs)
+                finally:
+                    clock["generation_s"] += time.time() - t0
+
+        trainer = Timed(model=model, reward_funcs=score, args=config, train_dataset=dataset,
+                        processing_class=tokenizer, callbacks=[Budget()])
         trainer.train()
     seconds = time.time() - clock["start"]
     after = evaluate()
     curve.append((seconds - clock["eval_s"], after))
-    return {"system": "trl", "steps": clock["steps"], "trained_samples": clock["steps"] * prompts * group,
+    return {"system": "trl_vllm" if vllm else "trl", "steps": clock["steps"], "generation_s": clock["generation_s"], "trained_samples": clock["steps"] * prompts * group,
             "seconds": seconds, "eval_s": clock["eval_s"], "accuracy_before": before, "accuracy_after": after,
             "curve": curve, "wall_s": time.time() - t_wall, "threads": threads, "trl": trl.__version__}

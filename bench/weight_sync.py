@@ -38,6 +38,7 @@ from workers.rollout.engine import RolloutEngine, configure_cpu_environment
 from workers.models.tinymodel import encode, ensure_tiny_model
 from workers.weights.broadcast import WeightBroadcaster
 from workers.weights.sync import serialize_state_dict
+from workers.weights.update import InlineWeights
 
 logger = logging.getLogger("weight_sync")
 TRANSPORTS = ("rpc", "collective")
@@ -114,7 +115,7 @@ async def one_update(engine: RolloutEngine, broadcaster: WeightBroadcaster, tran
     t0 = time.perf_counter()
     if transport == "rpc":
         blob = await asyncio.to_thread(serialize_state_dict, state)  # as the controller does
-        timing = await engine.update_weights(blob, version)
+        timing = await engine.update_weights(InlineWeights(blob), version)
     else:
         [timing] = await broadcaster.broadcast(state, version)
     t1 = time.perf_counter()

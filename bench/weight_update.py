@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from workers.rollout.engine import RolloutEngine, configure_cpu_environment
 from workers.models.tinymodel import encode, ensure_tiny_model
 from workers.weights.sync import serialize_state_dict
+from workers.weights.update import InlineWeights
 
 
 async def naive_update(engine: RolloutEngine, blob: bytes, version: int) -> float:
@@ -69,7 +70,7 @@ async def main(updates: int, requests: int) -> None:
     blob = serialize_state_dict(AutoModelForCausalLM.from_pretrained(path).state_dict())
     # warm-up: the first load of a process is slow, and it is the one that goes through
     # vLLM's layerwise reload; later loads copy into the live parameters (weight_sync.py)
-    await engine.update_weights(blob, 0)
+    await engine.update_weights(InlineWeights(blob), 0)
     results = {"naive": [], "keep": []}
     version = 0
     for _ in range(updates):
@@ -83,7 +84,7 @@ async def main(updates: int, requests: int) -> None:
             if name == "naive":
                 load_ms = await naive_update(engine, blob, version)
             else:
-                load_ms = (await engine.update_weights(blob, version)).load_ms
+                load_ms = (await engine.update_weights(InlineWeights(blob), version)).load_ms
             t1 = time.perf_counter()
             await asyncio.sleep(0.3)
             stop.set()

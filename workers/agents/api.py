@@ -96,6 +96,9 @@ class Turn:
     observation: Optional[Observation] = None
     tools: list[ToolRecord] = field(default_factory=list)
     finish_reason: str = ""  # the engine's: stop, length, ...
+    # the ids the engine returned for this turn, kept as they came (the token-exactness check
+    # compares the trainer's packed ids with these)
+    engine_ids: list[int] = field(default_factory=list, repr=False)
 
 
 @dataclass

@@ -222,7 +222,9 @@ def main(argv=None) -> int:
                    help="retrain the warm start from its recipe (minutes) instead of installing the shipped weights")
     m = sub.add_parser("build-model", help="build a small model of another architecture, with its own trained "
                        "tokenizer and chat template, warm-started on chat arithmetic (workers/models/modelzoo.py)")
-    m.add_argument("arch", choices=["qwen2", "llama", "gpt2"])
+    m.add_argument("arch", choices=["qwen2", "llama", "gpt2", "qwen2-tools"],
+                   help="qwen2-tools: the zoo Qwen2 with Qwen2's tool format, warm-started to call a calculator "
+                        "(workers/models/toolzoo.py; model.path builtin:qwen2-tools)")
     m.add_argument("--out", default=None, help="folder to write (default: the model cache, reused when built)")
     m.add_argument("--steps", type=int, default=None, help="warm-start steps (default: the recipe's)")
     m.add_argument("--dataset", default=None, help="also write a chat JSONL dataset of the same task here")
@@ -328,6 +330,16 @@ def main(argv=None) -> int:
             print("--shape builds a qwen2 model and needs --out", file=sys.stderr)
             return 2
         print(build_shaped_model(args.shape, args.out, ensure_zoo_model("qwen2", progress=True)))
+        return 0
+    if args.cmd == "build-model" and args.arch == "qwen2-tools":
+        from workers.models.toolzoo import MANIFEST as TOOL_MANIFEST, build_tool_model, ensure_tool_model
+
+        folder = (build_tool_model(args.out, steps=args.steps, progress=True) if args.out
+                  else ensure_tool_model(steps=args.steps, progress=True))
+        built = json.loads((Path(folder) / TOOL_MANIFEST).read_text())
+        print(f"{args.arch}: {built['params']:,} parameters, held-out greedy accuracy {built['held_out_accuracy']:.3f} "
+              f"with the calculator, {built['held_out_accuracy_no_tools']:.3f} without", file=sys.stderr)
+        print(folder)
         return 0
     if args.cmd == "build-model":
         from workers.models.modelzoo import MANIFEST as ZOO_MANIFEST, build_zoo_model, ensure_zoo_model, write_chat_dataset

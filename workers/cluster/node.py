@@ -30,7 +30,7 @@ import os
 import socket
 import threading
 import time
-from typing import Annotated, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Callable, Literal, Optional, Union
 
 from pydantic import Field, TypeAdapter
 
@@ -40,6 +40,9 @@ from workers.rollout.messages import EngineServerConfig
 from workers.spec import RunSpec
 from workers.train.rank_messages import Sample
 from workers.train.ranks import TrainerRankError, _sample
+
+if TYPE_CHECKING:
+    from workers.weights.files import WeightFile
 
 log = logging.getLogger(__name__)
 
@@ -363,6 +366,11 @@ class ClusterTrainer:
     def state_dict(self):
         return self._all("state_dict", {}, self.local.state_dict)
 
+    def write_weight_file(self, path: str) -> "Optional[WeightFile]":
+        """Written by global rank 0 on this node; the other nodes' ranks take part in the
+        gather (their ``state_dict`` keeps nothing)."""
+        return self._all("state_dict", {}, lambda: self.local.write_weight_file(path))
+
     def save(self, path: str) -> None:
         self._all("save", {"path": os.path.abspath(path)}, lambda: self.local.save(path))
 
@@ -378,7 +386,7 @@ class ClusterTrainer:
         return self.local.pids
 
     # the weight group: global rank 0 is on this node; every rank takes part in the gather
-    def host_weight_group(self, host: str, world: int, backend: str, timeout_s: float) -> int:
+    def host_weight_group(self, host: str, world: int, backend: str, timeout_s: float) -> dict:
         return self.local.host_weight_group(host, world, backend, timeout_s)
 
     def form_weight_group(self) -> None:

@@ -7,19 +7,32 @@ from __future__ import annotations
 import asyncio
 from typing import Optional
 
+from workers.agents.episode import oldest_trained_version
 from workers.coord.generation import Group
 from workers.coord.scheduling import DispatchWindow
+
+
+def group_oldest_version(group: Group) -> int:
+    """The version of the oldest trained (generated) token over the group's samples; the
+    version it started under when it has none."""
+    return min((oldest_trained_version(s.completion, group.start_version) for s in group.samples),
+               default=group.start_version)
 
 
 class AsyncSchedule:
     """Admission, dispatch and batching as three steps around two queues; what it guarantees:
 
     - Bounded staleness: a group is trained by a policy at most ``schedule.max_staleness``
-      versions newer than the one it started under. Admission (``StalenessGate``) starts
-      a group only while the groups started fit in ``max_staleness + 1`` batches ahead of
-      the trainer's version, and a finished group that breaks the bound anyway when its
-      batch is assembled (``trainer.version - start_version > max_staleness``) is dropped
-      (``dropped_stale``), its slot given back to admission.
+      versions newer than the one that generated its oldest trained token. Admission
+      (``StalenessGate``) starts a group only while the groups started fit in
+      ``max_staleness + 1`` batches ahead of the trainer's version, and a finished group
+      that breaks the bound anyway when its batch is assembled
+      (``trainer.version - oldest > max_staleness``) is dropped (``dropped_stale``), its
+      slot given back to admission. ``oldest`` is the version of the oldest generated
+      token over the group's samples (``group_oldest_version``): an episode counts by its
+      oldest trained token, whatever versions its later turns carry, and its observation
+      tokens (never trained) do not count. A group with no generated token counts by the
+      version it started under. The staleness metrics count the same way.
     - Every accepted group is trained exactly once: a finished group goes into one batch,
       or is dropped and never trained: too stale, or with ``algorithm.drop_uniform_groups``
       all its rewards equal (DAPO's dynamic sampling, ``dropped_uniform``; another group
@@ -160,7 +173,7 @@ class AsyncSchedule:
         """Why a finished group is not trained on: "stale" (it would break the staleness
         bound) or "uniform" (DAPO's dynamic sampling); None to train on it."""
         spec = self.run.spec
-        if self.run.trainer.version - group.start_version > spec.schedule.max_staleness:
+        if self.run.trainer.version - group_oldest_version(group) > spec.schedule.max_staleness:
             return "stale"
         if spec.algorithm.drop_uniform_groups and len({s.reward for s in group.samples}) == 1:
             # equal rewards give every sample a zero advantage, so the group would only thin

@@ -28,6 +28,7 @@ from collections import deque
 from pathlib import Path
 from typing import Optional
 
+from workers.agents.episode import engine_ids, loss_mask, oldest_trained_version
 from workers.coord.async_schedule import AsyncSchedule
 from workers.coord.checkpointing import Checkpointer
 from workers.coord.evaluation import EvalSets
@@ -36,6 +37,7 @@ from workers.coord.length_ranker import LengthRanker
 from workers.coord.processes import Processes, placement
 from workers.coord.step_metrics import RunResult, StepMetrics, peak_resident_gib
 from workers.coord.sync_schedule import SyncSchedule
+from workers.coord.time_breakdown import TimeBreakdown
 from workers.io.checkpoint import CheckpointInfo
 from workers.io.report import Reporter
 from workers.models.preflight import check_run, resolve_model_path
@@ -45,8 +47,10 @@ from workers.rollout.staleness import StalenessGate
 from workers.spec import RunSpec
 from workers.tasks.datasets import load_rows
 from workers.train import algorithms
+from workers.train.batching import token_exact
 from workers.train.trainer import TrainSample
 from workers.weights.files import trainer_weight_file
+from workers.weights.update import FileWeights
 
 __all__ = ["Controller", "Group", "RunResult", "Sample", "TrainerError"]
 
@@ -110,6 +114,7 @@ class Controller:
         self.fleet = Fleet(spec, self.ranker, self._rng, generate=self._generate, score=self._score)
         self.checkpoints = Checkpointer(self)
         self.metrics = StepMetrics(self)
+        self.times = TimeBreakdown()  # each step's time/<part>_s (time_breakdown.py)
 
     # -- set-up -------------------------------------------------------------------
     def _placement(self):
@@ -132,6 +137,9 @@ class Controller:
         self.train_rows, self.eval_rows = checked.train_rows, [r for r in checked.eval_rows if id(r) in own]
         self.eval_sets.keep(checked.eval_rows)
         self.result.skipped_prompts = sum(checked.skipped.values())
+        if t.environment is not None and self.train_rows and self.prompts.is_chat(self.train_rows[0]):
+            # the observations' chat deltas: a template that is not prefix-stable fails here, before any process
+            await asyncio.to_thread(self.fleet.observations().prepare)
         self.processes.start(self._placement)
         self.rewards = self.processes.rewards
         self.eval_sets.start_rewards()
@@ -165,7 +173,7 @@ class Controller:
             else:
                 self.fleet.add(self.processes.engines(checked))  # in the fleet before they start: close() stops them
                 # the warm weights are the first update: on resume, the checkpoint's weights and version
-                await self.processes.start_engines(self.engines, None if collective else warm,
+                await self.processes.start_engines(self.engines, None if collective else FileWeights.of(warm),
                                                    0 if collective else self.trainer.version)
             if collective:  # the first weights (and version label) come through the group
                 self.broadcaster = await self.processes.open_weight_group(self.engines)
@@ -222,10 +230,12 @@ class Controller:
         return await self.fleet.generate(engine, row, temperature)
 
     async def _score(self, row: dict, comp: Completion) -> Sample:
-        return await self.fleet.score(row, comp)
+        with self.times.track("scoring"):
+            return await self.fleet.score(row, comp)
 
     async def _send_weights(self, version: int) -> list:
-        return await self.fleet.send_weights(self.trainer, version)
+        with self.times.track("weight_update"):
+            return await self.fleet.send_weights(self.trainer, version)
 
     def _one_request_per_group(self, engine: RolloutEngine) -> bool:
         return self.fleet.one_request_per_group(engine)
@@ -248,11 +258,13 @@ class Controller:
     async def _in_trainer(self, fn, *args):
         """Run trainer work in a thread (generation streams on meanwhile), timing it."""
         t0 = time.perf_counter()
+        self.times.begin("train")
         try:
             return await asyncio.to_thread(fn, *args)
         except Exception as exc:  # not a bad-input exit (2) even if it is a ValueError
             raise TrainerError(f"the trainer failed: {type(exc).__name__}: {exc}") from exc
         finally:
+            self.times.end("train")
             self.trainer_busy_s += time.perf_counter() - t0
 
     def _train_samples(self, group: Group) -> list[TrainSample]:
@@ -266,8 +278,24 @@ class Controller:
             adv = algorithms.group_advantages(rewards, self.spec.algorithm.group_size,
                                               self.spec.algorithm.adv_std_norm)
         return [TrainSample(s.completion.prompt_ids, s.completion.token_ids, s.completion.logprobs, a, reward=r,
-                            ref_logprobs=s.ref_logprobs, values=s.values, versions=s.completion.versions.per_token())
+                            ref_logprobs=s.ref_logprobs, values=s.values, versions=s.completion.versions.per_token(),
+                            loss_mask=loss_mask(s.completion), token_rewards=s.token_rewards)
                 for s, a, r in zip(group.samples, adv, rewards)]
+
+    def _token_exactness(self, groups: list[Group]) -> dict[str, float]:
+        """task.environment: agent/token_exact, the share of the step's samples whose ids at
+        the trained positions, packed as the trainer packs them (batching.py), equal the ids
+        the engine returned turn by turn. Anything below 1.0 is a bug, logged loudly."""
+        if self.spec.task.environment is None:
+            return {}
+        samples = [s for g in groups for s in g.samples]
+        exact = token_exact([(s.completion.prompt_ids, s.completion.token_ids) for s in samples],
+                            [loss_mask(s.completion) for s in samples], [engine_ids(s.completion) for s in samples],
+                            getattr(self.trainer, "pad_id", 0))
+        if not all(exact):
+            logger.error("token-exactness: %d of %d trained samples' ids differ from the engine's",
+                         exact.count(False), len(exact))
+        return {"agent/token_exact": sum(exact) / max(1, len(exact))}
 
     # -- checkpoints (checkpointing.py) ----------------------------------------------------
     def request_checkpoint_and_stop(self) -> None:
@@ -304,7 +332,8 @@ class Controller:
         limit_s = self.spec.eval.timeout_minutes * 60
         try:
             async with asyncio.timeout(limit_s) as deadline:
-                return await self._evaluate(step)
+                with self.times.track("eval"):
+                    return await self._evaluate(step)
         except TimeoutError:
             if not deadline.expired():  # a timeout of the evaluation's own calls: its error
                 raise
@@ -349,13 +378,16 @@ class Controller:
         weights to every engine, and report the step."""
         spec = self.spec
         version = self.trainer.version - (1 if stats is not None else 0)
-        staleness = [version - s.completion.versions.oldest for g in groups for s in g.samples]
+        # an episode counts by its oldest trained (generated) token (async_schedule.py)
+        staleness = [version - oldest_trained_version(s.completion, g.start_version) for g in groups for s in g.samples]
+        exactness = self._token_exactness(groups)  # before the step, on what it is about to train
         # colocated GPU plans: the engines' memory is the trainer's during its step
         sleeps = self.processes.plan is not None and self.processes.plan.sleeps and stats is None
         if stats is None:
             batch = [t for g in groups for t in self._train_samples(g)]
             sleep_s = await self.fleet.sleep() if sleeps else 0.0
             stats = await self._in_trainer(self.trainer.train_step, batch)
+        stats = {**stats, **exactness}
         if self.processes.critic_stage is not None:  # samples valued from here on see the stepped critic
             lags = [version - s.values_version for g in groups for s in g.samples]
             stats = {**stats, "critic_stage/lag": sum(lags) / max(1, len(lags)),
@@ -367,6 +399,9 @@ class Controller:
             stats["engine/wake_s"] += await self.fleet.wake_up()
         self.gate.advance(self.trainer.version)
         self.fleet.after_step()
+        # the step ends with its weight update; the trainer's own split goes into time/*
+        stats = {**{k: v for k, v in stats.items() if k not in ("trainer/backward_s", "trainer/optimizer_s")},
+                 **self.times.step(stats)}
         postfix = self.metrics.report_step(step, groups, staleness, stats, timings, t_start,
                                            self.schedule.queue_depth() if self.schedule is not None else 0)
         self.metrics.collect_stalls()
@@ -412,6 +447,10 @@ class Controller:
             self.metrics.busy_before = sum(e.busy_s for e in self.engines) - self.checkpoints.gen_busy_before
             if self.resume is None:
                 self.trainer_busy_s = 0.0
+            gate = self.gate
+            self.times.gate_blocked = lambda: not gate.can_start()
+            self.times.watch(self.engines)
+            self.times.restart()
             self.schedule = SyncSchedule(self) if spec.schedule.mode == "sync" else AsyncSchedule(self)
             await self.schedule.run_steps(t_start)
             self.result.seconds = time.time() - t_start

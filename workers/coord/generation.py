@@ -5,6 +5,10 @@ group (one request of ``group_size`` samples, or a request per sample), finishes
 sequence elsewhere when its engine hands it off or dies, retires dead engines, pushes
 the trainer's weights to the live ones, migrates a synchronous step's tail, and scores
 samples with the reward service.
+
+With ``task.environment`` each sample is an episode (workers/agents/episode.py): turns
+generated one request each, continued elsewhere like any request, with a fresh
+environment per episode; never a parallel-sampling group request.
 """
 from __future__ import annotations
 
@@ -18,14 +22,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from workers.api import TrainEngine
 from workers.coord.length_ranker import LengthRanker
 from workers.coord.scheduling import (LENGTH_AWARE, LongTailThreshold, plan_dispatch, plan_skew_aware,
                                       plan_tail_gathering, plan_tail_migration, split_engines)
 from workers.coord.scheduling import priority as request_priority
-from workers.rollout.engine import Completion, RolloutEngine, continue_on
+from workers.rollout.engine import Completion, RolloutEngine, UpdateTiming, continue_on
 from workers.spec import RunSpec
 from workers.weights.broadcast import RankZeroSender, WeightBroadcaster, WeightBroadcastError
 from workers.weights.files import trainer_weight_file
+from workers.weights.update import FileWeights, WeightUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,8 @@ class Sample:
     ref_logprobs: Optional[list[float]] = None  # algorithm.kl_reference stage: from the inference stage
     values: Optional[list[float]] = None  # critic.forward stage: the critic's values, from the inference stage
     values_version: int = -1  # the critic version that computed ``values``
+    # an episode: the reward GAE credits per token (workers/agents/episode.py token_rewards)
+    token_rewards: Optional[list[float]] = None
     # wall times its scoring and inference-stage forwards began and were done (inference/overlap)
     inference_started_at: float = 0.0
     scored_at: float = 0.0
@@ -115,6 +123,8 @@ class Fleet:
         self.dispatched = 0  # groups dispatched: the base of their priorities
         self.role_rates = {"long": None, "bulk": None}  # tokens per busy second of one engine (EMA)
         self._rate_marks: dict[int, tuple[int, float]] = {}  # engine -> (tokens, busy s) at the last split
+        self._observations = None  # task.environment: the observation renderer, made on first use
+        self._render_lock = asyncio.Lock()
 
     def add(self, engines: list[RolloutEngine]) -> None:
         """Engines that started: into service, with no load yet."""
@@ -211,27 +221,83 @@ class Fleet:
 
     # -- samples and groups ----------------------------------------------------------
     async def generate(self, engine: RolloutEngine, row: dict, temperature: float) -> Completion:
+        if self.spec.task.environment is not None:
+            return await self.episode(engine, row, temperature)
         comp = await engine.generate(self.prompts.ids(row), self.spec.rollout.max_tokens, temperature,
                                      priority=PRIORITY.get())
         self.request_ended.set()  # the tail gatherer looks again
         return await self.finish_elsewhere(engine, comp, temperature)
 
+    def observations(self):
+        """The run's observation renderer (workers/agents/render.py), made once."""
+        if self._observations is None:
+            from workers.agents.render import ObservationRenderer
+
+            self._observations = ObservationRenderer.for_prompts(self.prompts)
+        return self._observations
+
+    async def episode(self, engine: RolloutEngine, row: dict, temperature: float) -> Completion:
+        """One episode (task.environment): a fresh environment, turns generated on ``engine``
+        (a turn its engine hands off or loses is finished elsewhere, and the next turn goes
+        to a live engine), observations rendered by the model's chat template."""
+        from workers.agents.builtin import make_environment
+        from workers.agents.episode import Budgets, run_episode
+
+        env_spec, rollout = self.spec.task.environment, self.spec.rollout
+        chat = self.prompts.is_chat(row)
+        renderer = self.observations()
+        if chat and not renderer.prepared:  # the template's deltas render in a child process: once, off the loop
+            async with self._render_lock:
+                if not renderer.prepared:
+                    await asyncio.to_thread(renderer.prepare)
+        current = engine
+
+        async def turn(ids: list[int], max_tokens: int) -> Completion:
+            nonlocal current
+            if current.dead:
+                current = self.live_engine(exclude=current.index)
+            comp = await current.generate(ids, max_tokens, temperature, priority=PRIORITY.get())
+            self.request_ended.set()
+            comp = await self.finish_elsewhere(current, comp, temperature, max_tokens)
+            return comp
+
+        env = make_environment(env_spec, model_path=self.spec.model.path)
+        # the engines' context (preflight sized it for prompt + episode, within the model's)
+        context = getattr(engine, "max_model_len", None) or rollout.max_model_len or 1_000_000
+        budgets = Budgets.of(env_spec, rollout.max_tokens, context)
+        return await run_episode(turn, env, row, self.prompts.ids(row), budgets, renderer, chat)
+
+    async def _score_text(self, row: dict, comp: Completion, text: str):
+        """The reward section's score of ``text``, or, for an episode, of what
+        ``task.environment.rewards`` says: its last generated turn (final), its turn rewards
+        (turns) or both; with the episode's per-token rewards for GAE."""
+        fields = {k: v for k, v in row.items() if k != "prompt"}
+        if comp.episode is None:
+            return await self.rewards.score(row["prompt"], text, fields), None
+        from workers.agents.episode import episode_reward, last_turn_text, token_rewards
+        from workers.rewards.service import Score
+
+        mode = self.spec.task.environment.rewards
+        final = (await self.rewards.score(row["prompt"], last_turn_text(comp.episode), fields)
+                 if mode != "turns" else Score(0.0))
+        reward = episode_reward(comp.episode, final.reward, mode)
+        return (Score(reward, final.error, final.parts), token_rewards(comp.episode, final.reward, mode))
+
     async def score(self, row: dict, comp: Completion) -> Sample:
         began = time.time()
         text = self.prompts.decode(comp.token_ids)
-        fields = {k: v for k, v in row.items() if k != "prompt"}
         if (self.reference is None and self.critic is None) or EVALUATING.get():  # held-out: not trained on
-            score = await self.rewards.score(row["prompt"], text, fields)
+            score, per_token = await self._score_text(row, comp, text)
             return Sample(row, comp, text, score.reward, score.error, score.parts, inference_started_at=began,
-                          scored_at=time.time())
+                          scored_at=time.time(), token_rewards=per_token)
         # the inference stage: the reference's and the critic's forwards beside the scoring, as the sample finishes
-        score, ref, valued = await asyncio.gather(
-            self.rewards.score(row["prompt"], text, fields),
+        (score, per_token), ref, valued = await asyncio.gather(
+            self._score_text(row, comp, text),
             self.reference.logprobs(comp.prompt_ids, comp.token_ids) if self.reference is not None else _none(),
             self.critic.values(comp.prompt_ids, comp.token_ids) if self.critic is not None else _none())
         values, version = valued if valued is not None else (None, -1)
         return Sample(row, comp, text, score.reward, score.error, score.parts, ref, values, version, began,
-                      time.time())
+                      time.time(), token_rewards=per_token)
 
     async def sample(self, engine: RolloutEngine, row: dict, temperature: float) -> Sample:
         return await self._score_fn(row, await self._generate_fn(engine, row, temperature))
@@ -263,9 +329,10 @@ class Fleet:
         Not where each sample must be a request of its own: interrupt updates resubmit each
         sequence from its prefix, and the tail migrator (rollout.migrate_tail) hands off
         single requests (and the tail gatherer). ``rollout.group_requests: false`` sends per-sample requests
-        everywhere (to measure the difference)."""
+        everywhere (to measure the difference). Nor episodes (task.environment): each is turns of its own."""
         rollout = self.spec.rollout
-        return (self.spec.algorithm.group_size > 1 and rollout.group_requests and engine.update_mode != "interrupt"
+        return (self.spec.algorithm.group_size > 1 and self.spec.task.environment is None
+                and rollout.group_requests and engine.update_mode != "interrupt"
                 and not rollout.migrate_tail and not rollout.gather_tail)
 
     async def _group_request(self, engine: RolloutEngine, row: dict, temperature: float, score: bool) -> list:
@@ -289,9 +356,11 @@ class Fleet:
                 task.cancel()
 
     # -- engines that hand off or die ---------------------------------------------------
-    async def finish_elsewhere(self, engine: RolloutEngine, comp: Completion, temperature: float) -> Completion:
+    async def finish_elsewhere(self, engine: RolloutEngine, comp: Completion, temperature: float,
+                               max_tokens: Optional[int] = None) -> Completion:
         """A sequence ``engine`` left unfinished (handed off, or the engine died), finished
-        from its prefix by another engine; any other sequence as it is."""
+        from its prefix by another engine; any other sequence as it is. ``max_tokens``: the
+        sequence's budget (default rollout.max_tokens; an episode's turn has its own)."""
         while comp.finish_reason in ("handed_off", "engine_died"):
             # migrated, or its engine died: finish it from its prefix on the idlest other live engine
             source = engine if comp.finish_reason == "handed_off" else None
@@ -303,7 +372,7 @@ class Fleet:
             onto = next((e for e in self.engines if e.index == self.gather_onto and not e.dead), None)
             if comp.finish_reason == "handed_off" and onto is not None and onto.index != comp.engine:
                 target = onto  # gathered: the whole tail onto one engine
-            comp = await continue_on(target, comp, self.spec.rollout.max_tokens, temperature)
+            comp = await continue_on(target, comp, max_tokens or self.spec.rollout.max_tokens, temperature)
         return comp
 
     def live_engine(self, exclude: Optional[int] = None,
@@ -330,23 +399,23 @@ class Fleet:
         self.dead.append(engine)  # shut down at close
 
     # -- weights -------------------------------------------------------------------------
-    async def _update(self, engine: RolloutEngine, blob, version: int):
-        """Push weights (a blob, or a collective's share) to one engine; None if it died
-        (it is retired; the others go on)."""
+    async def _update(self, engine: RolloutEngine, weights: WeightUpdate, version: int) -> Optional[UpdateTiming]:
+        """Push an update (weights/update.py) to one engine; None if it died (it is
+        retired; the others go on)."""
         try:
-            return await engine.update_weights(blob, version)
+            return await engine.update_weights(weights, version)
         except Exception:
             if not engine.dead:
                 raise
             self.retire(engine, "weight updates skip it")
             return None
 
-    async def send_weights(self, trainer, version: int) -> list:
+    async def send_weights(self, trainer: TrainEngine, version: int) -> list:
         """The trainer's weights to every live engine by ``rollout.weight_transport``; the
         timings of the engines that took them."""
         if self.broadcaster is None:  # a file, sent to each engine in bounded chunks (weights/files.py)
             with tempfile.TemporaryDirectory(prefix="fluxrl-weights-") as folder:
-                weights = await asyncio.to_thread(trainer_weight_file, trainer, folder, version)
+                weights = FileWeights.of(await asyncio.to_thread(trainer_weight_file, trainer, folder, version))
                 self.update_bytes = weights.size  # model.lora: the adapter's file alone
                 results = await asyncio.gather(*(self._update(e, weights, version) for e in list(self.engines)))
             return [t for t in results if t is not None]

@@ -11,17 +11,16 @@ from pathlib import Path
 from typing import Optional
 
 from workers.io import wire
-from workers.cluster.placement import CRITIC_STAGE, REFERENCE_STAGE, REWARD_MODEL, PlacementError
+from workers.api import make_engines, make_trainer, trainer_devices, trainer_threads
+from workers.cluster.placement import CRITIC_STAGE, REFERENCE_STAGE, REWARD_MODEL
 from workers.rewards.service import RewardService
-from workers.rollout.engine import RolloutEngine, SamplingOptions, configure_cpu_environment
-from workers.rollout.client import EngineClient
+from workers.rollout.engine import RolloutEngine, configure_cpu_environment
 from workers.rollout.messages import EngineServerConfig
 from workers.spec import RunSpec, model_dtype
 from workers.train.reference import ReferenceStage
 from workers.train.value_stage import ValueStage
-from workers.train.trainer import Trainer
 from workers.weights.broadcast import RankZeroSender, WeightBroadcaster
-from workers.weights.files import WeightFile
+from workers.weights.update import WeightUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -72,30 +71,11 @@ class Processes:
         configure_cpu_environment(plan.cpu_bind("engine") if on_cpu else None, self.spec.rollout.kv_cache_gb)
 
     async def start_trainer(self, checked):
-        spec, res = self.spec, self.spec.resources
-        if spec.trainer.pipeline.stages > 1:  # RLHFuse's fused actor-critic pipeline, its stages processes
-            if self.plan.device != "cpu":  # its stages pass activations through gloo, in host memory
-                raise PlacementError("trainer.pipeline.stages > 1: the fused actor-critic pipeline passes each "
-                                     "micro-batch's activations between its stage processes over gloo in host "
-                                     "memory and trains in fp32 without DeepSpeed: it is built for CPU stage "
-                                     "processes, and neither the planner nor its stages place it on GPUs; on GPUs "
-                                     "leave trainer.pipeline.stages at 1 (DeepSpeed's trainer)")
-            from workers.train.pipeline_trainer import PipelineTrainer
-
-            self.trainer = await asyncio.to_thread(PipelineTrainer, spec, spec.model.path,
-                                                   self.plan.threads("trainer"), checked.pad_id)
-        elif res.nodes > 1:
+        spec = self.spec
+        if spec.resources.nodes > 1 and spec.trainer.pipeline.stages == 1:
             await self._join_nodes(checked)
-        elif res.trainer_ranks > 1 or res.trainer_process:  # DeepSpeed ranks, each a process of its own
-            from workers.train.ranks import TrainerGroup
-
-            self.trainer = await asyncio.to_thread(TrainerGroup, spec, spec.model.path, res.trainer_ranks,
-                                                   self._threads_per_rank(0), checked.pad_id,
-                                                   cuda_devices=self._trainer_devices(0))
-        else:
-            on_cpu = self.plan.device == "cpu"
-            self.trainer = await asyncio.to_thread(Trainer, spec, spec.model.path,
-                                                   self.plan.threads("trainer") if on_cpu else None, checked.pad_id)
+        else:  # workers/api.py: the implementation the plan calls for
+            self.trainer = await asyncio.to_thread(make_trainer, spec, self.plan, checked.pad_id)
         if spec.algorithm.kl_reference == "stage":  # the run's starting model, frozen, in a worker of its own
             self.reference = ReferenceStage(spec, spec.model.path, checked.pad_id, self.plan.inference(REFERENCE_STAGE))
             await asyncio.to_thread(self.reference.start)
@@ -105,15 +85,10 @@ class Processes:
         return self.trainer
 
     def _threads_per_rank(self, node: int) -> int | list[int]:
-        ranks = self.plan.on_node(node, "trainer")
-        if self.plan.device == "gpu":  # each rank its own cores, as the plan says (OMP_NUM_THREADS)
-            return [p.threads for p in ranks]
-        return max(1, self.plan.threads("trainer", node) // len(ranks))
+        return trainer_threads(self.plan, node)
 
     def _trainer_devices(self, node: int) -> Optional[list[str]]:
-        ranks = self.plan.on_node(node, "trainer")
-        # the plan's logical GPU ids mapped through the mask this worker inherited
-        return [p.cuda_devices[0] for p in ranks] if self.plan.device == "gpu" else None
+        return trainer_devices(self.plan, node)
 
     async def _join_nodes(self, checked) -> None:
         """Several nodes: wait for every other node's agent at the rendezvous, give each its
@@ -187,27 +162,9 @@ class Processes:
     def engines(self, checked) -> list[RolloutEngine]:
         """The rollout engines, not started yet: each a server process of its own
         (workers/rollout/server.py) as the plan says (always on GPUs), else in this one."""
-        spec, ro = self.spec, self.spec.rollout
-        if ro.share_engines:  # workers/rollout/pool.py: this node's pools, joined or started
-            from workers.rollout.pool import PoolClient, tenant_info
-
-            tenant = tenant_info(spec.name, spec.model.lora.rank, ro.update_mode, ro.top_p, ro.top_k, list(ro.stop),
-                                 list(checked.stop_ids), group_size=spec.algorithm.group_size)
-            return [PoolClient(self.engine_config(p, checked), tenant) for p in self.plan.engines]
-        if self.plan.engine_processes:
-            return [EngineClient(self.engine_config(p, checked), *self.remote_engines.get(p.index, (None, None)))
-                    for p in self.plan.engines]
-        sampling = SamplingOptions(ro.top_p, ro.top_k, tuple(ro.stop), tuple(checked.stop_ids))
-        return [
-            RolloutEngine(spec.model.path, index=i, update_mode=spec.rollout.update_mode, sampling=sampling,
-                          max_model_len=checked.max_model_len, max_num_seqs=self.max_num_seqs(i),
-                          dtype=model_dtype(spec), seed=spec.seed + i, rpc_timeout_s=spec.rollout.rpc_timeout_s,
-                          gpu_memory_utilization=p.gpu_memory_utilization,
-                          cpu_single_process=bool(ro.cpu_single_process), enforce_eager=ro.enforce_eager,
-                          priority_scheduling=spec.schedule.dispatch == "skew_aware",
-                          lora_rank=spec.model.lora.rank if spec.model.lora else None)
-            for i, p in enumerate(self.plan.engines)
-        ]
+        configs = [self.engine_config(p, checked) for p in self.plan.engines]
+        return make_engines(self.spec, configs, in_process=not self.plan.engine_processes,
+                            remote=self.remote_engines)
 
     def starts_beside_trainer(self) -> bool:
         """Whether the engines start while the trainer loads, all at once (``start_engines``
@@ -218,15 +175,15 @@ class Processes:
         be allocating beside it."""
         return self.plan is not None and self.plan.device == "cpu" and self.spec.resources.nodes == 1
 
-    async def start_engines(self, engines: list[RolloutEngine], blob: "Optional[bytes | WeightFile]", version: int,
+    async def start_engines(self, engines: list[RolloutEngine], weights: Optional[WeightUpdate], version: int,
                             together: bool = False) -> None:
-        """``blob``: the first weights (a file, or bytes) and their ``version`` (on resume,
-        the checkpoint's)."""
+        """``weights``: the first update (a file, or bytes: weights/update.py) and its
+        ``version`` (on resume, the checkpoint's)."""
         if together:
-            await asyncio.gather(*(engine.start(warm_blob=blob, version=version) for engine in engines))
+            await asyncio.gather(*(engine.start(weights=weights, version=version) for engine in engines))
             return
         for engine in engines:  # one at a time: start-up is CPU-heavy
-            await engine.start(warm_blob=blob, version=version)
+            await engine.start(weights=weights, version=version)
 
     async def open_weight_group(self, engines: list[RolloutEngine]) -> WeightBroadcaster:
         """rollout.weight_transport: collective: the group the trainer's weights go through."""

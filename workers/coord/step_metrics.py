@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from workers.agents.episode import agent_metrics, episode_view
+
 
 @dataclass
 class RunResult:
@@ -212,12 +214,16 @@ class StepMetrics:
             "version/current": run.trainer.version,
             "rollout/migrations": fleet.migrations,
             **self.pool_metrics(),
+            **agent_metrics([s.completion for s in samples]),  # task.environment: agent/*
         })
         # A few samples for the run page; a sequence spanning an update first.
         shown = sorted(samples, key=lambda s: (-len(s.completion.versions.runs), -s.completion.length))[:4]
         for s in shown:
-            run.reporter.sample({"step": step, "prompt": fleet.prompts.text(s.row), "completion": s.text,
-                                 "reward": s.reward, "versions": s.completion.versions.per_token(),
-                                 "tokens": fleet.prompts.pieces(s.completion.token_ids),
-                                 "length": s.completion.length, "error": s.error or ""})
+            record = {"step": step, "prompt": fleet.prompts.text(s.row), "completion": s.text,
+                      "reward": s.reward, "versions": s.completion.versions.per_token(),
+                      "tokens": fleet.prompts.pieces(s.completion.token_ids),
+                      "length": s.completion.length, "error": s.error or ""}
+            if s.completion.episode is not None:  # the turn-by-turn view (observation tokens masked)
+                record["episode"] = episode_view(s.completion)
+            run.reporter.sample(record)
         return {"reward": f"{mean_r:.2f}", "stale": max(staleness), "sps": f"{r.trained_samples / elapsed:.1f}"}

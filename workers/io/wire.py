@@ -66,7 +66,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, cast
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
@@ -386,7 +386,7 @@ class _Tls:
             if data:
                 self.sock.sendall(data)
 
-    def write(self, data) -> None:
+    def write(self, data: bytes) -> None:
         """Caller holds ``_send`` (a whole frame goes out in one piece)."""
         view = memoryview(data).cast("B")
         for start in range(0, len(view), _CHUNK):
@@ -401,7 +401,7 @@ class _Tls:
         while got < len(view):
             try:
                 with self._ssl:
-                    n = self.obj.read(len(view) - got, view[got:])
+                    n = cast(int, self.obj.read(len(view) - got, view[got:]))  # into a buffer: a count
                 if n == 0:
                     raise EOFError("the peer closed the connection")
                 got += n
@@ -439,7 +439,7 @@ def _read_exact(tls: _Tls, n: int, deadline: Optional[float] = None) -> bytearra
 class Channel:
     """One end of a connection: ``send`` from any thread, ``recv`` from one."""
 
-    def __init__(self, tls: _Tls, messages: TypeAdapter, peer: str = ""):
+    def __init__(self, tls: _Tls, messages: TypeAdapter[Any], peer: str = ""):
         self.tls = tls
         self.messages = messages
         self.peer = peer
@@ -461,7 +461,7 @@ class Channel:
             if blob is not None:
                 self.tls.write(blob)
 
-    def recv(self):
+    def recv(self) -> tuple[Any, Optional[bytes]]:
         """(message, blob or None). Raises EOFError when the peer is gone, or a
         :class:`WireError` (an ``OSError``) for anything else; either way the channel is closed."""
         try:
@@ -555,7 +555,7 @@ class Listener:
         self._sock = socket.create_server((host, port), backlog=64)
         self._sock.settimeout(0.5)  # the accept loop looks at _closed this often
         self.address = self._sock.getsockname()[:2]
-        self._ready: queue.Queue = queue.Queue()
+        self._ready: queue.Queue[tuple[_Tls, str]] = queue.Queue()
         self._lock = threading.Lock()
         self._pending: list[_Pending] = []  # oldest first
         self._known: set[str] = set()  # sources that completed a handshake (only key holders can)
@@ -700,7 +700,7 @@ class Listener:
         else:
             self._ready.put((tls, peer))
 
-    def accept(self, messages: TypeAdapter, timeout: Optional[float] = None) -> Channel:
+    def accept(self, messages: TypeAdapter[Any], timeout: Optional[float] = None) -> Channel:
         """The next authenticated connection; ``TimeoutError`` after ``timeout`` seconds."""
         try:
             tls, peer = self._ready.get(timeout=timeout)
@@ -741,7 +741,7 @@ def listen(host: str, port: int = 0, key: Optional[bytes] = None, local: bool = 
     return Listener(host, port, key, local)
 
 
-def connect(address: tuple[str, int], messages: TypeAdapter, key: Optional[bytes] = None,
+def connect(address: tuple[str, int], messages: TypeAdapter[Any], key: Optional[bytes] = None,
             timeout: Optional[float] = None) -> Channel:
     """Connect, handshake and wait for the server's welcome within ``timeout`` (default
     ``FLUXRL_WIRE_HANDSHAKE_S``): over the listener's local socket when this user has one

@@ -30,11 +30,16 @@ class ModelCheckError(ValueError):
 
 
 def resolve_model_path(path: str) -> str:
-    """``builtin:tiny``, a local folder, or a hub id with a local copy in the HF cache."""
+    """``builtin:tiny``, ``builtin:qwen2-tools`` (workers/models/toolzoo.py), a local folder, or a hub id
+    with a local copy in the HF cache."""
     if path == "builtin:tiny":
         from workers.models.tinymodel import ensure_tiny_model
 
         return str(ensure_tiny_model())
+    if path == "builtin:qwen2-tools":
+        from workers.models.toolzoo import ensure_tool_model
+
+        return str(ensure_tool_model())
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ModelCheckError(f"model.path {path!r} is not a Hugging Face model folder (no config.json there)")
@@ -173,5 +178,8 @@ def check_run(spec, train_rows: list[dict], eval_rows: list[dict], check_archite
         logger.warning("skipped %d training and %d held-out prompts longer than max_model_len %d - "
                        "rollout.max_tokens %d", skipped_train, skipped_eval, cap, budget)
     longest = max(len(renderer.ids(r)) for r in train + evals)
-    return Checked(path, renderer, stops, pad, min(cap, longest + budget), train, evals,
+    # an episode (task.environment) holds its turns and observations in the context too
+    env = spec.task.environment
+    context = max(budget, env.max_episode_tokens) if env is not None else budget
+    return Checked(path, renderer, stops, pad, min(cap, longest + context), train, evals,
                    {"train": skipped_train, "eval": skipped_eval})

@@ -37,9 +37,10 @@ from workers.rollout.messages import (REPLIES, ArrivedEvent, ChecksumRequest, Co
                                       WakeRequest, WeightChunkRequest, WireCompletion)
 from workers.rollout.staleness import VersionTrack
 from workers.weights.files import WeightFile, read_chunks
+from workers.weights.update import BroadcastWeights, FileWeights, InlineWeights, WeightUpdate
 
 if TYPE_CHECKING:
-    from workers.weights.broadcast import CollectiveWeights
+    from workers.weights.update import Barrier
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class EngineClient:
         self._gone: Optional[str] = None  # why the server is considered dead
         self._pending: dict[int, tuple[asyncio.Future, object]] = {}
         self._streams: dict[int, asyncio.Queue] = {}  # group request id -> its samples as they come
-        self._weights: dict[int, "CollectiveWeights"] = {}
+        self._weights: dict[int, "Barrier"] = {}  # collective updates in flight: their barriers
         self._last_heard = time.monotonic()
         self._closing = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -91,20 +92,22 @@ class EngineClient:
         self.pool: Optional[PoolView] = None  # on a shared engine pool: the newest view of it
 
     # -- lifecycle ---------------------------------------------------------------------------
-    async def start(self, warm_blob: "bytes | WeightFile | None" = None, version: int = 0) -> None:
+    async def start(self, weights: Optional[WeightUpdate] = None, version: int = 0) -> None:
         self._loop = asyncio.get_running_loop()
         if self.address is None:
             self.address, self.server_pid = await asyncio.to_thread(self._launch)
         self.channel = await asyncio.to_thread(self._connect)
         self._last_heard = time.monotonic()
         threading.Thread(target=self._read, name=f"engine-client-{self.index}", daemon=True).start()
-        if isinstance(warm_blob, WeightFile):
-            stream = await self._send_file(warm_blob)
+        if isinstance(weights, BroadcastWeights):
+            raise ValueError("an engine starts with a file or bytes; a broadcast needs the weight group it joins after")
+        if isinstance(weights, FileWeights):  # in chunks: the server's file view is not known yet
+            stream = await self._send_file(weights.file)
             ready = await self._request(StartRequest(id=next(_request_ids), version=version, weights_stream=stream,
                                                      tenant=self.tenant), timed=False)
         else:
             ready = await self._request(StartRequest(id=next(_request_ids), version=version, tenant=self.tenant),
-                                        warm_blob, timed=False)
+                                        weights.data if weights is not None else None, timed=False)
         self._core_pids, self.worker_count = list(ready.core_pids), ready.worker_count
         # a server that sees this process's files takes weight files by their path (no wire, no spool)
         self.same_files = (bool(ready.file_view) and ready.file_view == file_view()
@@ -156,6 +159,17 @@ class EngineClient:
         now = time.perf_counter() if now is None else now
         return self._busy_s + (now - self._stats_at if self._running and not self.dead else 0.0)
 
+    on_busy = RolloutEngine.on_busy  # as RolloutEngine's: a request starts on an idle engine, its last stops
+
+    def _sent(self, key) -> None:
+        if not self.active and self.on_busy is not None:
+            self.on_busy(True)
+        self.active[key] = time.perf_counter()
+
+    def _ended(self, key) -> None:
+        if self.active.pop(key, None) is not None and not self.active and self.on_busy is not None:
+            self.on_busy(False)
+
     @property
     def busy_s(self) -> float:
         return self._busy_s
@@ -165,11 +179,11 @@ class EngineClient:
                        seed: Optional[int] = None, ignore_eos: bool = False, priority: int = 0) -> Completion:
         request = GenerateRequest(id=next(_request_ids), prompt_ids=list(prompt_ids), max_tokens=max_tokens,
                                   temperature=temperature, seed=seed, ignore_eos=ignore_eos, priority=priority)
-        self.active[request.id] = time.perf_counter()
+        self._sent(request.id)
         try:
             reply = await self._request(request, timed=False)
         finally:
-            self.active.pop(request.id, None)
+            self._ended(request.id)
         return reply
 
     # the in-process engine's collection, over this class's stream_group
@@ -186,7 +200,7 @@ class EngineClient:
         self._streams[request.id] = queue
         keys = [(request.id, i) for i in range(n)]
         for key in keys:
-            self.active[key] = time.perf_counter()
+            self._sent(key)
         ending = asyncio.ensure_future(self._request(request, timed=False))
         ending.add_done_callback(lambda _: queue.put_nowait(None))
         received: set[int] = set()
@@ -198,14 +212,14 @@ class EngineClient:
                     break
                 index, comp = item
                 received.add(index)
-                self.active.pop(keys[index], None)
+                self._ended(keys[index])
                 yield index, comp
             for i in sorted(set(range(n)) - received):
                 yield i, self._died_unstarted(prompt_ids)
         finally:
             self._streams.pop(request.id, None)
             for key in keys:
-                self.active.pop(key, None)
+                self._ended(key)
             if not ending.done():
                 ending.cancel()
             elif not ending.cancelled():
@@ -233,20 +247,24 @@ class EngineClient:
         self.asleep = left
         return seconds
 
-    async def update_weights(self, weights: "bytes | WeightFile | CollectiveWeights", version: int) -> UpdateTiming:
+    async def update_weights(self, weights: WeightUpdate, version: int) -> UpdateTiming:
+        """The update on the wire: a file by its path to a server that sees this host's
+        files, else in bounded chunks; bytes attached; a broadcast's metadata (this client
+        holds its barrier for the server: ``ArrivedEvent``, ``GoRequest``)."""
         rid = next(_request_ids)
-        if isinstance(weights, WeightFile) and self.same_files:
-            reply = await self._request(UpdateRequest(id=rid, version=version, weights_path=weights.path), timed=False)
-        elif isinstance(weights, WeightFile):
-            stream = await self._send_file(weights)
+        if isinstance(weights, FileWeights) and self.same_files:
+            reply = await self._request(UpdateRequest(id=rid, version=version, weights_path=weights.file.path),
+                                        timed=False)
+        elif isinstance(weights, FileWeights):
+            stream = await self._send_file(weights.file)
             reply = await self._request(UpdateRequest(id=rid, version=version, weights_stream=stream), timed=False)
-        elif isinstance(weights, (bytes, bytearray, memoryview)):
-            reply = await self._request(UpdateRequest(id=rid, version=version), bytes(weights), timed=False)
+        elif isinstance(weights, InlineWeights):
+            reply = await self._request(UpdateRequest(id=rid, version=version), weights.data, timed=False)
         else:
-            self._weights[rid] = weights
+            self._weights[rid] = weights.group
             try:
-                reply = await self._request(UpdateRequest(id=rid, version=version, collective_meta=weights.meta),
-                                            timed=False)
+                reply = await self._request(UpdateRequest(id=rid, version=version,
+                                                          collective_meta=weights.group.meta), timed=False)
             finally:
                 self._weights.pop(rid, None)
         self.version = max(self.version, reply.version)

@@ -25,14 +25,16 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from workers.rollout.staleness import VersionTrack
 from workers.tasks.model_folder import check_model_folder
-from workers.weights.files import WeightFile
+from workers.weights.update import BroadcastWeights, FileWeights, InlineWeights, WeightUpdate
 
 if TYPE_CHECKING:
-    from workers.weights.broadcast import CollectiveWeights
+    from workers.agents.api import EpisodeRecord
+    from workers.rollout.messages import EngineServerConfig
+    from workers.weights.files import WeightFile
 
 logger = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -78,6 +80,9 @@ class Completion:
     finished_at: float
     resubmits: int = 0  # interrupt mode: times this request was aborted and resumed
     engine: int = 0
+    # task.environment: the episode's turns (token_ids then hold every id after the prompt,
+    # generated and observed; workers/agents/episode.py); None for a single-turn sample
+    episode: Optional["EpisodeRecord"] = None
 
     @property
     def length(self) -> int:
@@ -197,6 +202,10 @@ class EngineRPCTimeout(RuntimeError):
 
 
 class RolloutEngine:
+    # called with True when a request starts on an idle engine, False when its last one stops
+    # (the run's time breakdown, workers/coord/time_breakdown.py)
+    on_busy: Optional[Callable[[bool], None]] = None
+
     def __init__(self, model_path: str, *, index: int = 0, update_mode: str = "keep", max_model_len: int = 256,
                  max_num_seqs: int = 256, dtype: str = "float32", seed: int = 0, rpc_timeout_s: float = 60.0,
                  sampling: SamplingOptions = SamplingOptions(), gpu_memory_utilization: Optional[float] = None,
@@ -223,7 +232,7 @@ class RolloutEngine:
         self.sampling = sampling
         self.rpc_timeout_s = rpc_timeout_s
         self.max_model_len, self.max_num_seqs, self.dtype, self.seed = max_model_len, max_num_seqs, dtype, seed
-        self.engine = None
+        self.engine: Any = None  # vLLM's AsyncLLM, once started
         self.version = 0
         self.active: dict[str, float] = {}  # request id -> time of its last output
         self.updates: list[UpdateTiming] = []
@@ -238,10 +247,23 @@ class RolloutEngine:
         self._gap_ema: Optional[float] = None
         self._pending_stall: Optional[tuple[UpdateTiming, float, dict[str, float]]] = None
 
+    @classmethod
+    def from_config(cls, config: "EngineServerConfig") -> "RolloutEngine":
+        """The engine an engine server's configuration describes (in this process)."""
+        return cls(config.model_path, index=config.index, update_mode=config.update_mode,
+                   max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs, dtype=config.dtype,
+                   seed=config.seed, rpc_timeout_s=config.rpc_timeout_s,
+                   sampling=SamplingOptions(config.top_p, config.top_k, tuple(config.stop),
+                                            tuple(config.stop_token_ids)),
+                   gpu_memory_utilization=config.gpu_memory_utilization,
+                   cpu_single_process=config.cpu_single_process, enforce_eager=config.enforce_eager,
+                   sleep_mode=config.sleep_mode, tensor_parallel=config.tensor_parallel,
+                   priority_scheduling=config.priority_scheduling, lora_rank=config.lora_rank)
+
     # -- lifecycle ---------------------------------------------------------------
-    async def start(self, warm_blob: "bytes | WeightFile | None" = None, version: int = 0) -> None:
-        """Start the engine; ``warm_blob`` (safetensors bytes or a file) is loaded as its
-        first weight update, labelled ``version`` (a resumed run's checkpoint)."""
+    async def start(self, weights: Optional[WeightUpdate] = None, version: int = 0) -> None:
+        """Start the engine; ``weights`` (a file or bytes: weights/update.py) are loaded as
+        its first weight update, labelled ``version`` (a resumed run's checkpoint)."""
         if not os.path.isfile(os.path.join(self.model_path, "config.json")):
             raise FileNotFoundError(f"model.path {self.model_path!r} is not a Hugging Face model folder (no config.json)")
         check_model_folder(self.model_path)  # vLLM reads the folder's index and config as transformers does
@@ -263,8 +285,8 @@ class RolloutEngine:
         await self._set_label("0")
         # The first weight load and the first steps of a process are slow (warm-up): pay them now.
         await self.generate([1, 5], max_tokens=4, temperature=1.0)
-        if warm_blob is not None:
-            await self._load(warm_blob)
+        if weights is not None:
+            await self._load(weights)
         if version:
             await self._set_label(str(version))
             self.version = version
@@ -393,6 +415,8 @@ class RolloutEngine:
         """A sequence starts running (``active`` holds one key per running sequence)."""
         if not self.active:
             self._busy_since = time.perf_counter()
+            if self.on_busy is not None:
+                self.on_busy(True)
         self.active[key] = time.perf_counter()
 
     def _stopped(self, key: str) -> None:
@@ -401,6 +425,8 @@ class RolloutEngine:
         if not self.active and self._busy_since is not None:
             self.busy_s += time.perf_counter() - self._busy_since
             self._busy_since = None
+            if self.on_busy is not None:
+                self.on_busy(False)
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float,
                        seed: Optional[int] = None, ignore_eos: bool = False, priority: int = 0) -> Completion:
@@ -561,22 +587,28 @@ class RolloutEngine:
         return await self._call("joining the weight group",
                                 self.engine.collective_rpc("fluxrl_join_weight_group", kwargs=info))
 
-    def _load(self, weights: "bytes | WeightFile | CollectiveWeights"):
-        if self.lora_rank:
-            return self._load_adapter(weights)
-        if isinstance(weights, WeightFile):  # read by vLLM's workers a tensor at a time
-            return self.engine.collective_rpc("fluxrl_load_weight_file", args=(weights.path, False,
-                                                                                *_identity_args(weights)))
-        if isinstance(weights, (bytes, bytearray, memoryview)):
-            return self.engine.collective_rpc("fluxrl_load_weights", args=(weights,))
-        return self.engine.collective_rpc("fluxrl_receive_weights", args=(weights.meta,))
+    def _load(self, weights: WeightUpdate):
+        """The load of one update, by what it is (the one place an engine tells them apart):
+        an awaitable of each worker's report."""
+        if isinstance(weights, FileWeights) and weights.adapter != bool(self.lora_rank):
+            raise ValueError(f"rollout engine {self.index} serves "
+                             f"{'a LoRA adapter (model.lora)' if self.lora_rank else 'full weights'}: it cannot "
+                             f"load {'an adapter' if weights.adapter else 'full weights'}")
+        if self.lora_rank and not isinstance(weights, FileWeights):
+            raise TypeError("model.lora: an adapter update comes as a weight file (rollout.weight_transport rpc)")
+        if isinstance(weights, FileWeights) and weights.adapter:
+            return self._load_adapter(weights.file)
+        if isinstance(weights, FileWeights):  # read by vLLM's workers a tensor at a time
+            return self.engine.collective_rpc("fluxrl_load_weight_file", args=(weights.file.path, False,
+                                                                                *_identity_args(weights.file)))
+        if isinstance(weights, InlineWeights):
+            return self.engine.collective_rpc("fluxrl_load_weights", args=(weights.data,))
+        return self.engine.collective_rpc("fluxrl_receive_weights", args=(weights.group.meta,))
 
     async def _load_adapter(self, weights: "WeightFile") -> list[dict]:
         """model.lora: the adapter file into vLLM's LoRA slot, in place (the worker's
         ``fluxrl_load_lora_file``). The first one also becomes the adapter every request
         generates with from then on (before it, the base model: the same policy, B = 0)."""
-        if not isinstance(weights, WeightFile):
-            raise TypeError("model.lora: an adapter update comes as a weight file (rollout.weight_transport rpc)")
         if self._lora_folder is None:
             import tempfile
 
@@ -611,22 +643,23 @@ class RolloutEngine:
             return core.set_weight_version_async(label)
         return asyncio.sleep(0)
 
-    async def update_weights(self, weights: "bytes | WeightFile | CollectiveWeights", version: int) -> UpdateTiming:
+    async def update_weights(self, weights: WeightUpdate, version: int) -> UpdateTiming:
         """Load new weights, labelled ``version``, with the engine's update mode: ``weights``
-        is a safetensors file (files.WeightFile: the RPC path), safetensors bytes, or a
-        ``CollectiveWeights`` (the metadata of a broadcast the trainer runs meanwhile:
-        weight_broadcast.py). On a shared engine one run's update at a time (a pause and
-        resume of another's would land in the middle of it)."""
+        says how they come (weights/update.py): a safetensors file (the RPC path),
+        safetensors bytes, or a broadcast the trainer runs meanwhile (weights/broadcast.py).
+        On a shared engine one run's update at a time (a pause and resume of another's would
+        land in the middle of it)."""
         async with (self._update_lock or contextlib.nullcontext()):
             return await self._update_weights(weights, version)
 
-    async def _update_weights(self, weights: "bytes | WeightFile | CollectiveWeights", version: int) -> UpdateTiming:
+    async def _update_weights(self, weights: WeightUpdate, version: int) -> UpdateTiming:
         core = self.engine.engine_core
         label = str(self.engine_label(version))
         t0 = time.perf_counter()
-        collective = not isinstance(weights, (bytes, bytearray, memoryview, WeightFile))
-        if collective and self.update_mode != "drain":
-            await weights.arrive()  # every engine is about to receive: the trainer sends now
+        group = weights.group if isinstance(weights, BroadcastWeights) else None
+        collective = group is not None
+        if group is not None and self.update_mode != "drain":
+            await group.arrive()  # every engine is about to receive: the trainer sends now
         if self.update_mode == "keep" and collective:
             # The version is set only once the receive succeeded (one more round trip while
             # paused): a broken broadcast leaves the old weights, which keep their label.
@@ -660,8 +693,8 @@ class RolloutEngine:
             # waits for the running requests: as long as they take, but not past a death
             await self._call("a drain", core.pause_scheduler_async(mode="wait", clear_cache=False), timed=False)
             try:
-                if collective:  # the other engines may still be draining: wait for them untimed
-                    await weights.arrive()
+                if group is not None:  # the other engines may still be draining: wait for them untimed
+                    await group.arrive()
                 loaded = await self._call("a weight load", self._load(weights))
                 await self._call("a weight version", self._set_label(label))
             except Exception as exc:

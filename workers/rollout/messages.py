@@ -9,7 +9,7 @@ and receives only after the client's ``GoRequest``.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field, TypeAdapter, field_validator
 
@@ -134,7 +134,7 @@ class UpdateRequest(wire.Message):
     kind: Literal["update"] = "update"
     id: int
     version: int
-    collective_meta: Optional[dict] = None
+    collective_meta: Optional[dict[str, Any]] = None
     weights_stream: Optional[int] = None
     weights_path: Optional[str] = Field(None, max_length=4096)
 
@@ -149,7 +149,7 @@ class GoRequest(wire.Message):
 class JoinGroupRequest(wire.Message):
     kind: Literal["join_group"] = "join_group"
     id: int
-    info: dict
+    info: dict[str, Any]
 
 
 class ChecksumRequest(wire.Message):
@@ -288,5 +288,5 @@ EngineReply = Annotated[
     Field(discriminator="kind"),
 ]
 
-REQUESTS: TypeAdapter = TypeAdapter(EngineRequest)
-REPLIES: TypeAdapter = TypeAdapter(EngineReply)
+REQUESTS: TypeAdapter[EngineRequest] = TypeAdapter(EngineRequest)
+REPLIES: TypeAdapter[EngineReply] = TypeAdapter(EngineReply)

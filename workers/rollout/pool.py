@@ -65,12 +65,14 @@ from pydantic import Field
 
 from workers.io import wire
 from workers.io.lifetime import pid_alive, pid_namespace
-from workers.rollout.engine import RolloutEngine, SamplingOptions, configure_cpu_environment, lora_rank_class
+from workers.rollout.engine import (RolloutEngine, SamplingOptions, UpdateTiming, configure_cpu_environment,
+                                    lora_rank_class)
 from workers.rollout.client import EngineClient
 from workers.rollout.messages import (REPLIES, REQUESTS, EngineServerConfig, HandOffRequest, JoinGroupRequest, PoolView,
                                       SleepRequest, StartRequest, TenantInfo, UpdateRequest, WakeRequest)
 from workers.rollout.server import _Server
 from workers.rollout.tickets import TICKET_ENV, VERIFIER_ENV, TicketError, read_ticket, verifier_from_env
+from workers.weights.update import FileWeights, WeightUpdate
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +249,7 @@ class TenantEngine(RolloutEngine):
         self._labels: list[tuple[int, int]] = []  # (pool label, this run's version), ascending
         self._checksum: Optional[str] = None
 
-    async def start(self, warm_blob=None, version: int = 0) -> None:
+    async def start(self, weights: Optional[WeightUpdate] = None, version: int = 0) -> None:
         t = self.tenant
         if t is None:
             raise ValueError("a run joins a shared engine pool saying who it is (StartRequest.tenant)")
@@ -265,9 +267,9 @@ class TenantEngine(RolloutEngine):
         self.slot = self.lora_id = self.pool.join(self)
         self.version = version
         self._labels = [(self.pool.label, version)]
-        if warm_blob is not None:
+        if weights is not None:
             async with self._update_lock:
-                await self._load(warm_blob)
+                await self._load(weights)
 
     def _joined(self) -> None:
         if self.slot is None:
@@ -339,9 +341,9 @@ class TenantEngine(RolloutEngine):
                 task.cancel()
             await asyncio.gather(splitter, *tasks, return_exceptions=True)  # their requests aborted, seats back
 
-    async def update_weights(self, weights, version: int):
+    async def update_weights(self, weights: WeightUpdate, version: int) -> UpdateTiming:
         self._joined()
-        if not hasattr(weights, "path"):
+        if not isinstance(weights, FileWeights) or not weights.adapter:
             raise ValueError("a shared engine takes adapter files only (rollout.weight_transport rpc)")
         timing = await super().update_weights(weights, version)
         self._checksum = None
@@ -400,11 +402,7 @@ class EnginePool:
     def __init__(self, config: PoolConfig):
         self.config = config
         e = config.engine
-        self.base = RolloutEngine(
-            e.model_path, index=e.index, max_model_len=e.max_model_len, max_num_seqs=e.max_num_seqs, dtype=e.dtype,
-            seed=e.seed, rpc_timeout_s=e.rpc_timeout_s, gpu_memory_utilization=e.gpu_memory_utilization,
-            cpu_single_process=e.cpu_single_process, enforce_eager=e.enforce_eager,
-            tensor_parallel=e.tensor_parallel, priority_scheduling=e.priority_scheduling, lora_rank=e.lora_rank)
+        self.base = RolloutEngine.from_config(e)  # pool_settings: keep mode, no sampling settings of a run's
         self.base.lora_slots = config.slots
         self.update_lock = asyncio.Lock()
         self.seats = FairSeats(e.max_num_seqs, max_grant=MAX_GRANT)
@@ -878,9 +876,9 @@ class PoolClient(EngineClient):
             time.sleep(delay)
             delay = min(2.0, delay * 2)
 
-    async def start(self, warm_blob=None, version: int = 0) -> None:
+    async def start(self, weights: Optional[WeightUpdate] = None, version: int = 0) -> None:
         try:
-            await super().start(warm_blob, version)
+            await super().start(weights, version)
         except BaseException:
             self.shutdown()  # a refused join: its connection would only keep the pool awake
             raise

@@ -23,17 +23,18 @@ import signal
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from workers.io import wire
 from workers.io.lifetime import exit_with_parent, file_view
-from workers.rollout.engine import Completion, RolloutEngine, SamplingOptions, configure_cpu_environment
+from workers.rollout.engine import Completion, RolloutEngine, configure_cpu_environment
 from workers.rollout.messages import (REQUESTS, ArrivedEvent, ChecksumRequest, CompletionReply, EngineServerConfig,
                                       EngineStats, ErrorReply, GenerateRequest, GoRequest, GroupRequest,
                                       HandOffRequest, JoinGroupRequest, PingRequest, PongReply, PoolView, ReadyReply,
                                       SampleReply, ShutdownRequest, SleepRequest, StartRequest, UpdatedReply,
                                       UpdateRequest, ValueReply, WakeRequest, WeightChunkRequest, WireCompletion)
-from workers.weights.files import WeightFile, WeightSpool, local_weight_file
+from workers.weights.files import WeightSpool, local_weight_file
+from workers.weights.update import BroadcastWeights, FileWeights, InlineWeights, WeightUpdate
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +73,7 @@ class _Server:
     def __init__(self, config: EngineServerConfig, channel: wire.Channel, engine: Optional[RolloutEngine] = None,
                  standalone: bool = True):
         self.config, self.channel, self.standalone = config, channel, standalone
-        self.engine = engine or RolloutEngine(
-            config.model_path, index=config.index, update_mode=config.update_mode, max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs, dtype=config.dtype, seed=config.seed, rpc_timeout_s=config.rpc_timeout_s,
-            sampling=SamplingOptions(config.top_p, config.top_k, tuple(config.stop), tuple(config.stop_token_ids)),
-            gpu_memory_utilization=config.gpu_memory_utilization, cpu_single_process=config.cpu_single_process,
-            enforce_eager=config.enforce_eager, sleep_mode=config.sleep_mode, tensor_parallel=config.tensor_parallel,
-            priority_scheduling=config.priority_scheduling, lora_rank=config.lora_rank)
+        self.engine = engine or RolloutEngine.from_config(config)
         self.started = False
         self.stop = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
@@ -178,12 +173,16 @@ class _Server:
     async def _handle(self, request, blob: Optional[bytes]):
         e = self.engine
         if isinstance(request, StartRequest):
-            warm = self.spool.take(request.weights_stream) if request.weights_stream is not None else blob
+            warm: Optional[WeightUpdate] = None
+            if request.weights_stream is not None:
+                warm = self._spooled(request.weights_stream)
+            elif blob is not None:
+                warm = InlineWeights(blob)
             try:
-                await e.start(warm_blob=warm, version=request.version)
+                await e.start(weights=warm, version=request.version)
             finally:
-                if isinstance(warm, WeightFile):
-                    self.spool.release(warm)
+                if isinstance(warm, FileWeights):
+                    self.spool.release(warm.file)
             self.started = True
             return ReadyReply(id=request.id, pid=os.getpid(), core_pids=e.core_pids(), worker_count=e.worker_count,
                               stats=self.stats(), file_view=file_view() if self.TAKES_LOCAL_FILES else "")
@@ -203,26 +202,15 @@ class _Server:
                     sent += 1
             return ValueReply(id=request.id, value=sent, stats=self.stats())
         if isinstance(request, UpdateRequest):
-            if request.collective_meta is not None:
-                weights = _RemoteWeights(request.collective_meta, lambda: self._arrive(request.id))
-            elif request.weights_stream is not None:
-                weights = self.spool.take(request.weights_stream)
-            elif request.weights_path is not None:  # the trainer's own file: it stays the trainer's to remove
-                if not self.TAKES_LOCAL_FILES:
-                    raise ValueError("this engine takes weights by the wire only (a path could name another "
-                                     "run's file)")
-                weights = local_weight_file(request.weights_path, self.spool.max_bytes)
-            elif blob is not None:
-                weights = blob
-            else:
-                raise ValueError("an update without weights")
+            weights = self._received(request, blob)
             try:
                 t = await e.update_weights(weights, request.version)
             finally:
-                if isinstance(weights, WeightFile) and request.weights_path is None:
-                    self.spool.release(weights)
+                if isinstance(weights, FileWeights) and request.weights_path is None:
+                    self.spool.release(weights.file)
             return UpdatedReply(id=request.id, version=t.version, sync_ms=t.sync_ms, load_ms=t.load_ms,
                                 stats=self.stats())
+        value: Any
         if isinstance(request, HandOffRequest):
             value = await e.hand_off(request.count)
         elif isinstance(request, JoinGroupRequest):
@@ -232,10 +220,33 @@ class _Server:
         elif isinstance(request, SleepRequest):
             value = await e.sleep()
         elif isinstance(request, WakeRequest):
-            value = await e.wake_up(request.tags)
+            value = await e.wake_up(None if request.tags is None else list(request.tags))
         else:
             raise TypeError(f"unexpected request {request.kind!r}")
         return ValueReply(id=request.id, value=value, stats=self.stats())
+
+    def _spooled(self, stream: int) -> FileWeights:
+        """The file a stream of chunks left in the spool, as the update it is."""
+        file = self.spool.take(stream)
+        try:
+            return FileWeights.of(file)
+        except BaseException:
+            self.spool.release(file)  # not a safetensors file: nothing will load it
+            raise
+
+    def _received(self, request: UpdateRequest, blob: Optional[bytes]) -> WeightUpdate:
+        """The update an ``UpdateRequest`` carries, as the engine takes it (weights/update.py)."""
+        if request.collective_meta is not None:
+            return BroadcastWeights(_RemoteWeights(request.collective_meta, lambda: self._arrive(request.id)))
+        if request.weights_stream is not None:
+            return self._spooled(request.weights_stream)
+        if request.weights_path is not None:  # the trainer's own file: it stays the trainer's to remove
+            if not self.TAKES_LOCAL_FILES:
+                raise ValueError("this engine takes weights by the wire only (a path could name another run's file)")
+            return FileWeights.of(local_weight_file(request.weights_path, self.spool.max_bytes))
+        if blob is not None:
+            return InlineWeights(blob)
+        raise ValueError("an update without weights")
 
     async def _arrive(self, update_id: int) -> None:
         from workers.weights.broadcast import WeightBroadcastError

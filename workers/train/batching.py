@@ -3,7 +3,7 @@ completion right-padded to the longest, position t predicting token t+1, so a sa
 generated tokens sit at columns p-1 .. p-1+len-1 (p: its prompt's length)."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -34,6 +34,33 @@ def per_token(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], columns: int
     return out
 
 
-def completion_mask(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], columns: int) -> torch.Tensor:
-    """1 on every generated token's column, 0 elsewhere: [n, columns]."""
-    return per_token(pairs, columns, [[1.0] * len(t) for _, t in pairs])
+def completion_mask(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], columns: int,
+                    loss_masks: Optional[Sequence[Optional[Sequence[int]]]] = None) -> torch.Tensor:
+    """1 on every trained token's column, 0 elsewhere: [n, columns]. ``loss_masks``: per
+    pair, 1 or 0 per token (an episode's observation ids are 0: workers/agents/episode.py);
+    None, or a None entry, trains every generated token."""
+    masks = loss_masks or [None] * len(pairs)
+    values = []
+    for (_, t), m in zip(pairs, masks):
+        if m is not None and len(m) != len(t):
+            raise ValueError(f"a loss mask of {len(m)} entries for {len(t)} tokens")
+        values.append([1.0] * len(t) if m is None else [float(bool(x)) for x in m])
+    return per_token(pairs, columns, values)
+
+
+def trained_ids(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Read back from the padded tensors the ids each row trains on: the target of each
+    column where ``mask`` is 1 (column t predicts token t+1), in order. The token-exactness
+    check compares these with the engine's ids, so it checks the packing and the masking."""
+    targets = ids[:, 1:].detach().cpu()
+    on = mask.detach().cpu() > 0
+    return [targets[i][on[i]].tolist() for i in range(ids.shape[0])]
+
+
+def token_exact(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], loss_masks, engine_ids: Sequence[Sequence[int]],
+                pad_id: int = 0) -> list[bool]:
+    """Whether each sample's trained ids, as ``pad_sequences`` and ``completion_mask`` pack
+    them (the trainer's layout), equal ``engine_ids``: the ids the engine generated."""
+    ids, _ = pad_sequences(pairs, pad_id)
+    mask = completion_mask(pairs, ids.shape[1] - 1, loss_masks)
+    return [got == list(want) for got, want in zip(trained_ids(ids, mask), engine_ids)]

@@ -284,7 +284,9 @@ def micro_batches(samples: list, rows: int = 0, pad_id: int = 0, parts: Optional
         pairs = [(s.prompt_ids, s.token_ids) for s in part]
         ids, att = pad_sequences(pairs, pad_id)
         columns = ids.shape[1] - 1
-        mb = {"ids": ids, "att": att, "mask": completion_mask(pairs, columns),
+        # an episode's observation tokens are masked out of both losses and their statistics
+        mb = {"ids": ids, "att": att, "mask": completion_mask(pairs, columns,
+                                                              [getattr(s, "loss_mask", None) for s in part]),
               "behav": per_token(pairs, columns, [s.behav_logprobs for s in part]),
               "adv": per_token(pairs, columns, [s.token_advantages for s in part]),
               "old_values": per_token(pairs, columns, [s.values for s in part]),

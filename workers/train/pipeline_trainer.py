@@ -19,7 +19,7 @@ import logging
 import os
 import shutil
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -29,8 +29,11 @@ from workers.train import algorithms
 from workers.train.batching import generated_columns, pad_sequences
 from workers.train.pipeline import Hyper, bubble_share, micro_batches
 from workers.train.pipeline_group import Optim, PipelineGroup
-from workers.train.trainer import (TrainSample, charged_kl, step_denominator, whiten_targets,
+from workers.train.trainer import (TrainSample, critic_sums_of, step_denominator, whiten_targets,
                                    with_critic_targets)
+
+if TYPE_CHECKING:
+    from workers.weights.files import WeightFile
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +94,7 @@ class PipelineTrainer:
         for i, s in enumerate(batch):
             if s.values is not None:
                 out[i] = with_critic_targets(s, list(s.values), algo)
-        sums = algorithms.critic_sums([s.values for s in out], [s.returns for s in out],
-                                      [s.token_advantages for s in out], charged_kl(out, algo))
+        sums = critic_sums_of(out, algo)  # over trained tokens (an episode's observations left out)
         return whiten_targets(out, sums, algo), sums  # whitened over the whole batch (one process)
 
     def train_step(self, batch: list[TrainSample]) -> dict[str, float]:
@@ -134,6 +136,12 @@ class PipelineTrainer:
 
     def critic_state_dict(self) -> dict[str, torch.Tensor]:
         return self.group.state_dict("critic")
+
+    def write_weight_file(self, path: str) -> "WeightFile":
+        """The actor's weights as a safetensors file at ``path`` (files.WeightWriter)."""
+        from workers.weights.files import write_weight_file
+
+        return write_weight_file(self.state_dict(), path)
 
     def save(self, path: str) -> None:
         """A Hugging Face folder vLLM and transformers load: the actor's weights (a tied LM

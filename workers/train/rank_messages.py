@@ -4,7 +4,7 @@ replies (``TrainerReply``), pydantic messages sent as plain dicts over multiproc
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -26,6 +26,8 @@ class Sample(_Message):
     values: Optional[list[float]] = None  # critic.forward stage: the critic's values, from the inference stage
     ref_logprobs: Optional[list[float]] = None  # algorithm.kl_reference stage: log π_ref, from the inference stage
     versions: Optional[list[int]] = None  # the policy version of each token: the mismatch metrics' staleness
+    loss_mask: Optional[list[int]] = None  # an episode: 0 on its observation tokens (never trained)
+    token_rewards: Optional[list[float]] = None  # an episode under GAE: each token's reward
 
 
 class StepShare(_Message):
@@ -163,7 +165,7 @@ class WeightGroupReply(_Message):
     rank: int
     port: Optional[int] = None
     nccl_id: Optional[str] = None  # NCCL: the unique id rank 0 minted, for the engines' join RPC
-    meta: Optional[dict] = None
+    meta: Optional[dict[str, Any]] = None
     error: Optional[str] = None
 
 
@@ -179,8 +181,8 @@ TrainerReply = Annotated[
     Field(discriminator="kind"),
 ]
 
-_REQUESTS: TypeAdapter = TypeAdapter(TrainerRequest)
-_REPLIES: TypeAdapter = TypeAdapter(TrainerReply)
+_REQUESTS: TypeAdapter[TrainerRequest] = TypeAdapter(TrainerRequest)
+_REPLIES: TypeAdapter[TrainerReply] = TypeAdapter(TrainerReply)
 
 
 class _RankConfig(_Message):

@@ -113,7 +113,8 @@ class _Rank:
         from workers.train.trainer import TrainSample
 
         return [TrainSample(s.prompt_ids, s.token_ids, s.behav_logprobs, s.advantage, s.prox_logprobs,
-                            reward=s.reward, values=s.values, ref_logprobs=s.ref_logprobs, versions=s.versions)
+                            reward=s.reward, values=s.values, ref_logprobs=s.ref_logprobs, versions=s.versions,
+                            loss_mask=s.loss_mask, token_rewards=s.token_rewards)
                 for s in samples]
 
     def _train(self, request: TrainRequest) -> StatsReply:
@@ -189,6 +190,8 @@ class _Rank:
             stats["critic/value_loss"] = sum(r["value_loss"] for r in rows) / len(rows)
             stats["critic/value_clip_frac"] = sum(r["value_clip"] for r in rows) / tokens
         stats["trainer/step_s"] = seconds
+        # this rank's own split of its step (time_breakdown.py)
+        stats |= {f"trainer/{k}": sum(st.get(k, 0.0) for st in steps) for k in ("backward_s", "optimizer_s")}
         return StatsReply(rank=self.rank, version=self.trainer.version, stats=stats)
 
     def _state(self, model: str = "policy", path: Optional[str] = None) -> StateReply:

@@ -83,7 +83,9 @@ def _sample(s) -> Sample:
                   advantage=float(s.advantage), prox_logprobs=prox, reward=float(s.reward),
                   values=None if s.values is None else list(s.values),
                   ref_logprobs=None if s.ref_logprobs is None else list(s.ref_logprobs),
-                  versions=None if getattr(s, "versions", None) is None else list(s.versions))
+                  versions=None if getattr(s, "versions", None) is None else list(s.versions),
+                  loss_mask=None if getattr(s, "loss_mask", None) is None else list(s.loss_mask),
+                  token_rewards=None if getattr(s, "token_rewards", None) is None else list(s.token_rewards))
 
 
 def plan_train(batch: list, spec: RunSpec, version: int, world: int) -> list[TrainRequest]:
@@ -224,7 +226,7 @@ class TrainerGroup:
         lengths = [_length(s) for s in batch]
         shares = split_by_tokens(list(range(len(batch))), lengths, self.world)
         micro = max(1, *(_micro_batches(s, lengths, budget) for s in shares))
-        self._stream["tokens"] += sum(len(s.token_ids) for s in batch)
+        self._stream["tokens"] += sum(s.trained_tokens for s in batch)  # an episode's observations are not
         self._stream["sequences"] += len(batch)
         mine = shares[self.first_rank : self.first_rank + self.ranks]
         self._call([AccumulateRequest(samples=[_sample(batch[i]) for i in share], denominator=denominator, last=last,

@@ -16,7 +16,7 @@ import functools
 import os
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -26,6 +26,9 @@ from workers.train.deepspeed_setup import (AUTOCAST_DTYPES, deepspeed_config, fo
                                           limit_heap_fragmentation, partitioned_loading)
 from workers.spec import RunSpec, model_dtype
 from workers.tasks.model_folder import check_model_folder
+
+if TYPE_CHECKING:
+    from workers.weights.files import WeightFile
 
 
 @dataclass
@@ -47,11 +50,23 @@ class TrainSample:
     ref_logprobs: Optional[list[float]] = None
     # the policy version that generated each token: the mismatch metrics split by staleness with it
     versions: Optional[list[int]] = None
+    # an episode (task.environment): 1 on each generated token, 0 on each observation token,
+    # which no loss, metric or denominator counts; None: every token is trained
+    loss_mask: Optional[list[int]] = None
+    # an episode under GAE: the reward of each token (turn rewards on each turn's last generated
+    # token, the final score on the last: workers/agents/episode.py token_rewards); None: ``reward``
+    # on the last token
+    token_rewards: Optional[list[float]] = None
+
+    @property
+    def trained_tokens(self) -> int:
+        return len(self.token_ids) if self.loss_mask is None else sum(1 for m in self.loss_mask if m)
 
 
 def step_denominator(batch: list[TrainSample], normalize: str) -> float:
-    """The loss denominator of one optimiser step over ``batch``: its trained tokens or sequences."""
-    return max(1.0, float(sum(len(s.token_ids) for s in batch) if normalize == "tokens" else len(batch)))
+    """The loss denominator of one optimiser step over ``batch``: its trained tokens (an
+    episode's observation tokens are not) or sequences."""
+    return max(1.0, float(sum(s.trained_tokens for s in batch) if normalize == "tokens" else len(batch)))
 
 
 def needs_proximal(parts: list[list[int]], n: int) -> list[bool]:
@@ -92,15 +107,54 @@ def with_critic_targets(sample: TrainSample, values: list[float], algo) -> Train
     """``sample`` with the critic's ``values`` and, from them and its reward (on its last
     token; with algorithm.kl_penalty 'reward' also −kl_coef·(log π_old − log π_ref) on every
     token, π_old the behaviour policy), GAE's per-token advantages (raw: ``whiten_targets``
-    whitens them over the batch) and the returns the critic trains towards."""
+    whitens them over the batch) and the returns the critic trains towards.
+
+    An episode (``loss_mask``): GAE runs over its generated tokens alone, in order, as one
+    sequence of actions. The observation between two turns is part of the environment's
+    transition, not an action: the value after a turn's last token is the value before the
+    next turn's first. Each turn's reward sits on that turn's last generated token, the final
+    score on the episode's last (``token_rewards``); observation tokens get advantage 0 and
+    their value as return (masked out of every loss)."""
+    trained = [k for k in range(len(sample.token_ids)) if sample.loss_mask is None or sample.loss_mask[k]]
     if kl_in_reward(algo):
         if sample.ref_logprobs is None:
             raise RuntimeError("algorithm.kl_penalty 'reward': a sample reached GAE without its reference log-probs")
-        rewards = algorithms.kl_rewards(sample.reward, sample.behav_logprobs, sample.ref_logprobs, algo.kl_coef)
+        rewards = algorithms.kl_rewards(0.0 if sample.token_rewards is not None else sample.reward,
+                                        [sample.behav_logprobs[k] for k in trained],
+                                        [sample.ref_logprobs[k] for k in trained], algo.kl_coef)
     else:
-        rewards = algorithms.terminal_rewards(sample.reward, len(sample.token_ids))
-    adv, ret = algorithms.gae(rewards, values, algo.gamma, algo.lam)
+        rewards = algorithms.terminal_rewards(0.0 if sample.token_rewards is not None else sample.reward,
+                                              len(trained))
+    if sample.token_rewards is not None:
+        rewards = [r + sample.token_rewards[k] for r, k in zip(rewards, trained)]
+    adv_t, ret_t = algorithms.gae(rewards, [values[k] for k in trained], algo.gamma, algo.lam)
+    if len(trained) == len(sample.token_ids):
+        adv, ret = adv_t, ret_t
+    else:
+        adv, ret = [0.0] * len(sample.token_ids), [float(v) for v in values]
+        for k, a, r in zip(trained, adv_t, ret_t):
+            adv[k], ret[k] = a, r
     return dataclasses.replace(sample, values=values, returns=ret, token_advantages=adv)
+
+
+def trained_only(samples: list[TrainSample], field: str) -> list[Optional[list[float]]]:
+    """A per-token field of each sample over its trained tokens only (an episode's
+    observation tokens left out of the statistics)."""
+    out = []
+    for s in samples:
+        values = getattr(s, field)
+        out.append(values if values is None or s.loss_mask is None
+                   else [v for v, m in zip(values, s.loss_mask) if m])
+    return out
+
+
+def critic_sums_of(samples: list[TrainSample], algo) -> dict[str, float]:
+    """``algorithms.critic_sums`` over the samples' trained tokens."""
+    kl = charged_kl(samples, algo)
+    if kl is not None:
+        kl = [k if s.loss_mask is None else [v for v, m in zip(k, s.loss_mask) if m] for k, s in zip(kl, samples)]
+    return algorithms.critic_sums(trained_only(samples, "values"), trained_only(samples, "returns"),
+                                  trained_only(samples, "token_advantages"), kl)
 
 
 def whiten_targets(batch: list[TrainSample], sums: dict[str, float], algo, all_reduce=None) -> list[TrainSample]:
@@ -348,6 +402,13 @@ class Trainer:
 
         return adapter_metadata(self.engine.module)
 
+    def write_weight_file(self, path: str) -> "WeightFile":
+        """The weights the engines load (``state_dict``) as a safetensors file at ``path``,
+        with ``weight_metadata`` in its header (files.WeightWriter)."""
+        from workers.weights.files import write_weight_file
+
+        return write_weight_file(self.state_dict(), path, self.weight_metadata() or None)
+
     def save(self, path: str) -> None:
         """A complete HF folder (weights + the tokenizer files) that vLLM can load. With
         model.lora: the base model with the adapter merged in, and the adapter itself as a
@@ -406,7 +467,9 @@ class Trainer:
         pairs = [(s.prompt_ids, s.token_ids) for s in batch]
         ids, att = pad_sequences(pairs, self.pad_id)
         width = ids.shape[1]
-        mask = completion_mask(pairs, width - 1)
+        # an episode's observation tokens are 0: every loss, metric and denominator below counts
+        # trained tokens only
+        mask = completion_mask(pairs, width - 1, [s.loss_mask for s in batch])
         behav = self._per_token(batch, width - 1, "behav_logprobs")
         prox = self._per_token(batch, width - 1, "prox_logprobs") if batch[0].prox_logprobs is not None else None
         if batch[0].token_advantages is not None:  # GAE: one advantage per token, in the mask's layout
@@ -468,8 +531,7 @@ class Trainer:
         for _ in range(len(micro), min_micro_batches):
             self.critic.values(*self._idle_ids())
         stat = out if counted is None else [out[i] for i in counted]
-        sums = algorithms.critic_sums([s.values for s in stat], [s.returns for s in stat],
-                                      [s.token_advantages for s in stat], charged_kl(stat, algo))
+        sums = critic_sums_of(stat, algo)
         return (whiten_targets(out, sums, algo, self._all_reduce_sum) if whiten else out), sums
 
     def _all_reduce_sum(self, t: torch.Tensor) -> None:
@@ -574,6 +636,8 @@ class Trainer:
             "trainer/micro_batches": sum(st["micro"] for st in steps),
             "trainer/optimizer_steps": len(steps),
             "trainer/step_s": time.perf_counter() - t0,
+            "trainer/backward_s": sum(st["backward_s"] for st in steps),
+            "trainer/optimizer_s": sum(st["optimizer_s"] for st in steps),
         }
 
     def _denominator(self, batch: list[TrainSample]) -> float:
@@ -617,7 +681,8 @@ class Trainer:
     def begin_step(self) -> None:
         self._acc = {"loss": 0.0, "kl": 0.0, "clip": 0.0, "entropy": 0.0, "tokens": 0, "seqs": 0,
                      "padded": 0, "micro": 0, "seconds": 0.0, "dropped": 0, "truncated": 0, "value_loss": 0.0,
-                     "value_clip": 0.0, "loss_ones": 0.0, "mismatch": algorithms.MismatchSums.zeros()}
+                     "value_clip": 0.0, "loss_ones": 0.0, "mismatch": algorithms.MismatchSums.zeros(),
+                     "backward_s": 0.0, "optimizer_s": 0.0}  # the step's time split (time_breakdown.py)
         # gae in a streamed step: the sums of each arriving part's critic targets (critic_sums)
         self.critic_sums = None
         # gae with algorithm.whiten_advantages in a streamed step (see _side_gradient)
@@ -678,6 +743,9 @@ class Trainer:
             # computed π_prox before the first.
             logp_prox = logp.detach() if prox is None else prox
 
+            # The ratios are formed per token, each against that token's own behaviour log-prob
+            # (``behav``) and version: an episode whose turns span weight updates needs nothing
+            # beyond its mask (observation tokens, log-prob 0.0, are masked out of both losses).
             def policy_loss(advantages):
                 if algo.loss == "ppo":
                     return algorithms.ppo_decoupled_loss(logp, logp_prox, behav, advantages, mask, algo.clip,
@@ -710,7 +778,9 @@ class Trainer:
                 ones = policy_loss(torch.ones_like(adv))
                 self._side_gradient("ones", ones.loss * grad_scale)
                 acc["loss_ones"] += float(ones.loss.detach())
+            t_backward = time.perf_counter()
             self.engine.backward(loss * grad_scale if grad_scale != 1.0 else loss)
+            acc["backward_s"] += time.perf_counter() - t_backward
             if self.critic is not None:  # the critic steps with the policy, on the same micro-batches
                 columns, device = mask.shape[1], self.engine.device
                 value_loss, value_clip = self.critic.accumulate(
@@ -836,9 +906,11 @@ class Trainer:
                 engine.allreduce_gradients()
 
     def _optimizer_step(self) -> dict:
+        t0 = time.perf_counter()
         self.engine.step()
         if self.critic is not None:
             self.critic.step()
+        self._acc["optimizer_s"] += time.perf_counter() - t0
         self._release_cached_memory()
         return self._acc
 
@@ -885,4 +957,6 @@ class Trainer:
             "trainer/tokens_per_s": acc["padded"] / acc["seconds"],
             "trainer/micro_batches": acc["micro"],
             "trainer/step_s": acc["seconds"],
+            "trainer/backward_s": acc["backward_s"],
+            "trainer/optimizer_s": acc["optimizer_s"],
         }

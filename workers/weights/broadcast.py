@@ -36,6 +36,8 @@ from typing import Any, Awaitable, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from workers.weights.update import BroadcastWeights
+
 logger = logging.getLogger(__name__)
 
 ABORT_PREFIX = "fluxrl/weights/abort/"  # + a random name per update, known only to the group's members
@@ -531,7 +533,7 @@ class WeightBroadcaster:
         logger.info("weight group open: %s, %d rank(s) on %s:%d", self.backend, world, self.host, port)
 
     async def broadcast(self, state_dict: dict[str, torch.Tensor], version: int,
-                        update: Optional[Callable[[Any, CollectiveWeights, int], Awaitable]] = None) -> list:
+                        update: Optional[Callable[[Any, BroadcastWeights, int], Awaitable]] = None) -> list:
         """Send ``state_dict`` to every engine, each loading it with its update mode (keep /
         interrupt / drain) and labelling it ``version``. ``update(engine, weights, version)``
         defaults to ``engine.update_weights``; it returns the engine's ``UpdateTiming``, or
@@ -578,7 +580,7 @@ class WeightBroadcaster:
                 abort(RuntimeError("a rollout engine died"))
 
         sender = asyncio.ensure_future(asyncio.to_thread(send))
-        tasks = [asyncio.ensure_future(update(e, weights, version)) for e in self.engines]
+        tasks = [asyncio.ensure_future(update(e, BroadcastWeights(weights), version)) for e in self.engines]
         for task in tasks:
             task.add_done_callback(settled)
         try:

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
 
 from workers.io.lifetime import pid_alive, pid_namespace
 
@@ -75,16 +75,23 @@ def write_weight_file(state: dict[str, "torch.Tensor"], path: str,
     return WeightFile(path, os.path.getsize(path))
 
 
-def trainer_weight_file(trainer, folder: str, version: int) -> "WeightFile":
-    """The trainer's policy weights as a file in ``folder``: written by the trainer's rank
-    0 itself where the trainer has ranks (``write_weight_file``), else from its state dict
-    (with ``model.lora``: the adapter alone, and its config in the header)."""
+class WeightWriter(Protocol):
+    """What a trainer gives the rollout engines: its policy's weights written as a
+    safetensors file at ``path`` (with model.lora: the adapter alone, its config in the
+    header under ``ADAPTER_CONFIG_KEY``). None where this process does not hold them (a
+    trainer group on a node other than the coordinator's)."""
+
+    def write_weight_file(self, path: str) -> Optional[WeightFile]: ...
+
+
+def trainer_weight_file(trainer: WeightWriter, folder: str, version: int) -> WeightFile:
+    """The trainer's policy weights as a file in ``folder`` (``weights-v<version>``)."""
     path = os.path.join(folder, f"weights-v{version}.safetensors")
-    writer = getattr(trainer, "write_weight_file", None)
-    if writer is not None:
-        return writer(path)
-    metadata = getattr(trainer, "weight_metadata", None)
-    return write_weight_file(trainer.state_dict(), path, metadata() if metadata is not None else None)
+    written = trainer.write_weight_file(path)
+    if written is None:
+        raise RuntimeError("this trainer holds no copy of the policy's weights here: the coordinator's node writes "
+                           "them")
+    return written
 
 
 def weight_file_metadata(source: "str | WeightFile") -> dict[str, str]:
@@ -296,7 +303,7 @@ class WeightSpool:
         # cannot remove its folder, and the next spool in its namespace removes it for it
         self.folder = tempfile.mkdtemp(prefix=f"{self.PREFIX}{pid_namespace()}-{os.getpid()}-", dir=folder)
         self._lock = threading.Lock()
-        self._open: dict[int, dict] = {}  # stream -> {"fh", "path", "total", "written", "error"}
+        self._open: dict[int, dict[str, Any]] = {}  # stream -> {"fh", "path", "total", "written", "error"}
 
     @classmethod
     def for_model(cls, model_path: str) -> "WeightSpool":
@@ -322,8 +329,8 @@ class WeightSpool:
             except (OSError, SpoolError) as exc:
                 self._fail(entry, exc)
 
-    def _begin(self, stream: int, offset: int, total: int) -> dict:
-        entry = {"fh": None, "path": os.path.join(self.folder, f"stream-{stream}.safetensors"), "total": total,
+    def _begin(self, stream: int, offset: int, total: int) -> dict[str, Any]:
+        entry: dict[str, Any] = {"fh": None, "path": os.path.join(self.folder, f"stream-{stream}.safetensors"), "total": total,
                  "written": 0, "error": None, "identity": None}
         self._open[stream] = entry
         try:

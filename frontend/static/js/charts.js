@@ -83,7 +83,7 @@ export function groupPoints(points) {
 
 // Line chart of some metric keys against step, live: history from the API (init), then
 // points from the websocket (append) through Plotly.extendTraces, without redrawing.
-// def: {id, title, traces: [{key, name, axis: "y2"?}], band: {mean, std}?, ytitle?, y2title?, yrange?, ylog?,
+// def: {id, title, traces: [{key, name, axis: "y2"?}], band: {mean, std}?, ytitle?, y2title?, yrange?, ylog?, stack?,
 //       warn: {key, value, name}? (a dashed line at value, and a warning while key's latest point is above it)}
 export class LiveChart {
   constructor(container, def) {
@@ -127,7 +127,8 @@ export class LiveChart {
       const s = series[t.key] || { step: [], value: [] };
       data.push({ x: s.step.slice(), y: s.value.slice(), name: t.name || t.key, type: "scatter",
         mode: s.step.length < FEW_POINTS ? "lines+markers" : "lines", marker: { size: 4 },
-        yaxis: t.axis || "y", line: { width: 1.8, color: t.color || COLORS[i % COLORS.length] } });
+        yaxis: t.axis || "y", line: { width: 1.8, color: t.color || COLORS[i % COLORS.length] },
+        ...(this.def.stack ? { stackgroup: "stack" } : {}) }); // shares stacked to 1 (def.stack)
       this.traces.push({ key: t.key, role: "line", last: s.step.length ? s.step[s.step.length - 1] : -Infinity });
     });
     const layout = baseLayout();

@@ -1,7 +1,7 @@
 // Compare page: one metric of several runs overlaid (smoothed, by step / wall time /
 // trained samples), the config diff and a parallel-coordinates chart. The view lives in
 // the URL (?runs=&metric=&x=&smooth=), so a link shows the same thing.
-import { api, copyText, pageData, toast } from "./common.js";
+import { api, copyText, el, fmt, pageData, toast } from "./common.js";
 import { baseLayout, COLORS, PLOT_CONFIG, smooth } from "./charts.js";
 
 const data = pageData();
@@ -118,6 +118,50 @@ if (runs.length < 2) {
 
   drawParcoords(data.hyperparameters);
   draw();
+  drawAgent();
+}
+
+// Agentic runs (task.environment): the agent/* metrics of each run's latest step side by
+// side, and how its episodes ended (agent/end/<reason>) as stacked shares.
+const AGENT_ROWS = [
+  ["agent/turns", "turns per episode"], ["agent/tool_calls", "tool calls per episode"],
+  ["agent/tool_errors", "tool errors per episode"], ["agent/tool_ms", "tool latency (ms)"],
+  ["agent/observation_tokens", "observation tokens per episode (masked)"],
+  ["agent/versions_per_episode", "policy versions per episode"], ["agent/token_exact", "token exactness (must be 1)"],
+];
+const END_PREFIX = "agent/end/";
+
+async function drawAgent() {
+  const keys = (data.keys || []).filter((k) => k.startsWith("agent/"));
+  if (!keys.length) return;
+  const section = document.getElementById("agent-section");
+  section.hidden = false;
+  const query = new URLSearchParams({ keys: keys.join(","), max_points: 2000 });
+  let latest;
+  try {
+    latest = await Promise.all(runs.map(async (run) => {
+      const { series } = await api(`/api/runs/${run.id}/metrics/?${query}`);
+      return Object.fromEntries(Object.entries(series).filter(([, s]) => s.value.length)
+        .map(([key, s]) => [key, s.value[s.value.length - 1]]));
+    }));
+  } catch (err) {
+    section.append(el("p", { class: "field-error", text: `Could not load the agent metrics: ${err.message}` }));
+    return;
+  }
+  const body = document.querySelector("#agent-table tbody");
+  for (const [key, label] of AGENT_ROWS.filter(([k]) => keys.includes(k))) {
+    body.append(el("tr", { "data-key": key }, el("td", {}, label, " ", el("code", { class: "muted", text: key })),
+      latest.map((values) => el("td", { text: fmt(values[key]) }))));
+  }
+  const reasons = keys.filter((k) => k.startsWith(END_PREFIX)).map((k) => k.slice(END_PREFIX.length)).sort();
+  const names = runs.map((r) => `${r.name} #${r.id}`);
+  const bars = reasons.map((reason, i) => ({ type: "bar", name: reason, x: names,
+    y: latest.map((values) => values[END_PREFIX + reason] ?? 0), marker: { color: COLORS[i % COLORS.length] } }));
+  const layout = baseLayout({ barmode: "stack", hovermode: "closest" });
+  layout.xaxis.title = { text: "" };
+  layout.yaxis = { ...layout.yaxis, title: { text: "share of episodes" }, range: [0, 1.02] };
+  if (bars.length) window.Plotly.react("agent-end-chart", bars, layout, PLOT_CONFIG);
+  else document.getElementById("agent-end-chart").hidden = true;
 }
 
 // Parallel coordinates: one axis per differing hyper-parameter (categories become ticks)

@@ -2,7 +2,9 @@
 // then grow from the websocket with Plotly.extendTraces; status, samples, cancel, log.
 import { api, el, fmt, formatTime, pageData, toast, tokenNode } from "./common.js";
 import { groupPoints, HistogramChart, LiveChart } from "./charts.js";
+import { episodeNode } from "./episode.js";
 import { RunSocket } from "./live.js";
+import { TimeBreakdownChart } from "./time_breakdown.js";
 
 performance.mark("fluxrl:script"); // after Plotly: the gap to navigation start is mostly its parsing
 const data = pageData();
@@ -60,19 +62,46 @@ const CHARTS = [
     { key: "pool/runs", name: "runs on the pool", axis: "y2" }] },
   { id: "queue", title: "Queue depth and policy version", y2title: "version", traces: [
     { key: "queue/depth", name: "queue depth" }, { key: "version/current", name: "policy version", axis: "y2" }] },
+  // Agentic runs (task.environment): per-episode means of the step's episodes.
+  { id: "agent-episodes", title: "Episodes: turns and tool calls (mean per episode)", agent: true,
+    y2title: "observation tokens", traces: [
+      { key: "agent/turns", name: "turns" }, { key: "agent/tool_calls", name: "tool calls" },
+      { key: "agent/tool_errors", name: "tool errors" },
+      { key: "agent/observation_tokens", name: "observation tokens (masked)", axis: "y2" }] },
+  { id: "agent-tools", title: "Tool latency (ms) and policy versions per episode", agent: true, ytitle: "ms",
+    y2title: "versions", traces: [
+      { key: "agent/tool_ms", name: "tool latency ms" },
+      { key: "agent/versions_per_episode", name: "policy versions per episode", axis: "y2" }] },
+  { id: "agent-exact", title: "Token exactness: trained ids equal the engine's (must be 1)", agent: true,
+    yrange: [0, 1.02], traces: [{ key: "agent/token_exact", name: "token_exact" }] },
+  // workers/agents/api.py END_REASONS: the step's episodes by how they ended, stacked to 1
+  { id: "agent-end", title: "How episodes ended (share)", agent: true, stack: true, yrange: [0, 1.02], traces: [
+    { key: "agent/end/done", name: "done" }, { key: "agent/end/max_turns", name: "max_turns" },
+    { key: "agent/end/max_episode_tokens", name: "max_episode_tokens" },
+    { key: "agent/end/max_model_len", name: "max_model_len" },
+    { key: "agent/end/environment_error", name: "environment_error" }] },
 ];
+// The agent charts only where there are episodes: a run with an environment, or one that reported agent/* keys.
+const agentic = run.agentic || Object.keys(data.series).some((k) => k.startsWith("agent/"));
 
 // --- charts -------------------------------------------------------------------------------
 
 const charts = [];
 const known = new Set();
 const container = document.getElementById("charts");
-for (const def of CHARTS.filter((d) => (!d.advantage || d.advantage === run.advantage) && (!d.shared || run.shared))) {
+for (const def of CHARTS.filter((d) => (!d.advantage || d.advantage === run.advantage) && (!d.shared || run.shared)
+    && (!d.agent || agentic))) {
   const emptyText = run.terminal ? "This run reported none of these metrics." : "No data yet: waiting for the workers";
   const chart = def.heatmap ? new HistogramChart(container, { ...def, emptyText }) : new LiveChart(container, { ...def, emptyText });
   charts.push(chart);
   if (!def.heatmap) chart.keys().forEach((k) => known.add(k));
 }
+// Where each step's time went (stacked bars), beside the throughput it explains.
+const timeChart = new TimeBreakdownChart(container, {
+  emptyText: run.terminal ? "This run reported none of these metrics." : "No data yet: waiting for the workers" });
+charts.find((c) => c.def.id === "throughput")?.box.after(timeChart.box);
+charts.push(timeChart);
+timeChart.keys().forEach((k) => known.add(k));
 const histograms = charts.filter((c) => c instanceof HistogramChart);
 const otherSection = document.getElementById("other-metrics-section");
 const otherCharts = new Map();
@@ -310,10 +339,14 @@ function sampleNode(sample) {
       el("span", { text: `${sample.length} tokens` }),
       versions.length ? el("span", { text: `policy v${versions.join(" → v")}` }) : null,
       multi ? el("span", { class: "spans", text: `spans ${versions.length} versions` }) : null,
-      sample.error ? el("span", { class: "field-error", text: `error: ${sample.error}` }) : null),
+      sample.error ? el("span", { class: "field-error", text: `error: ${sample.error}` }) : null,
+      sample.episode ? el("span", { class: "episode-summary",
+        text: `episode: ${(sample.episode.turns || []).length} turns, ended ${sample.episode.end_reason}` }) : null),
     el("div", { class: "row" }, el("div", { class: "label", text: "prompt" }), el("pre", { class: "prompt", text: sample.prompt })),
-    el("div", { class: "row" }, el("div", { class: "label", text: "completion" }), completionNode(sample)),
-    runs.length ? el("div", { class: "legend", "aria-label": "tokens per policy version" },
+    sample.episode // an agentic run's episode: turn by turn (static/js/episode.js)
+      ? el("div", { class: "row" }, el("div", { class: "label", text: "episode" }), episodeNode(sample))
+      : el("div", { class: "row" }, el("div", { class: "label", text: "completion" }), completionNode(sample)),
+    !sample.episode && runs.length ? el("div", { class: "legend", "aria-label": "tokens per policy version" },
       runs.map(([v, c]) => el("span", { class: `v${v % 8}`, text: `v${v}: ${c}` })),
       approximate ? el("span", { class: "muted", text: "(token positions approximate)" }) : null) : null);
 }

@@ -3,6 +3,7 @@ the trainer sends (workers/train/lora.py)."""
 import torch
 
 from workers.weights.files import write_weight_file
+from workers.weights.update import FileWeights
 
 RANK = 8
 
@@ -29,7 +30,8 @@ def adapter_file(model, folder, version):
     from workers.train.lora import adapter_metadata, adapter_state_dict
 
     state = {k: v.detach() for k, v in adapter_state_dict(model).items()}
-    return write_weight_file(state, str(folder / f"adapter-v{version}.safetensors"), adapter_metadata(model)), state
+    written = write_weight_file(state, str(folder / f"adapter-v{version}.safetensors"), adapter_metadata(model))
+    return FileWeights(written, adapter=True), state
 
 
 def model_logprobs(model, comp):

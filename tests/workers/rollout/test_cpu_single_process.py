@@ -11,6 +11,7 @@ from tests.workers.helpers import perturb
 from workers.rollout.engine import RolloutEngine
 from workers.models.tinymodel import encode
 from workers.weights.sync import serialize_state_dict, tensors_checksum
+from workers.weights.update import InlineWeights
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -33,7 +34,7 @@ def test_a_single_process_engine_generates_the_same_and_takes_updates(loop, engi
         assert ([c.token_ids for c in loop.run_until_complete(greedy(single))]
                 == [c.token_ids for c in loop.run_until_complete(greedy(engine))])
         state = perturb(hf_model, seed=21)
-        loop.run_until_complete(single.update_weights(serialize_state_dict(state), 1))
+        loop.run_until_complete(single.update_weights(InlineWeights(serialize_state_dict(state)), 1))
         assert loop.run_until_complete(single.weights_checksum()) == tensors_checksum(state)
         assert all(c.versions.runs == [[1, 10]] for c in loop.run_until_complete(greedy(single)))
     finally:

@@ -17,6 +17,7 @@ from workers.cli.engine import LOG_FORMAT
 from workers.coord.controller import Controller
 from workers.rollout.engine import EngineDied, EngineRPCTimeout, RolloutEngine
 from workers.spec import validate_spec
+from workers.weights.update import InlineWeights
 
 STEPS, PROMPTS, GROUP = 4, 2, 2
 
@@ -129,7 +130,7 @@ def test_a_weight_update_a_wedged_engine_never_answers_fails_with_a_clear_error(
     async def go():
         t0 = time.monotonic()
         with pytest.raises(EngineRPCTimeout, match="did not answer .* within 0.2 s"):
-            await eng.update_weights(b"", 1)
+            await eng.update_weights(InlineWeights(b""), 1)
         return time.monotonic() - t0
 
     if mode == "drain":  # pausing waits for running requests however long: only the next call times out
@@ -154,7 +155,7 @@ def test_a_pending_call_fails_as_soon_as_the_engine_dies():
         killer = asyncio.create_task(die_soon())
         t0 = time.monotonic()
         with pytest.raises(EngineDied):
-            await eng.update_weights(b"", 1)
+            await eng.update_weights(InlineWeights(b""), 1)
         await killer
         return time.monotonic() - t0
 

@@ -12,12 +12,13 @@ from workers.rollout.engine import RolloutEngine, continue_on
 from workers.models.tinymodel import encode
 from workers.train.algorithms import token_logprobs
 from workers.weights.sync import serialize_state_dict, tensors_checksum
+from workers.weights.update import InlineWeights
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
 
 def _perturbed_blob(model, scale=0.05, seed=0):
-    return serialize_state_dict(perturb(model, scale, seed))
+    return InlineWeights(serialize_state_dict(perturb(model, scale, seed)))
 
 
 async def _logprob_gap(engine, model, prompt="12+34="):
@@ -55,7 +56,7 @@ def test_direct_weight_load_after_the_first_update_matches_the_model_exactly(loo
     paths = []
     for seed in (1, 2):
         blob = _perturbed_blob(hf_model, scale=0.02, seed=seed)
-        paths.append(loop.run_until_complete(engine.engine.collective_rpc("fluxrl_load_weights", args=(blob,)))[0]["path"])
+        paths.append(loop.run_until_complete(engine.engine.collective_rpc("fluxrl_load_weights", args=(blob.data,)))[0]["path"])
         assert loop.run_until_complete(_logprob_gap(engine, hf_model)) < 1e-3
     assert paths[-1] == "direct", paths
 
@@ -92,7 +93,7 @@ def test_trainer_and_engine_weights_match_after_a_training_step(loop, engine, ti
     assert stats["trainer/micro_batches"] >= 1 and trainer.version == 1
     state = dict(trainer.state_dict())
     assert tensors_checksum(state) != before  # the step changed the policy
-    loop.run_until_complete(engine.update_weights(serialize_state_dict(state), 3))
+    loop.run_until_complete(engine.update_weights(InlineWeights(serialize_state_dict(state)), 3))
     assert loop.run_until_complete(engine.weights_checksum()) == tensors_checksum(
         {k: v for k, v in state.items()})
     assert loop.run_until_complete(_logprob_gap(engine, trainer.engine.module)) < 1e-3
@@ -103,7 +104,7 @@ def test_a_handed_off_request_finishes_on_another_engine_with_its_prefix_and_bud
     loop.run_until_complete(other.start())
     try:
         # both engines hold the same weights (the model's)
-        blob = serialize_state_dict(hf_model.state_dict())
+        blob = InlineWeights(serialize_state_dict(hf_model.state_dict()))
         version = engine.version + 1
         loop.run_until_complete(engine.update_weights(blob, version))
         loop.run_until_complete(other.update_weights(blob, version))

@@ -23,6 +23,7 @@ from workers.rollout.engine import EngineDied
 from workers.models.tinymodel import encode
 from workers.weights.broadcast import WeightBroadcaster
 from workers.weights.sync import serialize_state_dict, tensors_checksum
+from workers.weights.update import InlineWeights
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[3]
@@ -85,7 +86,7 @@ def test_an_rpc_update_lands_in_flight_with_per_token_versions(loop, server, hf_
         state = perturb(hf_model, seed=11 + 100 * attempt)
         version = server.version + 1
 
-        payload = serialize_state_dict(state)  # ready before the requests start
+        payload = InlineWeights(serialize_state_dict(state))  # ready before the requests start
 
         async def go():
             tasks = [asyncio.ensure_future(server.generate(encode(f"{i}+{i}="), 240, 1.0, ignore_eos=True))
@@ -291,7 +292,7 @@ def test_a_two_shard_engine_generates_what_one_shard_generates_and_every_shard_t
         # an update over the RPC: each shard takes the whole state dict and keeps its slice
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
         state = {k: v.clone() for k, v in perturb(model, scale=0.02, seed=21).items()}
-        blob = serialize_state_dict(state)
+        blob = InlineWeights(serialize_state_dict(state))
         loop.run_until_complete(engine.update_weights(blob, engine.version + 1))
         loop.run_until_complete(sharded.update_weights(blob, 1))
         rpc = loop.run_until_complete(greedy(engine))
@@ -315,7 +316,7 @@ def test_a_two_shard_engine_generates_what_one_shard_generates_and_every_shard_t
         [timing] = loop.run_until_complete(broadcast())
         assert timing.version == 2 == sharded.version
         assert loop.run_until_complete(sharded.weights_checksum()) == tensors_checksum(state)
-        loop.run_until_complete(engine.update_weights(serialize_state_dict(state), engine.version + 1))
+        loop.run_until_complete(engine.update_weights(InlineWeights(serialize_state_dict(state)), engine.version + 1))
         same(loop.run_until_complete(greedy(engine)), loop.run_until_complete(greedy(sharded)))
     finally:
         sharded.shutdown()

@@ -78,9 +78,9 @@ def two_teams(loop, pools, tiny_model_path, adapters):
     _registry_file(stale).write_text(json.dumps({"address": f"127.0.0.1:{free_port('127.0.0.1')}",
                                                  "pid": os.getpid()}))
     a, b = _client(tiny_model_path, "team-a"), _client(tiny_model_path, "team-b", seed=1)
-    loop.run_until_complete(a.start(warm_blob=files["base"], version=0))
+    loop.run_until_complete(a.start(weights=files["base"], version=0))
     assert _read_registry(stale)["pid"] == a.server_pid != os.getpid()
-    loop.run_until_complete(b.start(warm_blob=files["b0"], version=0))
+    loop.run_until_complete(b.start(weights=files["b0"], version=0))
     yield a, b
     for client in (a, b):
         client.shutdown()
@@ -136,7 +136,7 @@ def test_a_pool_takes_no_weight_file_by_path_since_it_could_be_another_runs(loop
     assert not a.same_files and not b.same_files
     with pytest.raises(Exception, match="takes weights by the wire only"):
         loop.run_until_complete(a._request(UpdateRequest(id=next(_request_ids), version=9,
-                                                         weights_path=files["b1"].path), timed=False))
+                                                         weights_path=files["b1"].file.path), timed=False))
     assert loop.run_until_complete(a.weights_checksum()) != loop.run_until_complete(b.weights_checksum())
 
 

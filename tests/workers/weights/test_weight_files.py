@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from workers.weights.files import (SpoolError, WeightSpool, chunk_bytes, iter_weight_file, read_chunks,
                                    write_weight_file)
+from workers.weights.update import FileWeights
 
 
 def state(rows=300, width=1024):
@@ -280,7 +281,7 @@ def test_a_file_swapped_after_the_path_was_checked_is_never_loaded(tmp_path, how
     _swap_in(weights.path, intruder.path, how)
     engine, worker = _engine_with_stub_worker()
     with pytest.raises(SpoolError, match="is no longer the file that was checked"):
-        asyncio.run(engine._load(checked))
+        asyncio.run(engine._load(FileWeights(checked)))
     assert worker.loaded == {}
 
 
@@ -291,7 +292,7 @@ def test_the_file_checked_is_the_file_loaded_when_nothing_was_swapped(tmp_path):
 
     weights = _trainer_file(tmp_path)
     engine, worker = _engine_with_stub_worker()
-    asyncio.run(engine._load(local_weight_file(weights.path, 1 << 20)))
+    asyncio.run(engine._load(FileWeights(local_weight_file(weights.path, 1 << 20))))
     expected = state(rows=4, width=8)
     assert sorted(worker.loaded) == sorted(expected)
     assert all(torch.equal(worker.loaded[k], expected[k]) for k in expected)
@@ -325,5 +326,5 @@ def test_a_lora_adapter_swapped_after_its_path_was_checked_is_never_loaded(tmp_p
     engine, worker = _engine_with_stub_worker()
     engine.lora_rank = 8
     with pytest.raises(SpoolError, match="is no longer the file that was checked"):
-        asyncio.run(engine._load(checked))
+        asyncio.run(engine._load(FileWeights(checked, adapter=True)))
     assert not os.listdir(engine._lora_folder)  # nothing written for vLLM to load
