@@ -124,6 +124,10 @@ class InferenceEngine(Protocol):
         """rollout.update_mode: keep, interrupt or drain."""
 
     @property
+    def max_model_len(self) -> int:
+        """Prompt + completion tokens one sequence may hold (an episode's turns fit in it)."""
+
+    @property
     def generated_tokens(self) -> int: ...
 
     @property

@@ -263,7 +263,7 @@ class Fleet:
 
         env = make_environment(env_spec, model_path=self.spec.model.path)
         # the engines' context (preflight sized it for prompt + episode, within the model's)
-        context = getattr(engine, "max_model_len", None) or rollout.max_model_len or 1_000_000
+        context = engine.max_model_len
         budgets = Budgets.of(env_spec, rollout.max_tokens, context)
         return await run_episode(turn, env, row, self.prompts.ids(row), budgets, renderer, chat)
 

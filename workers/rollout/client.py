@@ -67,6 +67,7 @@ class EngineClient:
     def __init__(self, config: EngineServerConfig, address: Optional[str] = None, pid: Optional[int] = None):
         self.config = config
         self.index, self.update_mode = config.index, config.update_mode
+        self.max_model_len = config.max_model_len  # an episode's turns fit the server's context
         self.address, self.server_pid = address, pid
         self.proc: Optional[subprocess.Popen] = None
         self.channel: Optional[wire.Channel] = None
