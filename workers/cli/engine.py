@@ -291,7 +291,8 @@ def main(argv=None) -> int:
         print(f"sandbox: {reason}" if available else f"sandbox: unavailable: {reason}")
         return 0 if available else 1
     if args.cmd == "engine-pool":
-        from workers.rollout.pool import PoolConfig, serve_pool
+        from workers.rollout.pool import serve_pool
+        from workers.rollout.pool_registry import PoolConfig
 
         return serve_pool(PoolConfig.model_validate_json(sys.stdin.read()))
     if args.cmd == "engine-server":

@@ -29,6 +29,10 @@ class ModelCheckError(ValueError):
     """The model or data cannot run (bad input: exit code 2)."""
 
 
+# model.path names the engine builds (or installs from workers/assets) itself
+BUILTIN_MODELS = ("builtin:tiny", "builtin:qwen2-tools")
+
+
 def resolve_model_path(path: str) -> str:
     """``builtin:tiny``, ``builtin:qwen2-tools`` (workers/models/toolzoo.py), a local folder, or a hub id
     with a local copy in the HF cache."""

@@ -16,6 +16,7 @@ from fluxrl.errors import InvalidInput, NotFound, field_error
 from fluxrl.modelstore import services as modelstore
 from fluxrl.modelstore.models import StoredModelVersion
 from fluxrl.versioned import parse_ref
+from workers.models.preflight import BUILTIN_MODELS  # model.path names the engine builds itself
 from workers.spec import SpecError, validate_spec
 from workers.tasks.builtin_rewards import BUILTIN_REWARDS
 
@@ -27,7 +28,6 @@ def spec_errors(errors: list[dict], prefix: str = "spec") -> InvalidInput:
     return InvalidInput("; ".join(f"{k}: {v}" for k, v in fields.items()), fields=fields)
 
 
-BUILTIN_MODELS = ("builtin:tiny",)  # model.path names the engine builds itself (workers/cli/engine.py)
 BUILTIN_REWARD_MODELS = ("builtin:tiny-rm",)  # reward.model.path (workers/models/reward_model.py)
 MODEL_ROOTS_ENV = "FLUXRL_MODEL_ROOTS"
 MODEL_FIELD = "spec.model.path"
