@@ -1,6 +1,6 @@
 """The documentation site builds with `mkdocs build --strict` (a broken link, a missing page or a
 nav entry without its file fails the test command that CI runs), and the pages generated at
-build time come from their one source: every field of workers/spec.py in the spec reference,
+build time come from their one source: every field of workers/spec/ in the spec reference,
 every operation of the OpenAPI schema in the API reference, every docs/guides/*.md in the Guides
 section. The README stays a newcomer's page, and nothing in the repository reads like a diary."""
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_the_spec_reference_lists_every_field_of_workers_spec(site):
     text = page_text(site, "spec-reference").replace("[]", "")  # eval.sets[].name is eval.sets.name
     shown = set(text.split())
     missing = sorted(f for f in spec_fields(spec.RunSpec) if f not in shown)
-    assert not missing, f"fields of workers/spec.py missing from the spec reference: {missing}"
+    assert not missing, f"fields of workers/spec/ missing from the spec reference: {missing}"
     assert "rollout.update_mode" in text and "schedule.max_staleness" in text
 
 

@@ -1,7 +1,7 @@
 """MkDocs hooks (mkdocs.yml `hooks:`): the pages with one source of truth elsewhere are
 written at build time, never by hand.
 
-- spec-reference.md, from the pydantic models of workers/spec.py (fields, types, defaults,
+- spec-reference.md, from the pydantic models of workers/spec/ (fields, types, defaults,
   bounds, descriptions, nested sections): a field added there appears here at the next build;
 - api-reference.md, from the OpenAPI schema that drf-spectacular makes of the platform's
   views (`manage.py spectacular`, in a child process: Django is set up there, not here);
@@ -208,8 +208,8 @@ def spec_reference() -> str:
     lines = [
         "# Spec reference",
         "",
-        "Every field of a run spec, generated from the pydantic models of `workers/spec.py` when this site "
-        "is built (that file is the one validator the CLI, the REST API and the dashboard share). Unknown "
+        "Every field of a run spec, generated from the pydantic models of `workers/spec/` when this site "
+        "is built (that package is the one validator the CLI, the REST API and the dashboard share). Unknown "
         "fields are errors that name the field; rules that tie fields together (for example "
         "`schedule.stream_train` needs `schedule.mode: sync`) are checked after the fields and refused with a "
         "message naming them. [Writing a spec](spec.md) explains the common choices.",

@@ -1,6 +1,6 @@
 """Metric exporters: the run's metric points, the same stream metrics.jsonl and the dashboard
 get (docs/architecture.md §5), also written to TensorBoard, MLflow or Weights & Biases
-(the run spec's ``report`` section, workers/spec.py ReportSpec).
+(the run spec's ``report`` section, workers/spec/report.py ReportSpec).
 
 An exporter is a side channel and never stops training: each one is opened and fed on a
 thread of its own (a slow or unreachable MLflow server does not hold up a step), and one

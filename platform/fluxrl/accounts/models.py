@@ -31,7 +31,7 @@ class Team(models.Model):
     # would free its teams of its limits.
     organisation = models.ForeignKey(Organisation, null=True, blank=True, on_delete=models.PROTECT,
                                      related_name="teams")
-    # The team's default metric exporters: a run spec's `report` section (workers/spec.py
+    # The team's default metric exporters: a run spec's `report` section (workers/spec/report.py
     # ReportSpec), merged under each run's own when it is submitted (runs.services.submit_run).
     report_defaults = models.JSONField(default=dict, blank=True)
     # rollout.share_engines (workers/rollout/pool.py): the team's weight in the fair share of

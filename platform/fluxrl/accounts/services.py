@@ -118,7 +118,7 @@ def remove_member(team: Team, by, username: str) -> None:
 
 # --- team default exporters (a run spec's `report` section) ----------------------
 
-EXPORTERS = ("tensorboard", "mlflow", "wandb")  # workers/spec.py ReportSpec's sections
+EXPORTERS = ("tensorboard", "mlflow", "wandb")  # workers/spec/report.py ReportSpec's sections
 
 
 def clean_report(report, field: str = "report", team: Team | None = None) -> dict:

@@ -21,7 +21,7 @@ from .models import EnvironmentVersion, TeamEnvironment
 
 log = logging.getLogger(__name__)
 
-# task.environment.name values with a meaning of their own in a run spec (workers/spec.py):
+# task.environment.name values with a meaning of their own in a run spec (workers/spec/task.py):
 # the built-in environments (workers/agents/builtin.py) and inline code.
 RESERVED_NAMES = {"user", *BUILTIN_ENVIRONMENTS}
 NEEDS = "must define class Environment with reset(self, row) and step(self, text, token_ids)"

@@ -16,7 +16,8 @@ from fluxrl.datasets.services import read_rows
 from fluxrl.errors import Conflict, DomainError, InvalidInput, TooManyRequests, field_error
 from fluxrl.versioned import check_name, find_version, next_version_number
 from workers.tasks.builtin_rewards import BUILTIN_REWARDS
-from workers.rewards.sandbox import sandbox_status, try_reward
+from workers.rewards.sandbox import try_reward
+from workers.rewards.sandbox_boundary import sandbox_status
 
 from . import scoring
 from .models import RewardFunction, RewardVersion
@@ -26,7 +27,7 @@ from .tasks import try_reward as try_task
 log = logging.getLogger(__name__)
 
 
-# reward.function values with a meaning of their own in a run spec (workers/spec.py)
+# reward.function values with a meaning of their own in a run spec (workers/spec/reward.py)
 RESERVED_NAMES = {"user", "sum"}
 
 

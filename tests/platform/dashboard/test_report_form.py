@@ -1,4 +1,4 @@
-"""The new-run form's report section (workers/spec.py ReportSpec): each exporter is a JSON
+"""The new-run form's report section (workers/spec/report.py ReportSpec): each exporter is a JSON
 field, and a cloned run's exporters come back whole, {} (on, with defaults) included."""
 import json
 

@@ -1,0 +1,43 @@
+"""A run spec from a mapping, YAML/JSON text or a file, or a SpecError naming each field."""
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from workers.spec.run import RunSpec
+
+
+class SpecError(ValueError):
+    """A run spec that cannot run. ``errors`` is a list of {"field": "a.b", "message": ...}."""
+
+    def __init__(self, errors: list[dict[str, str]]):
+        self.errors = errors
+        super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in errors))
+
+
+def validate_spec(data: Any) -> RunSpec:
+    """Validate a dict (or YAML/JSON text) into a RunSpec, or raise SpecError naming fields."""
+    if isinstance(data, (str, bytes)):
+        try:
+            data = yaml.safe_load(data)
+        except yaml.YAMLError as exc:
+            raise SpecError([{"field": "(document)", "message": f"not valid YAML/JSON: {exc}"}]) from None
+    if not isinstance(data, dict):
+        raise SpecError([{"field": "(document)", "message": "a run spec must be a mapping"}])
+    try:
+        return RunSpec.model_validate(data)
+    except ValidationError as exc:
+        errors = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "(document)"
+            msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+            errors.append({"field": field, "message": msg})
+        raise SpecError(errors) from None
+
+
+def load_spec_file(path: str) -> RunSpec:
+    """The run spec in a YAML or JSON file, validated (SpecError names the fields)."""
+    with open(path, encoding="utf-8") as fh:
+        return validate_spec(fh.read())
