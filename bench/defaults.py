@@ -100,7 +100,7 @@ def main() -> None:
                     help="user: the spec's defaults besides the settings above; example: examples/add-async.yaml's")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "defaults.json"))
     args = ap.parse_args()
-    from workers.models.modelzoo import write_chat_dataset
+    from workers.models.zoo_data import write_chat_dataset
 
     models, seeds, values = args.models.split(","), [int(s) for s in args.seeds.split(",")], args.values.split(",")
     configs = [f"{m}|{v}|{s}" for m in models for s in seeds for v in values]

@@ -16,7 +16,8 @@ import statistics
 import time
 
 from workers.models.tinymodel import ensure_tiny_model
-from workers.rollout.engine import RolloutEngine, configure_cpu_environment
+from workers.rollout.engine import RolloutEngine
+from workers.rollout.engine_args import configure_cpu_environment
 from workers.tasks.datasets import GENERATORS
 from workers.tasks.prompts import PromptRenderer, load_tokenizer
 

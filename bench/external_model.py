@@ -132,7 +132,7 @@ def build_external_model(out: str | Path, seed: int = 0, stop_at: float = 0.4, m
     """Build, warm-start and save the folder (config, generation config, weights, tokenizer)."""
     import transformers
 
-    from workers.models.modelzoo import chat_arithmetic_rows  # the task's prompts, nothing of the models
+    from workers.models.zoo_data import chat_arithmetic_rows  # the task's prompts, nothing of the models
 
     out = Path(out)
     torch.set_num_threads(2)

@@ -27,7 +27,7 @@ from workers.models.tinymodel import ensure_tiny_model  # noqa: E402
 from workers.train.pipeline import (Hyper, fused_schedule, micro_batches,  # noqa: E402
                                     sequential_schedule, simulate)
 from workers.train.pipeline_group import run_step  # noqa: E402
-from workers.train.trainer import TrainSample  # noqa: E402
+from workers.train.samples import TrainSample  # noqa: E402
 
 
 def samples(n: int, vocab: int, seed: int) -> list[TrainSample]:

@@ -38,12 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from workers.cluster.memory import model_size, trainer_rank_peak_gib  # noqa: E402
+from workers.cluster.model_size import model_size  # noqa: E402
+from workers.cluster.trainer_memory import trainer_rank_peak_gib  # noqa: E402
 from workers.spec import validate_spec  # noqa: E402
 from workers.models.tinymodel import encode, ensure_tiny_model  # noqa: E402
-from workers.train.trainer import TrainSample  # noqa: E402
+from workers.train.samples import TrainSample  # noqa: E402
 from workers.train.ranks import TrainerGroup  # noqa: E402
-from workers.weights.broadcast import WeightGroup, default_backend, describe_state_dict, host_group  # noqa: E402
+from workers.weights.weight_group import WeightGroup, default_backend, describe_state_dict, host_group  # noqa: E402
 from workers.weights.sync import tensors_checksum  # noqa: E402
 
 log = logging.getLogger("gpu_trainer")

@@ -95,7 +95,8 @@ def main() -> None:
     ap.add_argument("--lora-lr", type=float, default=None, help="the LoRA run's lr (default: MODES['lora'])")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "lora.json"))
     args = ap.parse_args()
-    from workers.models.modelzoo import ensure_zoo_model, write_chat_dataset
+    from workers.models.modelzoo import ensure_zoo_model
+    from workers.models.zoo_data import write_chat_dataset
 
     if args.lora_lr:
         MODES["lora"]["algorithm"]["lr"] = args.lora_lr

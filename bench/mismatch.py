@@ -55,7 +55,8 @@ def commit() -> str:
 
 def models(tmp: Path) -> dict[str, dict]:
     """name -> the model and task sections of a spec."""
-    from workers.models.modelzoo import ensure_zoo_model, write_chat_dataset
+    from workers.models.modelzoo import ensure_zoo_model
+    from workers.models.zoo_data import write_chat_dataset
 
     chat = str(write_chat_dataset(tmp / "chat.jsonl", 1500, seed=7, two_digit=True))
     return {"tiny": {"model": {"path": "builtin:tiny"}, "task": {"dataset": "gen:add?max_digits=2", "eval_size": 100}},

@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "shared_engines.json"))
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from workers.rollout.pool import DIR_ENV, stop_pools
+    from workers.rollout.pool_registry import DIR_ENV, stop_pools
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="fluxrl-bench-shared-") as tmp:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workers.cluster.memory import model_size  # noqa: E402
+from workers.cluster.model_size import model_size  # noqa: E402
 from workers.cluster.placement import Machine, PlacementError, plan_placement  # noqa: E402
 from workers.spec import validate_spec  # noqa: E402
 

@@ -219,7 +219,8 @@ def print_table(summary: dict[str, dict], targets: list[float], args) -> None:
 def zoo_spec(spec: dict, arch: str, folder: Path, eval_prompts: int) -> dict:
     """The example's spec on the zoo model ``arch`` with a chat dataset written to ``folder``,
     at the settings the zoo's engine runs use (tests/workers/models/test_model_zoo_engine.py)."""
-    from workers.models.modelzoo import ensure_zoo_model, write_chat_dataset
+    from workers.models.modelzoo import ensure_zoo_model
+    from workers.models.zoo_data import write_chat_dataset
 
     data = write_chat_dataset(folder / f"chat-{arch}.jsonl", 4200, two_digit=True)
     return merged(spec, {"model": {"path": str(ensure_zoo_model(arch, progress=True))},
@@ -232,7 +233,7 @@ def real_size_spec(spec: dict, folder: Path) -> dict:
     """The example's spec on Qwen2.5-0.5B's shape (built once, cached) with a chat dataset of
     sums written to ``folder``, at examples/own-model/real-size.yaml's model, algorithm, rollout
     and trainer settings; the schedule stays the example's (async; ``sync`` overrides it)."""
-    from workers.models.modelzoo import write_chat_dataset
+    from workers.models.zoo_data import write_chat_dataset
     from workers.models.realsize import ensure_shaped_model
 
     model = ensure_shaped_model("qwen2.5-0.5b")

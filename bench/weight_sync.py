@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from workers.rollout.engine import RolloutEngine, configure_cpu_environment
+from workers.rollout.engine import RolloutEngine
+from workers.rollout.engine_args import configure_cpu_environment
 from workers.models.tinymodel import encode, ensure_tiny_model
 from workers.weights.broadcast import WeightBroadcaster
 from workers.weights.sync import serialize_state_dict

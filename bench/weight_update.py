@@ -19,7 +19,8 @@ import time
 
 from transformers import AutoModelForCausalLM
 
-from workers.rollout.engine import RolloutEngine, configure_cpu_environment
+from workers.rollout.engine import RolloutEngine
+from workers.rollout.engine_args import configure_cpu_environment
 from workers.models.tinymodel import encode, ensure_tiny_model
 from workers.weights.sync import serialize_state_dict
 from workers.weights.update import InlineWeights

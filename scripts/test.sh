@@ -10,9 +10,10 @@ echo "== phase install: $((SECONDS - t)) s"; t=$SECONDS
 .venv/bin/python -m workers bootstrap
 echo "== phase model: $((SECONDS - t)) s"; t=$SECONDS
 status=0
-# FLUXRL_TEST_WORKERS=2: two workers (tests/conftest.py schedules them), the engine tests on one,
-# the platform tests beside them; off by default: on 2 cores the contention made timing-bound tests fail.
-.venv/bin/python -m pytest -p no:cacheprovider --durations=60 -n "${FLUXRL_TEST_WORKERS:-0}" "$@" \
+# Two pytest-xdist workers, one per core (tests/conftest.py schedules them): the engine runs one
+# after another on one, the platform's tests on the other, the rest on whichever is free.
+# FLUXRL_TEST_WORKERS=0 runs the suite serially. The slow set (pytest -m slow) is not run here.
+.venv/bin/python -m pytest -p no:cacheprovider --durations=60 -n "${FLUXRL_TEST_WORKERS:-2}" "$@" \
   || status=$?
 echo "== phase tests: $((SECONDS - t)) s (pytest exit $status)"
 exit $status

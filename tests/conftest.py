@@ -1,4 +1,7 @@
 """Shared fixtures for the whole suite."""
+import functools
+from pathlib import Path
+
 import pytest
 
 
@@ -29,28 +32,64 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.flaky(reruns=reruns, reruns_delay=2))
 
 
-# Where each test runs under pytest-xdist (scripts/test.sh: -n 2). Two scopes, one per
-# worker: "platform" (tests/platform, tests/browser, the reward sandbox's tests and the
-# top-level ones) and "workers" (the engine's and the benches'). So the CPU-bound engine
-# runs go one after another on one worker, and everything that touches the shared
-# PostgreSQL/Redis servers or the sandbox's uid pool runs on the other: two tests never
-# flush or share a Redis database, a channel group or a sandbox uid at the same time.
-# (By path, in the controller, which does not collect: xdist 3.8's xdist_group marks do
-# not reach its scheduler under pytest 9, whose nodeid no longer reads Item._nodeid.)
+# Where each test runs under pytest-xdist (scripts/test.sh: -n 2). The controller, which does
+# not collect, sees node ids only, so a test's scope is found from its path and its file:
+# - "platform": tests/platform, tests/browser, the reward sandbox's tests and the top-level
+#   ones, all on one worker: two tests never flush or share a Redis database, a channel
+#   group or a sandbox uid at the same time;
+# - "engine": every other file that marks a test engine or distributed, and the platform's
+#   files that train in their own process on their worker's own database (ENGINE_FILES):
+#   the CPU-bound runs go one after another on one worker, and timing-bound checks in them
+#   never meet another engine run;
+# - "trainer": tests/workers/train, the trainer on its own (DeepSpeed in this process or in
+#   rank processes, no engine), one file after another on the first worker free, beside the
+#   engine runs once the platform's tests are done;
+# - any other file is a scope of its own, taken by whichever worker is free, so the two
+#   workers end together.
+# (xdist 3.8's xdist_group marks do not reach its scheduler under pytest 9, whose nodeid no
+# longer reads Item._nodeid.) The engine's and the platform's scopes are handed out first, one
+# to each worker, so the longest chains start at once, then the trainer's; xdist queues the
+# rest by size.
 PLATFORM_SCOPES = ("tests/platform/", "tests/browser/", "tests/workers/rewards/")
+ENGINE_FILES = ("tests/platform/runs/test_model_export.py", "tests/platform/datasets/test_formats_train.py")
+ENGINE_MARKS = ("mark.engine", "mark.distributed")
+TRAINER_SCOPE = "tests/workers/train/"
 
 
-def test_scope(nodeid: str) -> str:
+def test_scope(nodeid: str, root: Path) -> str:
     path = nodeid.split("::", 1)[0]
+    if path in ENGINE_FILES:
+        return "engine"
     top_level = path.startswith("tests/") and "/" not in path[len("tests/"):]
-    return "platform" if top_level or path.startswith(PLATFORM_SCOPES) else "workers"
+    if top_level or path.startswith(PLATFORM_SCOPES):
+        return "platform"
+    if path.startswith(TRAINER_SCOPE):
+        return "trainer"
+    return "engine" if _marks_engine(root / path) else path
+
+
+@functools.cache
+def _marks_engine(path: Path) -> bool:
+    try:
+        text = path.read_text()
+    except OSError:
+        return False
+    return any(mark in text for mark in ENGINE_MARKS)
 
 
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
+    root = Path(config.rootpath)
+
     class RoleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return test_scope(nodeid)
+            return test_scope(nodeid, root)
+
+        def _assign_work_unit(self, node) -> None:
+            for scope in ("trainer", "platform", "engine"):  # the engine's ends up first
+                if scope in self.workqueue:
+                    self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
 
     return RoleScheduling(config, log)

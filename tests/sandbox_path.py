@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.rewards.sandbox import UNSAFE_ENV, forget_status
+from workers.rewards.sandbox_boundary import UNSAFE_ENV, forget_status
 
 MISSING = "reward code cannot be contained on this machine: bubblewrap is not installed (apt-get install bubblewrap)"
 

@@ -22,7 +22,8 @@ def _classes():
     from workers.cluster.node import ClusterTrainer
     from workers.rollout.client import EngineClient
     from workers.rollout.engine import RolloutEngine
-    from workers.rollout.pool import PoolClient, TenantEngine
+    from workers.rollout.pool import TenantEngine
+    from workers.rollout.pool_client import PoolClient
     from workers.train.pipeline_trainer import PipelineTrainer
     from workers.train.ranks import TrainerGroup
     from workers.train.trainer import Trainer
@@ -230,7 +231,7 @@ def test_make_engines_builds_in_process_engines_from_their_servers_configuration
 
 def test_make_engines_picks_servers_remote_ones_by_index_and_pool_places_for_shared_engines():
     from workers.rollout.client import EngineClient
-    from workers.rollout.pool import PoolClient
+    from workers.rollout.pool_client import PoolClient
 
     spec = _spec()
     servers = api.make_engines(spec, _configs(spec), in_process=False, remote={1: ("10.0.0.2:7000", 4242)})

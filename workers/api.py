@@ -35,10 +35,10 @@ if TYPE_CHECKING:
     import torch
 
     from workers.cluster.placement import Plan
-    from workers.rollout.engine import Completion, UpdateTiming
+    from workers.rollout.engine_types import Completion, UpdateTiming
     from workers.rollout.messages import EngineServerConfig
     from workers.spec import RunSpec
-    from workers.train.trainer import TrainSample
+    from workers.train.samples import TrainSample
 
 __all__ = ["BroadcastWeights", "CriticTrainEngine", "Environment", "FileWeights", "InferenceEngine", "InlineWeights",
            "StreamTrainEngine", "TrainEngine", "TrainerProcesses", "WeightFile", "WeightGroupHost", "WeightUpdate",
@@ -239,7 +239,7 @@ def make_engines(spec: RunSpec, configs: Sequence[EngineServerConfig], in_proces
     ``remote``: index -> (address, pid) a node agent started), or engines in this process
     (``in_process``: a CPU plan without engine processes)."""
     if spec.rollout.share_engines:
-        from workers.rollout.pool import PoolClient, tenant_info
+        from workers.rollout.pool_client import PoolClient, tenant_info
 
         lora = spec.model.lora
         if lora is None or not configs:
@@ -263,7 +263,8 @@ if TYPE_CHECKING:
     from workers.cluster.node import ClusterTrainer
     from workers.rollout.client import EngineClient
     from workers.rollout.engine import RolloutEngine
-    from workers.rollout.pool import PoolClient, TenantEngine
+    from workers.rollout.pool import TenantEngine
+    from workers.rollout.pool_client import PoolClient
     from workers.train.pipeline_trainer import PipelineTrainer
     from workers.train.ranks import TrainerGroup
     from workers.train.trainer import Trainer

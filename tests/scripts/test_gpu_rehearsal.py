@@ -10,9 +10,12 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_the_gpu_stack_installs_offline_beside_the_nodes_packages_and_every_engine_import_succeeds(tmp_path):
     out = tmp_path / "rehearsal"
     result = subprocess.run([str(ROOT / "scripts" / "gpu_rehearsal.sh"), "--torch", "cpu", str(out)],

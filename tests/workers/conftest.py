@@ -29,7 +29,8 @@ def loop():
 @pytest.fixture(scope="module")
 def engine(loop, tiny_model_path):
     """A warm vLLM engine on the tiny model (keep updates), for the module."""
-    from workers.rollout.engine import RolloutEngine, configure_cpu_environment
+    from workers.rollout.engine import RolloutEngine
+    from workers.rollout.engine_args import configure_cpu_environment
 
     configure_cpu_environment(None, 1.0)
     eng = RolloutEngine(tiny_model_path, update_mode="keep", max_model_len=256)

@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_real_size_example_trains_three_steps_and_reports_each_processs_peak(tmp_path):
-    from workers.models.modelzoo import ensure_zoo_model, write_chat_dataset
+    from workers.models.modelzoo import ensure_zoo_model
+    from workers.models.zoo_data import write_chat_dataset
     from workers.models.realsize import build_shaped_model
 
     model = build_shaped_model("qwen2.5-0.5b", tmp_path / "qwen2.5-0.5b", ensure_zoo_model("qwen2"))

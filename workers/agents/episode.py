@@ -24,7 +24,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from workers.agents.api import EndReason, Environment, EpisodeRecord, StepResult, Turn
 from workers.agents.render import ObservationRenderer
-from workers.rollout.engine import Completion
+from workers.rollout.engine_types import Completion
 from workers.rollout.staleness import VersionTrack
 
 logger = logging.getLogger(__name__)

@@ -285,7 +285,7 @@ def main(argv=None) -> int:
 
         return run_node(args.rendezvous, args.node_rank, args.host, args.out)
     if args.cmd == "sandbox-check":
-        from workers.rewards.sandbox import sandbox_status
+        from workers.rewards.sandbox_boundary import sandbox_status
 
         available, reason = sandbox_status()
         print(f"sandbox: {reason}" if available else f"sandbox: unavailable: {reason}")
@@ -343,7 +343,8 @@ def main(argv=None) -> int:
         print(folder)
         return 0
     if args.cmd == "build-model":
-        from workers.models.modelzoo import MANIFEST as ZOO_MANIFEST, build_zoo_model, ensure_zoo_model, write_chat_dataset
+        from workers.models.modelzoo import MANIFEST as ZOO_MANIFEST, build_zoo_model, ensure_zoo_model
+        from workers.models.zoo_data import write_chat_dataset
 
         if args.out:
             folder = build_zoo_model(args.arch, args.out, steps=args.steps, progress=True)

@@ -40,9 +40,11 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from workers.cluster.memory import (CRITIC_STAGE, DTYPE_BYTES, GIB, REFERENCE_STAGE, REWARD_MODEL, Item, ModelSize,
-                                    inference_forward_gib, reference_adapter_params, run_trainer_memory,
-                                    trainer_forward_gib, trainer_holds_reference, trainer_memory, trainer_precision)
+from workers.cluster.memory import CRITIC_STAGE, REFERENCE_STAGE, REWARD_MODEL, Item
+from workers.cluster.model_size import DTYPE_BYTES, GIB, ModelSize
+from workers.cluster.trainer_memory import (inference_forward_gib, reference_adapter_params, run_trainer_memory,
+                                            trainer_forward_gib, trainer_holds_reference, trainer_memory,
+                                            trainer_precision)
 from workers.spec import model_dtype
 
 if TYPE_CHECKING:

@@ -63,8 +63,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal, Mapping, Optional
 
 from workers.cluster.host_memory import HostMemoryPlan, host_memory_gib, plan_host_memory
-from workers.cluster.memory import (CRITIC_STAGE, DTYPE_BYTES, REFERENCE_STAGE, REWARD_MODEL, MemoryPlan, ModelSize,
-                                    TrainerMemory, model_size, plan_memory, trainer_memory)
+from workers.cluster.memory import CRITIC_STAGE, REFERENCE_STAGE, REWARD_MODEL, MemoryPlan, plan_memory
+from workers.cluster.model_size import DTYPE_BYTES, ModelSize, model_size
+from workers.cluster.trainer_memory import TrainerMemory, trainer_memory
 from workers.spec import model_dtype
 
 if TYPE_CHECKING:

@@ -42,13 +42,14 @@ from workers.io.checkpoint import CheckpointInfo
 from workers.io.report import Reporter
 from workers.models.preflight import check_run, resolve_model_path
 from workers.models.reward_model import resolve_reward_model_path
-from workers.rollout.engine import Completion, RolloutEngine
+from workers.rollout.engine import RolloutEngine
+from workers.rollout.engine_types import Completion
 from workers.rollout.staleness import StalenessGate
 from workers.spec import RunSpec
 from workers.tasks.datasets import load_rows
 from workers.train import algorithms
 from workers.train.batching import token_exact
-from workers.train.trainer import TrainSample
+from workers.train.samples import TrainSample
 from workers.weights.files import trainer_weight_file
 from workers.weights.update import FileWeights
 

@@ -27,9 +27,11 @@ from workers.coord.length_ranker import LengthRanker
 from workers.coord.scheduling import (LENGTH_AWARE, LongTailThreshold, plan_dispatch, plan_skew_aware,
                                       plan_tail_gathering, plan_tail_migration, split_engines)
 from workers.coord.scheduling import priority as request_priority
-from workers.rollout.engine import Completion, RolloutEngine, UpdateTiming, continue_on
+from workers.rollout.engine import RolloutEngine, continue_on
+from workers.rollout.engine_types import Completion, UpdateTiming
 from workers.spec import RunSpec
-from workers.weights.broadcast import RankZeroSender, WeightBroadcaster, WeightBroadcastError
+from workers.weights.broadcast import RankZeroSender, WeightBroadcaster
+from workers.weights.weight_group import WeightBroadcastError
 from workers.weights.files import trainer_weight_file
 from workers.weights.update import FileWeights, WeightUpdate
 

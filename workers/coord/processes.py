@@ -14,7 +14,8 @@ from workers.io import wire
 from workers.api import make_engines, make_trainer, trainer_devices, trainer_threads
 from workers.cluster.placement import CRITIC_STAGE, REFERENCE_STAGE, REWARD_MODEL
 from workers.rewards.service import RewardService
-from workers.rollout.engine import RolloutEngine, configure_cpu_environment
+from workers.rollout.engine import RolloutEngine
+from workers.rollout.engine_args import configure_cpu_environment
 from workers.rollout.messages import EngineServerConfig
 from workers.spec import RunSpec, model_dtype
 from workers.train.reference import ReferenceStage

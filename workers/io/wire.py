@@ -3,7 +3,7 @@
 Roles on different processes (and nodes) talk over TCP wrapped in TLS 1.3 (Python's
 ``ssl``; no cryptography of our own). The run's cluster key (``FLUXRL_CLUSTER_KEY``) is
 the only secret: every process derives from it the same certificate authority — an
-Ed25519 key and a self-signed certificate with fixed fields (:func:`_credentials`) — both
+Ed25519 key and a self-signed certificate with fixed fields (workers/io/wire_tls.py) — both
 ends present that certificate and require the peer's to chain to it. So:
 
 * Without the key, a host on the network can neither connect (the handshake fails), nor
@@ -49,36 +49,33 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import datetime
-import functools
-import hashlib
 import ipaddress
 import logging
 import os
 import queue
 import secrets
-import select
 import socket
 import ssl
-import stat
 import struct
-import tempfile
 import threading
 import time
-from pathlib import Path
-from typing import Any, Optional, cast
+from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+
+from workers.io.wire_local import (LOCAL_DIR_ENV, UNIX_PATH_MAX, local_dir, local_enabled, local_name, net_namespace,
+                                   open_local, peer_credentials)
+from workers.io.wire_tls import (BadFrame as BadFrame, FrameTooLarge as FrameTooLarge,
+                                 HandshakeFailed as HandshakeFailed, KeyRefused as KeyRefused, Tls,
+                                 WireError as WireError, format_address as format_address,
+                                 parse_address as parse_address, read_exact, tls_context)
 
 log = logging.getLogger(__name__)
 
 KEY_ENV = "FLUXRL_CLUSTER_KEY"  # hex; every process of a run must have the same
 HANDSHAKE_ENV = "FLUXRL_WIRE_HANDSHAKE_S"
 MAX_BLOB_ENV = "FLUXRL_WIRE_MAX_BLOB_MB"
-LOCAL_DIR_ENV = "FLUXRL_WIRE_DIR"  # this user's local listeners (Unix sockets)
-LOCAL_ENV = "FLUXRL_WIRE_LOCAL"  # "0": TCP only, also between processes of one host
 MAX_HEADER = 1 << 20  # a message's JSON: samples of a batch fit many times over
-_CHUNK = 1 << 20  # plaintext handed to TLS at a time (bounds the encrypted copy in memory)
 _MAX_HANDSHAKES = 64  # connections handshaking at once per listener
 # Per source (a TCP address, or a local process): one that never completed a handshake on
 # this listener (a stranger) holds a few slots at most; a known peer's address (a whole
@@ -87,7 +84,6 @@ _MAX_HANDSHAKES = 64  # connections handshaking at once per listener
 # its own real peers (a dropped node agent retries: cluster/node.py).
 _MAX_HANDSHAKES_PER_STRANGER = 8
 _MAX_HANDSHAKES_PER_KNOWN = 16
-_UNIX_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
 _WELCOME = b"\x01"  # the server's first byte: it accepted our certificate
 
 _HEAD = struct.Struct(">IB")  # JSON length, kind (M: message, B: message + blob)
@@ -96,26 +92,6 @@ _BLOB = struct.Struct(">Q")
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class WireError(ConnectionError):
-    """The connection failed and was closed (TLS error, bad frame, refused peer)."""
-
-
-class FrameTooLarge(WireError):
-    """A length prefix over the cap: the connection is closed before anything is allocated."""
-
-
-class BadFrame(WireError):
-    """A frame that is not a valid message of the channel's protocol."""
-
-
-class HandshakeFailed(WireError):
-    """The peer did not finish the handshake (closed, or did not answer in time)."""
-
-
-class KeyRefused(HandshakeFailed):
-    """The TLS handshake failed: the peer does not hold this run's cluster key (or we not its)."""
 
 
 _KEY_LOCK = threading.Lock()
@@ -149,297 +125,10 @@ def max_blob_bytes() -> int:
     return int(float(os.environ.get(MAX_BLOB_ENV, "4096")) * (1 << 20))
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"not a host:port address: {text!r}")
-    return host, int(port)
-
-
-def format_address(address: tuple[str, int]) -> str:
-    return f"{address[0]}:{address[1]}"
-
-
-# -- the local wire: a Unix socket per listener, for this user's processes on this host ---------
-class LocalPeerRefused(WireError):
-    """A local socket whose other end is not a process of this user."""
-
-
-def _local_enabled() -> bool:
-    return os.environ.get(LOCAL_ENV, "1") != "0" and hasattr(socket, "AF_UNIX") and hasattr(socket, "SO_PEERCRED")
-
-
-def _net_namespace() -> int:
-    """This process's network namespace (0 where unreadable): 127.0.0.1:port means one
-    listener per namespace, and a shared /tmp may be seen from several."""
-    try:
-        return os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        return 0
-
-
-def local_dir(create: bool) -> Optional[Path]:
-    """This user's folder of local listeners, or None where there is none to use: missing
-    (``create`` False), or not this user's alone (logged; TCP is used then)."""
-    folder = Path(os.environ.get(LOCAL_DIR_ENV) or Path(tempfile.gettempdir()) / f"fluxrl-wire-{os.getuid()}")
-    try:
-        if create:
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = folder.lstat()  # a symlink planted in its place is refused, not followed
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        log.warning("wire: the local folder %s (%s) is unusable: %s; using TCP", folder, LOCAL_DIR_ENV, exc)
-        return None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("wire: %s (%s) must be a folder of this user's, closed to others (mode 700); using TCP",
-                    folder, LOCAL_DIR_ENV)
-        return None
-    return folder
-
-
-def _local_name(host: str, port: int) -> str:
-    """The socket that stands for ``host:port`` of this network namespace (a fixed length,
-    whatever the address: a Unix socket's path is short)."""
-    digest = hashlib.sha256(f"{_net_namespace()}|{host}|{port}".encode()).hexdigest()[:24]
-    return f"{digest}.sock"
-
-
-def _is_this_host(ip: "ipaddress.IPv4Address | ipaddress.IPv6Address") -> bool:
-    """Whether ``ip`` is an address of this host in this namespace (it can be bound here)."""
-    if ip.is_loopback:
-        return True
-    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.bind((str(ip), 0))
-        return True
-    except OSError:
-        return False
-
-
-def _local_candidates(address: tuple[str, int]) -> list[str]:
-    """Socket names a listener at ``address`` on this host would have: the address itself,
-    and a wildcard listener's, when the address is this host's. Host names other than
-    localhost are not resolved here (TCP resolves them)."""
-    host, port = address
-    host = host.strip("[]")
-    if host == "localhost":
-        ips = [ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")]
-    else:
-        try:
-            ips = [ipaddress.ip_address(host)]
-        except ValueError:
-            return []
-    names: list[str] = []
-    for ip in ips:
-        names.append(_local_name(ip.compressed, port))
-        if _is_this_host(ip):
-            names.append(_local_name("::" if ip.version == 6 else "0.0.0.0", port))
-    return names
-
-
-def _peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end of a Unix socket, as the kernel saw it
-    connect (a client) or listen (a server)."""
-    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-
-
-def _open_local(address: tuple[str, int], timeout: float) -> Optional[tuple[socket.socket, str]]:
-    """A connection to the local socket of the listener at ``address``, if this user has one
-    there; None otherwise (the caller uses TCP). A stale socket (its process is gone) is
-    skipped. A socket of another user is refused: the folder is this user's, so one there
-    means something is wrong."""
-    if not _local_enabled():
-        return None
-    names = _local_candidates(address)
-    folder = local_dir(create=False) if names else None
-    if folder is None or _net_namespace() == 0:
-        return None
-    for name in names:
-        path = folder / name
-        if not path.exists():
-            continue
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
-        try:
-            sock.connect(str(path))
-        except (FileNotFoundError, ConnectionRefusedError):
-            sock.close()
-            continue
-        except BaseException:
-            sock.close()
-            raise
-        _, uid, _ = _peer_credentials(sock)
-        if uid != os.getuid():
-            sock.close()
-            raise LocalPeerRefused(f"the local socket {path} for {format_address(address)} is held by uid {uid}, "
-                                   f"not this user ({os.getuid()}): refused")
-        return sock, str(path)
-    return None
-
-
-# -- the run's certificate authority, derived from the key -------------------------------------
-@functools.lru_cache(maxsize=8)
-def _credentials(key: bytes) -> tuple[bytes, bytes]:
-    """(certificate PEM, private key PEM) of the run: the same in every process that holds
-    ``key`` (HKDF -> an Ed25519 key; fixed name, serial and validity; Ed25519 signs
-    deterministically, so the certificate is byte for byte the same)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-    from cryptography.x509.oid import NameOID
-
-    def derive(info: bytes, length: int) -> bytes:
-        return HKDF(algorithm=hashes.SHA256(), length=length, salt=b"fluxrl-wire-ca-v1", info=info).derive(key)
-
-    private = Ed25519PrivateKey.from_private_bytes(derive(b"ed25519 key", 32))
-    run_id = derive(b"name", 8).hex()  # names the run in errors without revealing the key
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"fluxrl run {run_id}")])
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(private.public_key())
-            .serial_number(int(run_id, 16) | 1)
-            .not_valid_before(datetime.datetime(2024, 1, 1, tzinfo=datetime.timezone.utc))
-            .not_valid_after(datetime.datetime(2124, 1, 1, tzinfo=datetime.timezone.utc))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(private, None))  # Ed25519 signatures are deterministic: the same bytes everywhere
-    key_pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                    serialization.NoEncryption())
-    return cert.public_bytes(serialization.Encoding.PEM), key_pem
-
-
-@functools.lru_cache(maxsize=16)
-def _context(key: bytes, server: bool) -> ssl.SSLContext:
-    cert_pem, key_pem = _credentials(key)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-    ctx.verify_mode = ssl.CERT_REQUIRED  # both ways: the client must present the run's certificate too
-    if server:
-        ctx.num_tickets = 0  # no resumption, and no records after the handshake we did not ask for
-    else:
-        ctx.check_hostname = False  # the peer is identified by the run's CA, not by a host name
-    ctx.load_verify_locations(cadata=cert_pem.decode())
-    # load_cert_chain reads files only: the key goes there encrypted with a one-time password
-    from cryptography.hazmat.primitives import serialization
-
-    password = secrets.token_bytes(32)
-    encrypted = serialization.load_pem_private_key(key_pem, None).private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.BestAvailableEncryption(password))
-    fd, path = tempfile.mkstemp(prefix="fluxrl-wire-", suffix=".pem")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(cert_pem + encrypted)
-        ctx.load_cert_chain(path, password=password)
-    finally:
-        os.unlink(path)
-    return ctx
-
-
-# -- TLS over a socket, usable from one reader and many writers at once -----------------------
-class _Tls:
-    """An ``ssl.SSLObject`` over memory BIOs on a plain socket. OpenSSL does not allow one
-    SSL object to be used from two threads at once, yet a channel is read by one thread
-    while others send: every call into it holds ``_ssl``, and the blocking socket I/O is
-    done outside that lock (``_send`` orders the encrypted bytes on the socket)."""
-
-    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext, server: bool):
-        self.sock = sock
-        self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
-        self.obj = ctx.wrap_bio(self._in, self._out, server_side=server)
-        self._ssl = threading.Lock()
-        self._send = threading.Lock()  # taken before _ssl, never after
-        self.closed = False
-
-    def handshake(self, deadline: float) -> None:
-        while True:
-            try:
-                with self._ssl:
-                    self.obj.do_handshake()
-                self._flush()
-                return
-            except ssl.SSLWantReadError:
-                self._flush()
-                self._fill(deadline)
-            except ssl.SSLError:
-                try:  # the alert, so that the peer learns why
-                    self._flush()
-                except OSError:
-                    pass
-                raise
-
-    def _fill(self, deadline: Optional[float]) -> None:
-        if deadline is not None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise socket.timeout("timed out")
-            self.sock.settimeout(remaining)
-        data = self.sock.recv(1 << 18)
-        if not data:
-            raise EOFError("the peer closed the connection")
-        with self._ssl:
-            self._in.write(data)
-
-    def _flush(self) -> None:
-        with self._send:
-            with self._ssl:
-                data = self._out.read()
-            if data:
-                self.sock.sendall(data)
-
-    def write(self, data: bytes) -> None:
-        """Caller holds ``_send`` (a whole frame goes out in one piece)."""
-        view = memoryview(data).cast("B")
-        for start in range(0, len(view), _CHUNK):
-            with self._ssl:
-                self.obj.write(view[start:start + _CHUNK])
-                encrypted = self._out.read()
-            self.sock.sendall(encrypted)
-
-    def read_into(self, view: memoryview, deadline: Optional[float] = None) -> None:
-        """Fill ``view`` with plaintext (one reader at a time)."""
-        got = 0
-        while got < len(view):
-            try:
-                with self._ssl:
-                    n = cast(int, self.obj.read(len(view) - got, view[got:]))  # into a buffer: a count
-                if n == 0:
-                    raise EOFError("the peer closed the connection")
-                got += n
-            except ssl.SSLWantReadError:
-                with self._ssl:
-                    answer = self._out.pending  # e.g. an alert
-                if answer:
-                    self._flush()
-                self._fill(deadline)
-            except ssl.SSLZeroReturnError:
-                raise EOFError("the peer closed the connection") from None
-
-    def readable(self, timeout: float) -> bool:
-        with self._ssl:
-            if self.obj.pending() or self._in.pending:
-                return True
-        ready, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
-        return bool(ready)
-
-    def close(self) -> None:
-        self.closed = True
-        try:  # wakes a reader blocked in recv
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-
-
-def _read_exact(tls: _Tls, n: int, deadline: Optional[float] = None) -> bytearray:
-    buf = bytearray(n)
-    tls.read_into(memoryview(buf), deadline)
-    return buf
-
-
 class Channel:
     """One end of a connection: ``send`` from any thread, ``recv`` from one."""
 
-    def __init__(self, tls: _Tls, messages: TypeAdapter[Any], peer: str = ""):
+    def __init__(self, tls: Tls, messages: TypeAdapter[Any], peer: str = ""):
         self.tls = tls
         self.messages = messages
         self.peer = peer
@@ -465,19 +154,19 @@ class Channel:
         """(message, blob or None). Raises EOFError when the peer is gone, or a
         :class:`WireError` (an ``OSError``) for anything else; either way the channel is closed."""
         try:
-            size, kind = _HEAD.unpack(_read_exact(self.tls, _HEAD.size))
+            size, kind = _HEAD.unpack(read_exact(self.tls, _HEAD.size))
             if kind not in (ord("M"), ord("B")):
                 raise BadFrame(f"a frame of unknown kind {kind} from {self.peer}")
             if size > MAX_HEADER:
                 raise FrameTooLarge(f"a message of {size} bytes announced by {self.peer}, over the {MAX_HEADER}-byte cap")
-            body = _read_exact(self.tls, size)
+            body = read_exact(self.tls, size)
             blob = None
             if kind == ord("B"):
-                (blob_size,) = _BLOB.unpack(_read_exact(self.tls, _BLOB.size))
+                (blob_size,) = _BLOB.unpack(read_exact(self.tls, _BLOB.size))
                 if blob_size > max_blob_bytes():
                     raise FrameTooLarge(f"a blob of {blob_size} bytes announced by {self.peer}, over {MAX_BLOB_ENV} "
                                         f"({max_blob_bytes()} bytes)")
-                blob = bytes(_read_exact(self.tls, blob_size))
+                blob = bytes(read_exact(self.tls, blob_size))
             try:
                 return self.messages.validate_json(body), blob
             except ValidationError as exc:
@@ -520,8 +209,8 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
-def _server_side(sock: socket.socket, key: bytes, deadline: float) -> _Tls:
-    tls = _Tls(sock, _context(key, server=True), server=True)
+def _server_side(sock: socket.socket, key: bytes, deadline: float) -> Tls:
+    tls = Tls(sock, tls_context(key, server=True), server=True)
     try:
         _tune(sock)
         tls.handshake(deadline)
@@ -555,7 +244,7 @@ class Listener:
         self._sock = socket.create_server((host, port), backlog=64)
         self._sock.settimeout(0.5)  # the accept loop looks at _closed this often
         self.address = self._sock.getsockname()[:2]
-        self._ready: queue.Queue[tuple[_Tls, str]] = queue.Queue()
+        self._ready: queue.Queue[tuple[Tls, str]] = queue.Queue()
         self._lock = threading.Lock()
         self._pending: list[_Pending] = []  # oldest first
         self._known: set[str] = set()  # sources that completed a handshake (only key holders can)
@@ -565,7 +254,7 @@ class Listener:
         self._local: Optional[socket.socket] = None
         self.local_path: Optional[str] = None
         self._local_ino = 0
-        if local and _local_enabled():
+        if local and local_enabled():
             try:
                 self._listen_local()
             except BaseException:
@@ -584,11 +273,11 @@ class Listener:
         own and renamed into place, so a stale socket of a process that died on this port is
         replaced at once and a client never finds a half-made one."""
         folder = local_dir(create=True)
-        if folder is None or _net_namespace() == 0:
+        if folder is None or net_namespace() == 0:
             return
-        path = folder / _local_name(ipaddress.ip_address(self.address[0].strip("[]")).compressed, self.address[1])
+        path = folder / local_name(ipaddress.ip_address(self.address[0].strip("[]")).compressed, self.address[1])
         staging = folder / f".{secrets.token_hex(8)}.sock"
-        if len(str(staging).encode()) > _UNIX_PATH_MAX:
+        if len(str(staging).encode()) > UNIX_PATH_MAX:
             log.warning("wire %s: no local socket: %s is too long a path for one (set %s to a shorter folder)",
                         format_address(self.address), folder, LOCAL_DIR_ENV)
             return
@@ -619,7 +308,7 @@ class Listener:
                 time.sleep(0.1)  # e.g. out of file descriptors: try again
                 continue
             if local:
-                pid, uid, _ = _peer_credentials(sock)
+                pid, uid, _ = peer_credentials(sock)
                 if uid != os.getuid():  # the folder is closed to others; this holds if it is opened
                     self._note_drop(f"local uid {uid} (not this user)")
                     sock.close()
@@ -752,7 +441,7 @@ def connect(address: tuple[str, int], messages: TypeAdapter[Any], key: Optional[
     deadline = time.monotonic() + timeout
     name = format_address(address)
     try:
-        opened = _open_local(address, timeout)
+        opened = open_local(address, timeout)
     except socket.timeout as exc:
         raise HandshakeFailed(f"{name}: its local socket did not take the connection within {timeout:g} s") from exc
     if opened is not None:
@@ -760,10 +449,10 @@ def connect(address: tuple[str, int], messages: TypeAdapter[Any], key: Optional[
     else:
         sock = socket.create_connection(address, timeout=timeout)
     _tune(sock)
-    tls = _Tls(sock, _context(key or cluster_key(), server=False), server=False)
+    tls = Tls(sock, tls_context(key or cluster_key(), server=False), server=False)
     try:
         tls.handshake(deadline)
-        if bytes(_read_exact(tls, 1, deadline)) != _WELCOME:
+        if bytes(read_exact(tls, 1, deadline)) != _WELCOME:
             raise HandshakeFailed(f"{name} is not a fluxrl wire endpoint")
         sock.settimeout(None)
     except ssl.SSLError as exc:

@@ -29,86 +29,26 @@ on a given CPU; vLLM's greedy output on the CPU matches transformers' token for 
 """
 from __future__ import annotations
 
-import bisect
-import functools
 import json
 import logging
 import os
 import random
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from workers.models.tinymodel import WEIGHTS, _cpu_model, default_cache, file_sha256, install_folder, recipe_id, sft_lr_factor, \
     verify_model_folder
+from workers.models.zoo_data import FORMATS, arith_rows, assistant_reply, held_out_key
+from workers.models.zoo_tokenizers import build_tokenizer, padded_vocab, save_tokenizer, stop_ids
 
 logger = logging.getLogger(__name__)
 
 ARCHS = ("qwen2", "llama", "gpt2")
 MANIFEST = "fluxrl_zoo.json"  # recipe, held-out accuracy, checksum
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
-
-
-@dataclass(frozen=True)
-class ChatFormat:
-    """A tokenizer's special tokens and chat template. ``specials`` get the first ids."""
-
-    specials: tuple[str, ...]
-    end_of_turn: str  # ends the assistant's turn: the SFT target's last token
-    stop: tuple[str, ...]  # generation_config's eos_token_id, end of turn first
-    template: str
-    bos: str | None = None
-    pad: str | None = None
-    unk: str | None = None
-
-
-# ChatML, as Qwen2-Instruct (no default system message).
-CHATML = ChatFormat(
-    specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-    end_of_turn="<|im_end|>", stop=("<|im_end|>", "<|endoftext|>"), pad="<|endoftext|>",
-    template=(
-        "{%- for message in messages %}"
-        "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-        "{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-    ),
-)
-
-# Llama 3's headers on a SentencePiece-style vocabulary: the template writes the BOS
-# (so a chat prompt is encoded without the post-processor's), raw text gets it from
-# the post-processor.
-LLAMA3 = ChatFormat(
-    specials=("<unk>", "<s>", "</s>", "<pad>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-    end_of_turn="<|eot_id|>", stop=("<|eot_id|>", "</s>"), bos="<s>", pad="<pad>", unk="<unk>",
-    template=(
-        "{{- bos_token }}"
-        "{%- for message in messages %}"
-        "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
-        " + '<|eot_id|>' }}"
-        "{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
-    ),
-)
-
-# Phi-3-like role tokens on GPT-2's <|endoftext|>.
-ROLES = ChatFormat(
-    specials=("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
-    end_of_turn="<|end|>", stop=("<|end|>", "<|endoftext|>"), bos="<|endoftext|>", pad="<|endoftext|>",
-    template=(
-        "{%- for message in messages %}"
-        "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
-        "{{- raise_exception('roles are system, user and assistant, not ' + message['role']) }}"
-        "{%- endif %}"
-        "{{- '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
-        "{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
-    ),
-)
-
-FORMATS = {"qwen2": CHATML, "llama": LLAMA3, "gpt2": ROLES}
 
 _COMMON = {
     "seed": 0,
@@ -156,304 +96,6 @@ def zoo_recipe(arch: str, steps: int | None = None, seed: int = 0) -> dict:
     if steps is not None:
         recipe.update(steps=int(steps), stop_at_accuracy=None)
     return recipe
-
-
-# --- data -------------------------------------------------------------------------
-
-# One wording: with five, 90 s of SFT left the model still learning where the operands are.
-QUESTIONS = ("What is {a} + {b}?",)
-SYSTEMS = ("You are a helpful assistant.", "You are a careful calculator. Answer with the whole equation.",
-           "Answer briefly.")
-
-
-def _operand(rng: random.Random, max_digits: int = 2) -> int:
-    return rng.randrange(10 ** rng.randint(1, max_digits))  # as tasks.gen_add: 1-digit as often as 2-digit
-
-
-def _arith_rows(n: int, rng: random.Random, system_share: float, exclude: frozenset = frozenset()) -> list[dict]:
-    rows = []
-    while len(rows) < n:
-        a, b = _operand(rng), _operand(rng)
-        messages = [{"role": "user", "content": rng.choice(QUESTIONS).format(a=a, b=b)}]
-        if rng.random() < system_share:
-            messages.insert(0, {"role": "system", "content": rng.choice(SYSTEMS)})
-        row = {"messages": messages, "answer": str(a + b), "operands": (a, b)}
-        if exclude and _held_out_key(row) in exclude:
-            continue
-        rows.append(row)
-    return rows
-
-
-def _held_out_key(row: dict):
-    """What a held-out row keeps out of training: its operand pair when one of them has
-    two digits (a sum the model must work out), else its exact prompt (the 100 one-digit
-    sums are facts to learn, asked in other words in training)."""
-    a, b = row["operands"]
-    return (a, b) if max(a, b) >= 10 else json.dumps(row["messages"])
-
-
-def chat_arithmetic_rows(n: int, seed: int = 0, system_share: float = 0.3, two_digit: bool = False) -> list[dict]:
-    """JSONL-ready chat rows of 2-digit additions (a FluxRL chat dataset):
-    ``{"messages": [{"role": "user", "content": "What is 23 + 45?"}], "answer": "68"}``,
-    a share of them with a system message first. Deterministic in ``seed``. With
-    ``two_digit``, only sums with a 2-digit operand: the 100 one-digit sums are facts the
-    warm start knows, and as held-out prompts they would keep their questions out of training."""
-    rng, rows = random.Random(seed), []
-    while len(rows) < n:
-        rows += [r for r in _arith_rows(n - len(rows), rng, system_share) if not two_digit or max(r["operands"]) >= 10]
-    return [{"messages": r["messages"], "answer": r["answer"]} for r in rows]
-
-
-def write_chat_dataset(path, n: int, seed: int = 0, two_digit: bool = False) -> Path:
-    """``chat_arithmetic_rows(n, seed, two_digit=two_digit)`` as a JSONL file; returns its path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        for row in chat_arithmetic_rows(n, seed, two_digit=two_digit):
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-    return path
-
-
-def assistant_reply(row: dict) -> str:
-    """What the warm start teaches the model to answer: the whole equation."""
-    a, b = row["operands"]
-    return f"{a} + {b} = {row['answer']}"
-
-
-_ONSETS = ("b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "br", "ch", "cl", "dr",
-           "fl", "gr", "pl", "sh", "st", "th", "tr")
-_VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ee", "oo", "ou", "y")
-_CODAS = ("", "", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ng", "ck", "rt")
-_NOUNS = ("time", "year", "people", "way", "day", "man", "woman", "child", "world", "life", "hand", "part", "place",
-          "case", "week", "company", "system", "program", "question", "number", "night", "point", "home", "water",
-          "room", "mother", "area", "money", "story", "fact", "month", "lot", "right", "study", "book", "eye", "job",
-          "word", "business", "issue", "side", "kind", "head", "house", "service", "friend", "father", "power",
-          "hour", "game", "line", "end", "member", "law", "car", "city", "name", "team", "minute", "idea", "kid",
-          "body", "information", "back", "parent", "face", "level", "office", "door", "health", "person", "art",
-          "war", "history", "party", "result", "change", "morning", "reason", "research", "girl", "guy", "moment",
-          "air", "teacher", "force", "education", "river", "garden", "apple", "window", "letter", "train", "bridge")
-_VERBS = ("saw", "found", "made", "took", "gave", "told", "kept", "left", "brought", "held", "wrote", "read", "built",
-          "bought", "sold", "opened", "closed", "carried", "counted", "painted", "moved", "watched", "helped",
-          "followed", "visited", "cleaned", "answered", "checked", "added", "wanted", "needed", "liked", "used")
-_ADJECTIVES = ("good", "new", "first", "last", "long", "great", "little", "own", "other", "old", "right", "big", "high",
-               "different", "small", "large", "next", "early", "young", "important", "few", "public", "bad", "same",
-               "able", "quiet", "bright", "green", "red", "blue", "cold", "warm", "heavy", "light", "simple", "strange")
-_ADVERBS = ("quickly", "slowly", "carefully", "often", "never", "always", "again", "later", "soon", "together")
-_PLACES = ("Paris", "London", "Zürich", "São Paulo", "Kraków", "Tokyo", "Berlin", "Dublin", "Oslo", "Lima")
-_EXTRAS = ("café", "naïve", "résumé", "façade", "jalapeño", "coöperate", "über", "niño", "déjà vu", "smörgåsbord")
-
-
-def _lexicon(rng: random.Random, n: int) -> list[str]:
-    words = set()
-    while len(words) < n:
-        words.add("".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(rng.randint(1, 3)))
-                  + rng.choice(_CODAS))
-    return sorted(words)
-
-
-@functools.lru_cache(maxsize=8)
-def _zipf_cumulative(n: int, s: float) -> tuple[float, ...]:
-    total, cum = 0.0, []
-    for k in range(n):
-        total += 1.0 / (k + 1) ** s
-        cum.append(total)
-    return tuple(cum)
-
-
-def _zipf(rng: random.Random, items, s: float = 1.1):
-    """An item drawn with weight 1/(k+1)^s for the k-th (by inverse transform)."""
-    cum = _zipf_cumulative(len(items), s)
-    return items[min(len(items) - 1, bisect.bisect_left(cum, rng.random() * cum[-1]))]
-
-
-def english_sentences(n: int, seed: int = 0) -> list[str]:
-    """Simple English-like sentences: real function words and common nouns and verbs,
-    pseudo-words for names and rare things, numbers, punctuation, a little non-ASCII."""
-    rng = random.Random(seed)
-    names = [w.capitalize() for w in _lexicon(rng, 300)]
-    things = _lexicon(rng, 2500)
-
-    def noun():
-        return _zipf(rng, _NOUNS) if rng.random() < 0.6 else _zipf(rng, things)
-
-    def np_():
-        det = rng.choice(("the", "a", "this", "that", "my", "our", "every", "the"))
-        adj = rng.choice(_ADJECTIVES) + " " if rng.random() < 0.4 else ""
-        return f"{det} {adj}{noun()}"
-
-    patterns = (
-        lambda: f"{np_().capitalize()} {rng.choice(_VERBS)} {np_()}.",
-        lambda: f"{_zipf(rng, names)} {rng.choice(_VERBS)} {rng.randint(2, 999)} {noun()}s in {rng.choice(_PLACES)}.",
-        lambda: f"In {rng.randint(1800, 2030)}, {_zipf(rng, names)} {rng.choice(_ADVERBS)} {rng.choice(_VERBS)} "
-                f"{np_()}.",
-        lambda: f"Why did {_zipf(rng, names)} leave {np_()} near the {noun()}?",
-        lambda: f"\u201c{np_().capitalize()} is {rng.choice(_ADJECTIVES)},\u201d said {_zipf(rng, names)} \u2014 "
-                f"{rng.choice(_ADVERBS)}.",
-        lambda: f"We {rng.choice(_VERBS)} {rng.randint(1, 99)} {noun()}s and {rng.randint(1, 99)} {noun()}s at the "
-                f"{rng.choice(_EXTRAS)}; it cost \u20ac{rng.randint(1, 500)}.",
-        lambda: f"{np_().capitalize()} and {np_()} {rng.choice(_VERBS)} {np_()}, then {rng.choice(_VERBS)} it "
-                f"{rng.choice(_ADVERBS)}!",
-    )
-    return [rng.choice(patterns)() for _ in range(n)]
-
-
-@functools.lru_cache(maxsize=8)
-def _compiled(template: str):
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise ValueError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template)
-
-
-def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = False, **tokens) -> str:
-    """A chat template rendered as transformers renders it (before any tokenizer exists)."""
-    return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **tokens)
-
-
-def tokenizer_corpus(recipe: dict) -> list[str]:
-    """The text a zoo tokenizer is trained on: whole chat exchanges rendered with the
-    architecture's template and cut at its special tokens (which are added, not
-    learned), so that pieces are learned from the text the tokenizer will see between
-    them, plus English-like sentences. For the SentencePiece-style tokenizer, a sentence
-    starts with the space its Metaspace adds at the start of a text."""
-    import re
-
-    fmt = FORMATS[recipe["arch"]]
-    rng = random.Random(recipe["seed"] * 7919 + 17)
-    cut = re.compile("|".join(re.escape(t) for t in fmt.specials))
-    lines = []
-    for row in _arith_rows(recipe["corpus"]["chat"], rng, system_share=0.5):
-        text = render_chat(fmt.template, row["messages"] + [{"role": "assistant", "content": assistant_reply(row)}],
-                           bos_token=fmt.bos or "")
-        lines += [part for part in cut.split(text) if part]
-    lead = " " if recipe["tokenizer"] == "unigram" else ""
-    lines += [lead + s for s in english_sentences(recipe["corpus"]["prose"], seed=recipe["seed"] * 7919 + 29)]
-    rng.shuffle(lines)
-    return lines
-
-
-# --- tokenizers -----------------------------------------------------------------------
-
-def _train_bpe(corpus: list[str], fmt: ChatFormat, vocab: int):
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    # Numbers split into single digits first, then GPT-2's byte-level split (as Qwen2 and Llama 3).
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab, min_frequency=2, special_tokens=list(fmt.specials),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
-    return tok
-
-
-def _train_unigram(corpus: list[str], fmt: ChatFormat, vocab: int):
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.Unigram())
-    tok.normalizer = normalizers.NFC()
-    # SentencePiece's whitespace as "▁", then each digit a piece of its own
-    # (sentencepiece's split_digits).
-    def pre_tokenizer(prepend: str):
-        return pre_tokenizers.Sequence([pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend),
-                                        pre_tokenizers.Digits(individual_digits=True)])
-
-    # Trained on lines that carry their own leading space where a text's start gets one
-    # (tokenizer_corpus): the trainer would otherwise prepend "▁" to every line, also to
-    # the text between two special tokens, which never gets one.
-    tok.pre_tokenizer = pre_tokenizer("never")
-    trainer = trainers.UnigramTrainer(vocab_size=vocab - 256, special_tokens=list(fmt.specials), unk_token=fmt.unk,
-                                      max_piece_length=16, show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
-    # Llama's 256 byte pieces <0x00>..<0xFF>: a character never seen in training is
-    # spelt in its UTF-8 bytes instead of <unk>. Scored below every learned piece.
-    spec = json.loads(tok.to_str())
-    n_special = len(fmt.specials)
-    assert [p for p, _ in spec["model"]["vocab"][:n_special]] == list(fmt.specials)
-    pieces = spec["model"]["vocab"][:n_special] + _canonical_pieces(spec["model"]["vocab"][n_special:])
-    have = {p for p, _ in pieces}
-    floor = min(score for _, score in pieces) - 10.0
-    pieces += [[f"<0x{b:02X}>", floor] for b in range(256) if f"<0x{b:02X}>" not in have]
-    spec["model"]["vocab"] = pieces
-    spec["model"]["byte_fallback"] = True
-    tok = Tokenizer.from_str(json.dumps(spec))
-    tok.pre_tokenizer = pre_tokenizer("first")
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])  # as Llama's
-    bos = tok.token_to_id(fmt.bos)
-    tok.post_processor = processors.TemplateProcessing(single=f"{fmt.bos} $A", pair=f"{fmt.bos} $A {fmt.bos}:1 $B:1",
-                                                       special_tokens=[(fmt.bos, bos)])
-    return tok
-
-
-def _canonical_pieces(pieces: list) -> list:
-    """The Unigram trainer's pieces in an order and with scores that do not change from
-    run to run. As trained, they do: its EM sums in parallel (scores differ in the 14th
-    digit) and it appends the characters it must keep but did not learn in hash-set
-    order, at the lowest score plus 1e-4 per character (so ids and scores of those
-    characters move between runs). Those characters are put in sorted order, scores
-    rounded to 6 decimals, and pieces sorted by score, then text."""
-    base = min(score for _, score in pieces)
-
-    def appended(piece: str, score: float) -> bool:
-        k = (score - base) / 1e-4
-        return len(piece) == 1 and abs(k - round(k)) < 1e-6 and 0 <= round(k) < len(pieces)
-
-    tail = sorted(p for p, score in pieces if appended(p, score))
-    rest = [[p, round(score, 6)] for p, score in pieces if not appended(p, score)]
-    rest += [[p, round(base + k * 1e-4, 6)] for k, p in enumerate(tail)]
-    return sorted(rest, key=lambda item: (-item[1], item[0]))
-
-
-def build_tokenizer(recipe: dict):
-    """The recipe's tokenizer, trained on ``tokenizer_corpus``: a PreTrainedTokenizerFast
-    with the architecture's special tokens and chat template."""
-    from transformers import PreTrainedTokenizerFast
-
-    fmt = FORMATS[recipe["arch"]]
-    corpus = tokenizer_corpus(recipe)
-    train = {"bpe": _train_bpe, "unigram": _train_unigram}[recipe["tokenizer"]]
-    core = train(corpus, fmt, recipe["vocab"])
-    named = {"bos_token": fmt.bos, "eos_token": fmt.end_of_turn, "pad_token": fmt.pad, "unk_token": fmt.unk}
-    named = {k: v for k, v in named.items() if v}
-    extra = [t for t in fmt.specials if t not in named.values()]
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, extra_special_tokens=extra,
-                                        clean_up_tokenization_spaces=False, model_max_length=recipe["max_positions"],
-                                        **named)
-    tokenizer.chat_template = fmt.template
-    return tokenizer
-
-
-def save_tokenizer(tokenizer, folder: Path) -> None:
-    """tokenizer.json and tokenizer_config.json, written as transformers 4 wrote them
-    (which transformers 5 reads too, and other tools expect): the chat template inside
-    the config, the class name every version knows, the other special tokens under
-    their old key (transformers 4 takes ``extra_special_tokens`` for a dict)."""
-    tokenizer.save_pretrained(folder, save_jinja_files=False)
-    path = Path(folder) / "tokenizer_config.json"
-    config = json.loads(path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    if isinstance(config.get("extra_special_tokens"), list):
-        config["additional_special_tokens"] = config.pop("extra_special_tokens")
-    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-
-
-def stop_ids(tokenizer, arch: str) -> list[int]:
-    return [tokenizer.convert_tokens_to_ids(t) for t in FORMATS[arch].stop]
-
-
-def padded_vocab(tokenizer) -> int:
-    return -(-len(tokenizer) // 64) * 64
 
 
 # --- models ---------------------------------------------------------------------------
@@ -573,7 +215,7 @@ def greedy_completions(model, prompts: list[list[int]], stop: list[int], pad_id:
 
 def held_out_rows(recipe: dict) -> list[dict]:
     """The warm start's held-out prompts: never trained on (their operand pairs are left out)."""
-    return _arith_rows(recipe["held_out"], random.Random(recipe["seed"] * 1000 + 99), recipe["system_share"])
+    return arith_rows(recipe["held_out"], random.Random(recipe["seed"] * 1000 + 99), recipe["system_share"])
 
 
 def greedy_accuracy(model, tokenizer, rows: list[dict], arch: str, max_new: int = 16) -> float:
@@ -589,7 +231,7 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], arch: str, max_new: int 
 def dev_rows(recipe: dict) -> list[dict]:
     """The prompts the warm start watches to know when to stop (apart from the held-out
     ones, which only measure the result)."""
-    return _arith_rows(recipe["dev"], random.Random(recipe["seed"] * 1000 + 98), recipe["system_share"])
+    return arith_rows(recipe["dev"], random.Random(recipe["seed"] * 1000 + 98), recipe["system_share"])
 
 
 def _sft(model, tokenizer, recipe: dict, progress: bool) -> dict:
@@ -603,9 +245,9 @@ def _sft(model, tokenizer, recipe: dict, progress: bool) -> dict:
 
     arch = recipe["arch"]
     held_out, dev = held_out_rows(recipe), dev_rows(recipe)
-    exclude = frozenset(_held_out_key(r) for r in held_out + dev)
+    exclude = frozenset(held_out_key(r) for r in held_out + dev)
     steps, batch, target = recipe["steps"], recipe["batch"], recipe.get("stop_at_accuracy")
-    rows = _arith_rows(steps * batch, random.Random(recipe["seed"] * 1000 + 1), recipe["system_share"], exclude)
+    rows = arith_rows(steps * batch, random.Random(recipe["seed"] * 1000 + 1), recipe["system_share"], exclude)
     examples = sft_examples(tokenizer, rows, arch)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], betas=tuple(recipe["betas"]), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: sft_lr_factor(s, recipe))

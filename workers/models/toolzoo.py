@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from workers.models import modelzoo
+from workers.models import modelzoo, zoo_data, zoo_tokenizers
 from workers.tasks.datasets import tool_arith_prompt
 from workers.models.tinymodel import WEIGHTS, _cpu_model, default_cache, file_sha256, install_folder, recipe_id, \
     sft_lr_factor, verify_model_folder
@@ -262,12 +262,12 @@ def tokenizer_corpus(recipe: dict) -> list[str]:
     """Episodes with and without tools rendered by TEMPLATE and cut at the special tokens
     and the tool tags (which are added, not learned), plus the zoo's English-like sentences."""
     rng = random.Random(recipe["seed"] * 7919 + 17)
-    cut = re.compile("|".join(re.escape(t) for t in (*modelzoo.CHATML.specials, *TOOL_TAGS)))
+    cut = re.compile("|".join(re.escape(t) for t in (*zoo_data.CHATML.specials, *TOOL_TAGS)))
     lines = []
     for q in questions(recipe["corpus"]["episodes"], rng, recipe):
         text = "".join(t for t, _ in episode_segments(q, rng.random() < 0.5, rng.random() < 0.5))
         lines += [part for part in cut.split(text) if part]
-    lines += modelzoo.english_sentences(recipe["corpus"]["prose"], seed=recipe["seed"] * 7919 + 29)
+    lines += zoo_data.english_sentences(recipe["corpus"]["prose"], seed=recipe["seed"] * 7919 + 29)
     rng.shuffle(lines)
     return lines
 
@@ -278,8 +278,8 @@ def build_tokenizer(recipe: dict):
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
-    fmt = modelzoo.CHATML
-    core = modelzoo._train_bpe(tokenizer_corpus(recipe), fmt, recipe["vocab"])
+    fmt = zoo_data.CHATML
+    core = zoo_tokenizers.train_bpe(tokenizer_corpus(recipe), fmt, recipe["vocab"])
     core.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TAGS])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, extra_special_tokens=[fmt.specials[1]],
                                         clean_up_tokenization_spaces=False, model_max_length=recipe["max_positions"],
@@ -294,7 +294,7 @@ def encode_episodes(tokenizer, episodes: list[list[tuple[str, bool]]], check: in
     encoding. A segment is encoded piece by piece between the added tokens (as the
     tokenizer itself splits a text first), each distinct piece once: the long system
     message is shared by most episodes."""
-    added = {t: tokenizer.convert_tokens_to_ids(t) for t in (*modelzoo.CHATML.specials, *TOOL_TAGS)}
+    added = {t: tokenizer.convert_tokens_to_ids(t) for t in (*zoo_data.CHATML.specials, *TOOL_TAGS)}
     split = re.compile("(" + "|".join(re.escape(t) for t in added) + ")")
     distinct = sorted({part for segments in episodes for text, _ in segments for part in split.split(text)}
                       - set(added) - {""})
@@ -337,7 +337,7 @@ def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int):
 
 
 def _stop_ids(tokenizer) -> list[int]:
-    return modelzoo.stop_ids(tokenizer, "qwen2")
+    return zoo_tokenizers.stop_ids(tokenizer, "qwen2")
 
 
 def episode_accuracy(model, tokenizer, qs: list, tools: bool, system: bool = False, details: bool = False):
@@ -436,7 +436,7 @@ def build_tool_model(out_dir, *, steps: int | None = None, seed: int = 0, progre
         out.mkdir(parents=True, exist_ok=True)
         model.generation_config = modelzoo.generation_config(tokenizer, "qwen2")
         model.save_pretrained(out, safe_serialization=True)
-        modelzoo.save_tokenizer(tokenizer, out)
+        zoo_tokenizers.save_tokenizer(tokenizer, out)
     finally:
         torch.set_num_threads(threads)
     manifest = {

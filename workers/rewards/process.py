@@ -20,9 +20,9 @@ import tempfile
 import time
 from typing import Optional
 
-from workers.rewards.sandbox import (
-    CHILD_ENV, CHILD_GUARDS, SANDBOX_UID, SandboxUnavailable, UidLease, _filter_fd, _limit_child, boundary, lease_uid,
-)
+from workers.rewards.sandbox import CHILD_GUARDS
+from workers.rewards.sandbox_boundary import (CHILD_ENV, SANDBOX_UID, SandboxUnavailable, UidLease, boundary, lease_uid,
+                                              limit_child, seccomp_fd)
 
 
 class ChildTimeout(Exception):
@@ -67,7 +67,7 @@ class SandboxedChild:
             cwd = self._dir
         else:
             self._lease = lease_uid()
-        filter_fd = _filter_fd(where.filters[0]) if not unsafe else -1
+        filter_fd = seccomp_fd(where.filters[0]) if not unsafe else -1
         try:
             if not unsafe:
                 pass_fds = (filter_fd,)
@@ -78,7 +78,7 @@ class SandboxedChild:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT if self.merge_stderr else subprocess.DEVNULL,
                 cwd=cwd, env=env, close_fds=True, pass_fds=pass_fds,
-                preexec_fn=lambda: _limit_child(memory_mb, cpu_s, unsafe),
+                preexec_fn=lambda: limit_child(memory_mb, cpu_s, unsafe),
             )
         except BaseException:
             self.close()

@@ -7,7 +7,7 @@ engines the same way wherever they run. It starts a server on this node
 dead server within moments (its process exits or its connection closes; a remote machine
 that goes silent, by the heartbeat) and then answers pending generations as
 ``engine_died`` (continued elsewhere from the prompt) and other calls with
-:class:`~workers.rollout.engine.EngineDied`.
+:class:`~workers.rollout.engine_types.EngineDied`.
 
 A collective weight update needs every engine at a barrier: the client holds it, and
 answers the server's ``ArrivedEvent`` with a ``GoRequest``.
@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Optional
 
 from workers.io import wire
 from workers.io.lifetime import file_view, launcher_env
-from workers.rollout.engine import (Completion, EngineDied, EngineRPCTimeout, RolloutEngine, UpdateTiming,
-                                    asleep_after_wake)
+from workers.rollout.engine import RolloutEngine
+from workers.rollout.engine_args import asleep_after_wake
+from workers.rollout.engine_types import Completion, EngineDied, EngineRPCTimeout, UpdateTiming
 from workers.rollout.messages import (REPLIES, ArrivedEvent, ChecksumRequest, CompletionReply, EngineServerConfig,
                                       EngineStats, ErrorReply, GenerateRequest, GoRequest, GroupRequest,
                                       HandOffRequest, JoinGroupRequest, PingRequest, PongReply, PoolView, SampleReply,
@@ -433,7 +434,7 @@ class EngineClient:
 
 
 def _error(reply: ErrorReply, index: int) -> BaseException:
-    from workers.weights.broadcast import WeightBroadcastError
+    from workers.weights.weight_group import WeightBroadcastError
 
     known = {"EngineDied": EngineDied, "EngineRPCTimeout": EngineRPCTimeout, "WeightBroadcastError": WeightBroadcastError}
     if reply.error_type in known:

@@ -24,69 +24,22 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from workers.rollout.engine_args import (LORA_ID, LORA_NAME, asleep_after_wake, identity_args, lora_engine_args,
+                                         priority_kwargs, resolve_enforce_eager, vllm_on_cpu)
+from workers.rollout.engine_types import (Completion, EngineDied, EngineRPCTimeout, SamplingOptions, UpdateTiming,
+                                          delta_logprobs, extend_track)
 from workers.rollout.staleness import VersionTrack
 from workers.tasks.model_folder import check_model_folder
 from workers.weights.update import BroadcastWeights, FileWeights, InlineWeights, WeightUpdate
 
 if TYPE_CHECKING:
-    from workers.agents.api import EpisodeRecord
     from workers.rollout.messages import EngineServerConfig
     from workers.weights.files import WeightFile
 
 logger = logging.getLogger(__name__)
 _ids = itertools.count()
-
-
-def extend_track(track: VersionTrack, spans, produced: int, fallback_version: int,
-                 policy_version: Callable[[int], int] = int, seen: Optional[VersionTrack] = None) -> None:
-    """Append one request's engine-reported version spans to a sequence's track.
-
-    ``produced`` is the sequence's total generated tokens so far (earlier requests of
-    an interrupted sequence included); tokens a request reported no span for (an
-    aborted request) get the last reported version, or ``fallback_version``.
-    ``policy_version``: the policy version an engine label stands for (a shared engine
-    labels its weight updates with its own counter: workers/rollout/pool.py).
-    ``seen``: the request's tokens labelled client-side, by the version held when each
-    output arrived, used where vLLM labels none (0.26: no ``weight_versions``).
-    """
-    for version, n in seen.runs if seen is not None else []:
-        track.add(version, n)
-    for span in spans or []:
-        track.add(policy_version(int(span.version)), span.end - span.start)
-    if track.tokens < produced:
-        track.add(policy_version(int(spans[-1].version)) if spans else fallback_version, produced - track.tokens)
-
-
-def _delta_logprobs(c) -> list[float]:
-    """The behaviour log-probs of a DELTA output's new tokens. vLLM 0.26 gives an aborted
-    request's last output (no new tokens) all its log-probs so far (``logprobs[-0:]``;
-    0.32 gives none): only the last ``len(token_ids)`` are the new tokens'."""
-    lps = c.logprobs or []
-    return [next(iter(d.values())).logprob for d in lps[len(lps) - len(c.token_ids):]]
-
-
-@dataclass
-class Completion:
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]  # behaviour log-prob of each generated token
-    versions: VersionTrack
-    finish_reason: str
-    start_version: int
-    started_at: float
-    finished_at: float
-    resubmits: int = 0  # interrupt mode: times this request was aborted and resumed
-    engine: int = 0
-    # task.environment: the episode's turns (token_ids then hold every id after the prompt,
-    # generated and observed; workers/agents/episode.py); None for a single-turn sample
-    episode: Optional["EpisodeRecord"] = None
-
-    @property
-    def length(self) -> int:
-        return len(self.token_ids)
 
 
 async def continue_on(engine: "RolloutEngine", done: Completion, max_tokens: int, temperature: float,
@@ -101,104 +54,6 @@ async def continue_on(engine: "RolloutEngine", done: Completion, max_tokens: int
     return Completion(done.prompt_ids, done.token_ids + rest.token_ids, done.logprobs + rest.logprobs, track,
                       rest.finish_reason, done.start_version, done.started_at, rest.finished_at,
                       done.resubmits + rest.resubmits + 1, rest.engine)
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """What every request samples with besides its temperature and budget."""
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: tuple[str, ...] = ()  # stop strings (kept in the output)
-    stop_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids
-
-
-@dataclass
-class UpdateTiming:
-    version: int
-    sync_ms: float  # from the call to the engine's acknowledgement
-    load_ms: float  # time the engine spent loading (generation cannot run meanwhile)
-    gen_stall_ms: Optional[float] = None  # measured on the token stream, filled in later
-    stall_samples: list[float] = field(default_factory=list)
-
-
-def configure_cpu_environment(threads_bind: Optional[str], kv_cache_gb: float) -> None:
-    """vLLM's CPU backend reads these when its engine process starts."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gb)))))
-    if threads_bind:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def resolve_enforce_eager(setting: Optional[bool], on_cpu: bool) -> bool:
-    """rollout.enforce_eager: None means eager on the CPU (vLLM's CPU platform would otherwise
-    torch.compile the model at start-up, minutes on a small machine, and has no CUDA graphs:
-    platforms/cpu.py) and CUDA graphs on GPUs (vLLM's default: decode steps replayed as graphs;
-    weight updates keep them valid, reload_weights copies in place)."""
-    return on_cpu if setting is None else bool(setting)
-
-
-LORA_ID, LORA_NAME = 1, "fluxrl-policy"  # model.lora: the policy's adapter in vLLM
-
-
-def lora_rank_class(rank: int) -> int:
-    """The smallest max_lora_rank vLLM accepts at or above ``rank``."""
-    from workers.spec import VLLM_LORA_RANKS
-
-    return next(r for r in VLLM_LORA_RANKS if r >= rank)
-
-
-def lora_engine_args(rank: int, slots: int = 1) -> dict:
-    """vLLM's LoRA settings for adapters up to ``rank``: ``slots`` adapters at once (one,
-    the run's; a shared pool's, one per run), a max_lora_rank vLLM accepts at or above it."""
-    return {"enable_lora": True, "max_loras": slots, "max_cpu_loras": slots, "max_lora_rank": lora_rank_class(rank)}
-
-
-def _vllm_on_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
-
-
-def _priority(priority: int) -> dict:
-    """vLLM's ``priority`` argument, left out at 0 (the default, the only value an engine
-    without priority scheduling accepts)."""
-    return {"priority": priority} if priority else {}
-
-
-def _identity_args(weights: "WeightFile") -> tuple:
-    """(identity, size) for a worker's file load: the file as checked, which the worker
-    reads only if its path still names it (files.held_weight_file); plain values, as
-    vLLM's RPC encodes them."""
-    return (list(weights.identity), weights.size) if weights.identity is not None else (None, None)
-
-
-SLEEP_TAGS = ("weights", "kv_cache")  # what vLLM's sleep level 1 puts to sleep, and wake_up's tags
-
-
-def asleep_after_wake(asleep: Optional[str], tags: Optional[list[str]]) -> Optional[str]:
-    """What still sleeps after waking ``tags`` (None: everything) of an engine where
-    ``asleep`` sleeps ("all", one of ``SLEEP_TAGS``, or None when awake): "all", one tag, or
-    None once nothing does."""
-    unknown = [t for t in tags or [] if t not in SLEEP_TAGS]
-    if unknown:
-        raise ValueError(f"unknown wake_up tags {unknown}: vLLM's are {list(SLEEP_TAGS)}")
-    if asleep is None or tags is None:
-        return None
-    sleeping = set(SLEEP_TAGS) if asleep == "all" else {asleep}
-    left = sleeping - set(tags)
-    if not left:
-        return None
-    return "all" if left == set(SLEEP_TAGS) else left.pop()
-
-
-class EngineDied(RuntimeError):
-    """The engine's core process died while a call to it was pending."""
-
-
-class EngineRPCTimeout(RuntimeError):
-    """The engine did not answer a call in time (wedged)."""
 
 
 class RolloutEngine:
@@ -296,7 +151,7 @@ class RolloutEngine:
         ``on_cpu``: default, vLLM's platform."""
         from vllm.engine.arg_utils import AsyncEngineArgs
 
-        eager = resolve_enforce_eager(self.enforce_eager, _vllm_on_cpu() if on_cpu is None else on_cpu)
+        eager = resolve_enforce_eager(self.enforce_eager, vllm_on_cpu() if on_cpu is None else on_cpu)
         return AsyncEngineArgs(
             model=self.model_path, dtype=self.dtype, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             enforce_eager=eager, seed=self.seed, disable_log_stats=True,
@@ -449,10 +304,10 @@ class RolloutEngine:
             try:
                 async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids + tokens), params,
                                                       request_id=rid, lora_request=self.lora_request,
-                                                      **_priority(priority)):
+                                                      **priority_kwargs(priority)):
                     c = out.outputs[0]
                     tokens += c.token_ids
-                    logprobs += _delta_logprobs(c)
+                    logprobs += delta_logprobs(c)
                     self.generated_tokens += len(c.token_ids)
                     self._note_output(rid)
                     if not hasattr(c, "weight_versions"):  # vLLM 0.26: see _set_label
@@ -533,14 +388,14 @@ class RolloutEngine:
             # closed here, not at garbage collection, when our consumer stops early: that aborts it
             async with contextlib.aclosing(self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
                                                                 request_id=rid, lora_request=self.lora_request,
-                                                                **_priority(priority))) as stream:
+                                                                **priority_kwargs(priority))) as stream:
                 async for out in stream:
                     for c in out.outputs:  # several samples' deltas when we fell behind
                         i = c.index
                         if i in finished:
                             continue
                         tokens[i] += c.token_ids
-                        logprobs[i] += _delta_logprobs(c)
+                        logprobs[i] += delta_logprobs(c)
                         self.generated_tokens += len(c.token_ids)
                         self._note_output(keys[i])
                         if not hasattr(c, "weight_versions"):
@@ -600,7 +455,7 @@ class RolloutEngine:
             return self._load_adapter(weights.file)
         if isinstance(weights, FileWeights):  # read by vLLM's workers a tensor at a time
             return self.engine.collective_rpc("fluxrl_load_weight_file", args=(weights.file.path, False,
-                                                                                *_identity_args(weights.file)))
+                                                                                *identity_args(weights.file)))
         if isinstance(weights, InlineWeights):
             return self.engine.collective_rpc("fluxrl_load_weights", args=(weights.data,))
         return self.engine.collective_rpc("fluxrl_receive_weights", args=(weights.group.meta,))
@@ -616,7 +471,7 @@ class RolloutEngine:
         name = f"{LORA_NAME}-{self.lora_id}"
         loaded = await self.engine.collective_rpc("fluxrl_load_lora_file",
                                                   args=(weights.path, self._lora_folder, self.lora_id, name,
-                                                        *_identity_args(weights)))
+                                                        *identity_args(weights)))
         if self.lora_request is None:
             from vllm.lora.request import LoRARequest
 

@@ -43,188 +43,39 @@ import asyncio
 import bisect
 import collections
 import contextlib
-import fcntl
-import hashlib
-import itertools
 import json
 import logging
 import os
 import secrets
 import shutil
-import signal
-import stat
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-from pathlib import Path
-from typing import Hashable, NamedTuple, Optional
-
-from pydantic import Field
+from typing import Optional
 
 from workers.io import wire
-from workers.io.lifetime import pid_alive, pid_namespace
-from workers.rollout.engine import (RolloutEngine, SamplingOptions, UpdateTiming, configure_cpu_environment,
-                                    lora_rank_class)
-from workers.rollout.client import EngineClient
-from workers.rollout.messages import (REPLIES, REQUESTS, EngineServerConfig, HandOffRequest, JoinGroupRequest, PoolView,
-                                      SleepRequest, StartRequest, TenantInfo, UpdateRequest, WakeRequest)
+from workers.rollout.engine import RolloutEngine
+from workers.rollout.engine_args import configure_cpu_environment
+from workers.rollout.engine_types import SamplingOptions, UpdateTiming
+from workers.rollout.fair_seats import FairSeats
+from workers.rollout.messages import (REQUESTS, HandOffRequest, JoinGroupRequest, PoolView, SleepRequest, StartRequest,
+                                      TenantInfo, UpdateRequest, WakeRequest)
+from workers.rollout.pool_registry import (SLOTS_ENV, PoolConfig, entry_of, pool_key, process_start, read_registry,
+                                           registry_file, registry_lock, write_registry)
 from workers.rollout.server import _Server
-from workers.rollout.tickets import TICKET_ENV, VERIFIER_ENV, TicketError, read_ticket, verifier_from_env
+from workers.rollout.tickets import VERIFIER_ENV, TicketError, read_ticket
 from workers.weights.update import FileWeights, WeightUpdate
 
 log = logging.getLogger(__name__)
 
-DIR_ENV, SLOTS_ENV, IDLE_ENV = "FLUXRL_POOL_DIR", "FLUXRL_POOL_SLOTS", "FLUXRL_POOL_IDLE_S"
-CONNECT_ENV = "FLUXRL_POOL_CONNECT_S"  # how long a run keeps trying a live pool that does not take its connection
-RANK_ENV, LENGTH_ENV = "FLUXRL_POOL_MAX_LORA_RANK", "FLUXRL_POOL_MAX_MODEL_LEN"
-TEAM_ENV, RUN_ENV = "FLUXRL_POOL_TEAM", "FLUXRL_POOL_RUN"
 SHARE_WINDOW_S = 30.0  # a run's measured share: of the tokens generated over this long
 # The most seats one grant hands out, so one vLLM request of a piece of a group: a group
 # larger is split (TenantEngine.stream_group), at the cost of a prefill of its prompt per piece.
 MAX_GRANT = 64
 UNVERIFIED = "unverified"  # the tenant of every run on a platform's pool without a valid ticket
-# Never handed to a pool: it outlives the run that starts it and serves other teams' runs.
-# (TICKET: the starting run's ticket is that run's, not the pool's.)
-PRIVATE_ENV_PARTS = ("TOKEN", "SECRET", "PASSWORD", "KEY", "TICKET", "DATABASE_URL", "REDIS_URL")
-
-
-class PoolUnreachable(ConnectionError):
-    """A live pool did not take the run's connection within ``FLUXRL_POOL_CONNECT_S`` (its
-    entry stays: it is not dead), or a closing one did not exit within it."""
 
 
 class PoolFull(RuntimeError):
     """Every adapter slot of the pool is taken."""
-
-
-class PoolConfig(wire.Message):
-    pool_id: str = Field(pattern=r"^[0-9a-f]{12}-[0-9]+$")
-    engine: EngineServerConfig  # lora_rank: the largest adapter rank it serves
-    slots: int = Field(4, ge=1, le=64)
-    idle_exit_s: float = Field(120.0, ge=0)
-    verifier: Optional[str] = Field(None, max_length=4096)  # the platform's public key (PEM): tickets.py
-
-
-# -- fair sharing of an engine's seats -------------------------------------------------------
-class _Want(NamedTuple):
-    n: int  # seats wanted, at most the grant cap
-    order: int  # arrival: the older of two equally deserving waiters goes first
-    future: asyncio.Future  # resolved with the seats granted, 1 .. n
-
-
-class FairSeats:
-    """An engine's sequence seats (vLLM's ``max_num_seqs``) shared between runs. Holding a
-    seat means being in vLLM's running batch, so seats are the share of every decode step.
-
-    The policy is weighted fair queuing over seats held, by water-filling: every free seat
-    goes, one at a time, to the waiting run whose seats held (with those given in this pass)
-    divided by its weight is lowest, the oldest waiter first among equals. A seat held is
-    seat-time accruing at the same rate for every run, so keeping held/weight level at every
-    grant keeps each busy run's seat-time in proportion to its weight. Deficit round robin
-    was the alternative; it charges a request its cost when it is sent, and a sequence's
-    seat-time is known only when it ends.
-
-    What holds whatever the requests' sizes:
-
-    - a grant never exceeds the engine's seats nor ``max_grant``: a request wanting more
-      gets what is free up to its due and asks again for the rest (TenantEngine splits a
-      prompt group into pieces that way);
-    - a grant is partial rather than waiting for room: a large request never leaves a seat
-      idle while it waits, so it blocks nobody, and it is never starved, since a run with
-      nothing held is the most deserving there is;
-    - a run alone may hold every seat (work-conserving), and nothing running is preempted:
-      a seat changes hands when its sequence ends (``release``)."""
-
-    def __init__(self, capacity: int, max_grant: Optional[int] = None):
-        self.capacity = capacity
-        self.max_grant = max(1, min(capacity, max_grant or capacity))
-        self.held: dict[Hashable, int] = collections.defaultdict(int)
-        self.weights: dict[Hashable, float] = {}
-        self._waiting: dict[Hashable, collections.deque[_Want]] = collections.defaultdict(collections.deque)
-        self._arrivals = itertools.count()
-
-    @property
-    def used(self) -> int:
-        return sum(self.held.values())
-
-    def set_weight(self, key: Hashable, weight: float) -> None:
-        self.weights[key] = weight
-        self._grant()
-
-    def forget(self, key: Hashable) -> None:
-        """A run that left: its waiters fail, its seats are free."""
-        for want in self._waiting.pop(key, ()):
-            if not want.future.done():
-                want.future.cancel()
-        self.held.pop(key, None)
-        self.weights.pop(key, None)
-        self._grant()
-
-    @contextlib.asynccontextmanager
-    async def seats(self, key: Hashable, n: int):
-        """Up to ``n`` seats while the block runs; yields how many."""
-        granted = await self.acquire(key, n)
-        try:
-            yield granted
-        finally:
-            self.release(key, granted)
-
-    async def acquire(self, key: Hashable, n: int) -> int:
-        """Between 1 and ``min(n, max_grant)`` seats, once the fair order reaches them:
-        returns how many. The caller releases each as its sequence ends."""
-        if n < 1:
-            raise ValueError(f"a request for {n} seats")
-        future = asyncio.get_running_loop().create_future()
-        want = _Want(min(n, self.max_grant), next(self._arrivals), future)
-        self._waiting[key].append(want)
-        self._grant()
-        try:
-            return await future
-        except asyncio.CancelledError:
-            if want in self._waiting.get(key, ()):
-                self._waiting[key].remove(want)
-            elif future.done() and not future.cancelled():  # granted as we were cancelled: give them back
-                self.release(key, future.result())
-            raise
-
-    def release(self, key: Hashable, n: int) -> None:
-        if key in self.held:
-            self.held[key] = max(0, self.held[key] - n)
-        self._grant()
-
-    def _head(self, key: Hashable) -> Optional[_Want]:
-        queue = self._waiting.get(key)
-        while queue and queue[0].future.done():  # cancelled meanwhile
-            queue.popleft()
-        return queue[0] if queue else None
-
-    def _grant(self) -> None:
-        free = self.capacity - self.used
-        given: dict[Hashable, int] = {}  # to the heads, this pass, not yet handed over
-        while free > 0:
-            best, best_rank = None, None
-            for key in list(self._waiting):
-                head = self._head(key)
-                if head is None:
-                    continue
-                rank = ((self.held.get(key, 0) + given.get(key, 0)) / self.weights.get(key, 1.0), head.order)
-                if best_rank is None or rank < best_rank:
-                    best, best_rank = key, rank
-            if best is None:
-                break
-            given[best] = given.get(best, 0) + 1
-            free -= 1
-            if given[best] == self._waiting[best][0].n:  # that head is whole: the run's next request may follow
-                self._hand_over(best, given.pop(best))
-        for key, n in given.items():  # the rest: partial grants
-            self._hand_over(key, n)
-
-    def _hand_over(self, key: Hashable, n: int) -> None:
-        want = self._waiting[key].popleft()
-        self.held[key] += n
-        want.future.set_result(n)
 
 
 # -- a run's view of the shared engine ---------------------------------------------------------
@@ -528,7 +379,7 @@ async def _serve(config: PoolConfig, announce) -> None:
     pool.idle_since = time.monotonic()  # idle from now: starting may take minutes (CUDA graphs)
     listener = wire.listen(config.engine.host, 0, key=pool_key())
     # what the registry entry says of this process: it removes an entry only if it is this
-    owner = {"pid": os.getpid(), "nonce": secrets.token_hex(16), "process_start": _process_start(os.getpid())}
+    owner = {"pid": os.getpid(), "nonce": secrets.token_hex(16), "process_start": process_start(os.getpid())}
     announce({"address": wire.format_address(listener.address), **owner})
     log.info("pool %s: serving %s with %d adapter slots at %s", config.pool_id, config.engine.model_path,
              config.slots, wire.format_address(listener.address))
@@ -552,10 +403,10 @@ async def _serve(config: PoolConfig, announce) -> None:
                 if not pool.tenants and time.monotonic() - pool.idle_since >= config.idle_exit_s:
                     # its entry says "closing" until the engine is down: a run that comes now
                     # waits for that instead of starting a second engine beside this one
-                    with _registry_lock(config.pool_id):
-                        info = _read_registry(config.pool_id)
-                        if _names(info, owner):
-                            _write_registry(config.pool_id, {**info, "closing": True})
+                    with registry_lock(config.pool_id):
+                        info = read_registry(config.pool_id)
+                        if entry_of(info, owner):
+                            write_registry(config.pool_id, {**info, "closing": True})
                     log.info("pool %s: idle for %g s: exiting", config.pool_id, config.idle_exit_s)
                     return
                 continue
@@ -569,9 +420,9 @@ async def _serve(config: PoolConfig, announce) -> None:
         for task in list(servers):
             task.cancel()
         pool.base.shutdown()
-        with contextlib.suppress(OSError), _registry_lock(config.pool_id):
-            if _names(_read_registry(config.pool_id), owner):  # another pool's entry stays
-                _registry_file(config.pool_id).unlink(missing_ok=True)
+        with contextlib.suppress(OSError), registry_lock(config.pool_id):
+            if entry_of(read_registry(config.pool_id), owner):  # another pool's entry stays
+                registry_file(config.pool_id).unlink(missing_ok=True)
 
 
 def serve_pool(config: PoolConfig) -> int:
@@ -593,303 +444,3 @@ def serve_pool(config: PoolConfig) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # as an engine server: vLLM's teardown is done, skip the interpreter's
-
-
-# -- finding or starting a pool -----------------------------------------------------------------
-def pool_dir() -> Path:
-    """This node's pools: the registry and the key, readable by this user only."""
-    folder = Path(os.environ.get(DIR_ENV) or Path(tempfile.gettempdir()) / f"fluxrl-pools-{os.getuid()}")
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = folder.stat()
-    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise PermissionError(f"{folder} ({DIR_ENV}) must be this user's and closed to others (mode 700)")
-    return folder
-
-
-def pool_key() -> bytes:
-    """The key every pool on this node listens with, and every run's client presents."""
-    path = pool_dir() / "pool.key"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        pass
-    else:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(secrets.token_hex(32))
-    text = ""
-    for _ in range(50):  # a key another process is writing this instant
-        text = path.read_text().strip()
-        if len(text) == 64:
-            break
-        time.sleep(0.01)
-    return bytes.fromhex(text)
-
-
-def _registry_name(pool_id: str) -> str:
-    """A pool's registry entry, lock and log are named by its id and this PID namespace: a
-    container sharing the folder sees other pids (a pid of its registry could name an
-    unrelated process here), so each namespace keeps entries of its own."""
-    return f"{pool_id}.ns{pid_namespace()}"
-
-
-def _registry_file(pid: str) -> Path:
-    return pool_dir() / f"{_registry_name(pid)}.json"
-
-
-@contextlib.contextmanager
-def _registry_lock(pid: str):
-    with open(pool_dir() / f"{_registry_name(pid)}.lock", "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _read_registry(pid: str) -> Optional[dict]:
-    try:
-        return json.loads(_registry_file(pid).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _write_registry(pool_id: str, info: dict) -> None:
-    """Replace the entry whole (a reader never sees half of one). Under the registry lock."""
-    path = _registry_file(pool_id)
-    staging = path.with_name(f".{path.name}.{os.getpid()}")
-    staging.write_text(json.dumps(info))
-    os.replace(staging, path)
-
-
-def _names(info: Optional[dict], owner: dict) -> bool:
-    """Whether a registry entry is the one the pool ``owner`` (its pid and nonce) announced."""
-    return info is not None and info.get("pid") == owner["pid"] and info.get("nonce") == owner["nonce"]
-
-
-def _process_start(pid: int) -> Optional[int]:
-    """When process ``pid`` started (clock ticks after boot: /proc/<pid>/stat, field 22); None
-    where unreadable. A pid and its start name one process: a pid alone may be reused."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-        return int(text.rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def pool_alive(info: Optional[dict]) -> bool:
-    """Whether the process a registry entry names is still that pool: its pid lives and is the
-    same process (the start the pool wrote; an entry without one: a pool's command line).
-    Only this says a pool is gone: a connection that fails says nothing of it (a flood of
-    silent connections, a slow accept)."""
-    if info is None:
-        return False
-    try:
-        pid = int(info["pid"])
-    except (KeyError, TypeError, ValueError):
-        return False
-    if not pid_alive(pid):
-        return False
-    recorded = info.get("process_start")
-    if recorded is not None:
-        now = _process_start(pid)
-        return now is None or now == recorded
-    try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return True
-    return b"engine-pool" in command
-
-
-def pool_settings(run_engine: EngineServerConfig, lora_rank: int) -> tuple[str, EngineServerConfig]:
-    """The pool a run's engine joins: its id, and the pool engine's settings. What must
-    match for runs to share is the base model, how the engine is built and where the plan
-    puts it (its devices or cores: the pool runs where its first run's plan said); the
-    length cap is the model's own (up to ``FLUXRL_POOL_MAX_MODEL_LEN``, default 4096; a run
-    that needs more gets a power of two above its need), so runs of different tasks meet,
-    and the adapter rank cap the smallest vLLM rank class at or above the run's (or
-    ``FLUXRL_POOL_MAX_LORA_RANK``, to let runs of different ranks meet at a cost). A run
-    with a ticket verifier (``FLUXRL_POOL_VERIFIER``) meets only pools that check with it."""
-    # vLLM pads every slot to max_lora_rank, and its LoRA kernels cost in proportion (on the
-    # CPU rank 64 made rank-8 adapters generate 5x slower): by default a pool serves one
-    # rank class, the run's
-    floor = int(os.environ.get(RANK_ENV) or 1)
-    rank = max(lora_rank_class(lora_rank), lora_rank_class(floor))
-    length = max(1 << max(0, run_engine.max_model_len - 1).bit_length(), _model_length(run_engine.model_path))
-    engine = run_engine.model_copy(update={
-        "model_path": os.path.realpath(run_engine.model_path), "max_model_len": length, "lora_rank": rank,
-        "seed": 0, "update_mode": "keep", "top_p": 1.0, "top_k": -1, "stop": [], "stop_token_ids": [],
-        "sleep_mode": False, "accept_timeout_s": 0.0})
-    shared = engine.model_dump(include={"model_path", "dtype", "max_model_len", "max_num_seqs", "kv_cache_gb",
-                                        "gpu_memory_utilization", "cpu_single_process", "enforce_eager",
-                                        "tensor_parallel", "priority_scheduling", "lora_rank", "host", "env"})
-    verifier = verifier_from_env()
-    if verifier is not None:  # a platform's runs meet only pools that check tickets with its key
-        shared["verifier"] = hashlib.sha256(verifier.encode()).hexdigest()
-    digest = hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
-    return f"{digest}-{run_engine.index}", engine
-
-
-def _model_length(model_path: str) -> int:
-    """The model's own context length (its config's), at most FLUXRL_POOL_MAX_MODEL_LEN."""
-    cap = int(os.environ.get(LENGTH_ENV, "4096"))
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return 0
-    return min(int(config.get("max_position_embeddings") or 0), cap)
-
-
-def _pool_env(engine: EngineServerConfig) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not any(part in k.upper() for part in PRIVATE_ENV_PARTS)}
-    return {**env, **engine.env}
-
-
-def connect_deadline() -> float:
-    return float(os.environ.get(CONNECT_ENV, "60"))
-
-
-def join_pool(run_engine: EngineServerConfig, lora_rank: int) -> tuple[str, int, str]:
-    """The address and pid of the pool this run engine joins (started here if none runs),
-    and its id. Under the registry's lock: two runs starting at once start one pool. A new
-    pool is started only where the entry's process is verifiably gone (:func:`pool_alive`);
-    one that is closing (idle) is waited for, up to ``FLUXRL_POOL_CONNECT_S``."""
-    pid_, engine = pool_settings(run_engine, lora_rank)
-    deadline = time.monotonic() + connect_deadline()
-    while True:
-        with _registry_lock(pid_):
-            info = _read_registry(pid_)
-            if not pool_alive(info):
-                return _start_pool(pid_, engine)
-            if not info.get("closing"):
-                return info["address"], int(info["pid"]), pid_
-        if time.monotonic() > deadline:
-            raise PoolUnreachable(f"shared engine pool {pid_} (pid {info['pid']}) is closing and did not exit within "
-                                  f"{connect_deadline():g} s ({CONNECT_ENV})")
-        time.sleep(0.2)
-
-
-def _start_pool(pid_: str, engine: EngineServerConfig) -> tuple[str, int, str]:
-    """Start pool ``pid_`` and write its entry. Under its registry lock."""
-    config = PoolConfig(pool_id=pid_, engine=engine, slots=int(os.environ.get(SLOTS_ENV, "4")),
-                        idle_exit_s=float(os.environ.get(IDLE_ENV, "120")), verifier=verifier_from_env())
-    pool_key()  # made before the pool reads it
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    # A session of its own, not the run's: the pool outlives the run that started it.
-    # Its log is its own, not the starting run's (which that run's team can read).
-    with open(pool_dir() / f"{_registry_name(pid_)}.log", "ab") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "workers", "engine-pool"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=log_file, start_new_session=True,
-                                env=_pool_env(engine), cwd=repo)
-    proc.stdin.write(config.model_dump_json().encode())
-    proc.stdin.close()
-    line = proc.stdout.readline()
-    if not line:
-        code = proc.wait()
-        raise RuntimeError(f"shared engine pool {pid_} exited with code {code} before listening (its log: "
-                           f"{pool_dir() / f'{_registry_name(pid_)}.log'})")
-    threading.Thread(target=_drain, args=(proc,), daemon=True).start()
-    announced = json.loads(line)
-    _write_registry(pid_, {**announced, "started_at": time.time(), "model_path": engine.model_path})
-    log.info("started shared engine pool %s (pid %s) at %s", pid_, announced["pid"], announced["address"])
-    return announced["address"], int(announced["pid"]), pid_
-
-
-def forget_pool(pool_id: Optional[str], address: Optional[str]) -> bool:
-    """Drop the registry entry that names ``address`` if its process is verifiably gone (a
-    pool that cannot be reached but lives keeps it: a second pool beside it would double
-    the engine). Whether it was dropped."""
-    if pool_id is None:
-        return False
-    with _registry_lock(pool_id):
-        info = _read_registry(pool_id)
-        if info is not None and info.get("address") == address and not pool_alive(info):
-            _registry_file(pool_id).unlink(missing_ok=True)
-            return True
-    return False
-
-
-def _drain(proc: subprocess.Popen) -> None:
-    proc.stdout.read()  # nothing more comes: the pool sends the rest of its output to its log
-    proc.wait()  # reaped here: it may end long after the run that started it
-
-
-def stop_pools() -> int:
-    """Stop every pool of this node's PID namespace (tests, an operator): SIGKILL each process
-    group; returns how many. Entries of other namespaces name pids that mean nothing here."""
-    stopped = 0
-    for path in pool_dir().glob(f"*.ns{pid_namespace()}.json"):
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            pid = int(json.loads(path.read_text())["pid"])
-            os.killpg(pid, signal.SIGKILL)
-            stopped += 1
-        path.unlink(missing_ok=True)
-    return stopped
-
-
-class PoolClient(EngineClient):
-    """A run's engine on a shared pool: ``EngineClient`` over the pool's connection."""
-
-    def __init__(self, config: EngineServerConfig, tenant: TenantInfo):
-        super().__init__(config)
-        self.tenant = tenant
-        self.pool_id: Optional[str] = None
-
-    def _launch(self) -> tuple[str, int]:
-        address, pid, self.pool_id = join_pool(self.config, self.tenant.lora_rank)
-        self.key = pool_key()
-        return address, pid
-
-    def _connect(self) -> wire.Channel:
-        """The pool's connection, trying again until ``FLUXRL_POOL_CONNECT_S``: a failed connect
-        is not a dead pool (silent connections may hold its handshake slots a moment). Only a
-        pool whose process is verifiably gone loses its entry and is replaced (a new one
-        started, or the one another run started meanwhile joined); one that is closing is
-        waited for (join_pool)."""
-        deadline = time.monotonic() + connect_deadline()
-        delay = 0.1
-        while True:
-            try:
-                return wire.connect(wire.parse_address(self.address), REPLIES, self.key)
-            except wire.KeyRefused:  # another key: trying again will not change it
-                raise
-            except OSError as exc:
-                failure = exc
-            with _registry_lock(self.pool_id):
-                info = _read_registry(self.pool_id)
-            current = (info is not None and info.get("address") == self.address and not info.get("closing")
-                       and pool_alive(info))
-            if not current:  # gone, closing, or replaced: whatever now serves this pool id
-                forget_pool(self.pool_id, self.address)
-                was = (self.address, self.server_pid)
-                self.address, self.server_pid, self.pool_id = join_pool(self.config, self.tenant.lora_rank)
-                log.warning("rollout engine %d: shared engine pool %s at %s (pid %s) is gone or closing (%s): now "
-                            "%s (pid %s)", self.index, self.pool_id, was[0], was[1], failure, self.address,
-                            self.server_pid)
-                deadline, delay = time.monotonic() + connect_deadline(), 0.1
-                continue
-            if time.monotonic() + delay > deadline:
-                raise PoolUnreachable(f"shared engine pool {self.pool_id} at {self.address} (pid {self.server_pid}) "
-                                      f"lives but did not take a connection within {connect_deadline():g} s "
-                                      f"({CONNECT_ENV}): {type(failure).__name__}: {failure}") from failure
-            log.info("rollout engine %d: shared engine pool %s at %s did not take the connection (%s): trying "
-                     "again", self.index, self.pool_id, self.address, failure)
-            time.sleep(delay)
-            delay = min(2.0, delay * 2)
-
-    async def start(self, weights: Optional[WeightUpdate] = None, version: int = 0) -> None:
-        try:
-            await super().start(weights, version)
-        except BaseException:
-            self.shutdown()  # a refused join: its connection would only keep the pool awake
-            raise
-
-
-def tenant_info(run_label: str, lora_rank: int, update_mode: str, top_p: float, top_k: int, stop: list[str],
-                stop_token_ids: list[int], group_size: int = 1) -> TenantInfo:
-    """This run on a pool: its ticket from the platform's environment (``FLUXRL_POOL_TICKET``:
-    its tenant and weight, signed), and the team it names (``FLUXRL_POOL_TEAM``, default
-    "local"), believed only by a pool without a verifier. A weight the run states itself is
-    no weight: a run without a ticket has weight 1."""
-    return TenantInfo(run=os.environ.get(RUN_ENV) or run_label, team=os.environ.get(TEAM_ENV) or "local",
-                      ticket=os.environ.get(TICKET_ENV) or None, group_size=group_size, lora_rank=lora_rank,
-                      update_mode=update_mode, top_p=top_p, top_k=top_k, stop=stop, stop_token_ids=stop_token_ids)

@@ -27,7 +27,9 @@ from typing import Any, Optional
 
 from workers.io import wire
 from workers.io.lifetime import exit_with_parent, file_view
-from workers.rollout.engine import Completion, RolloutEngine, configure_cpu_environment
+from workers.rollout.engine import RolloutEngine
+from workers.rollout.engine_args import configure_cpu_environment
+from workers.rollout.engine_types import Completion
 from workers.rollout.messages import (REQUESTS, ArrivedEvent, ChecksumRequest, CompletionReply, EngineServerConfig,
                                       EngineStats, ErrorReply, GenerateRequest, GoRequest, GroupRequest,
                                       HandOffRequest, JoinGroupRequest, PingRequest, PongReply, PoolView, ReadyReply,
@@ -249,7 +251,7 @@ class _Server:
         raise ValueError("an update without weights")
 
     async def _arrive(self, update_id: int) -> None:
-        from workers.weights.broadcast import WeightBroadcastError
+        from workers.weights.weight_group import WeightBroadcastError
 
         future = asyncio.get_running_loop().create_future()
         self.go[update_id] = future

@@ -263,7 +263,7 @@ class Hyper:
         return cls(denominator=denominator, clip=algo.clip, behav_weight_cap=algo.behav_weight_cap,
                    value_clip=spec.critic.value_clip, temperature=max(spec.rollout.temperature, 1e-5),
                    loss=algo.loss, top_k=spec.rollout.top_k, top_p=spec.rollout.top_p,
-                   # kl_penalty 'reward': GAE's rewards carry the KL (trainer.with_critic_targets), the loss not
+                   # kl_penalty 'reward': GAE's rewards carry the KL (samples.with_critic_targets), the loss not
                    kl_coef=algo.kl_coef if algo.kl_penalty == "loss" else 0.0,
                    kl_estimator=algo.kl_estimator, correction=algo.correction,
                    correction_level=algo.correction_level, correction_cap=algo.correction_cap)

@@ -29,7 +29,7 @@ from workers.train import algorithms
 from workers.train.batching import generated_columns, pad_sequences
 from workers.train.pipeline import Hyper, bubble_share, micro_batches
 from workers.train.pipeline_group import Optim, PipelineGroup
-from workers.train.trainer import (TrainSample, critic_sums_of, step_denominator, whiten_targets,
+from workers.train.samples import (TrainSample, critic_sums_of, step_denominator, whiten_targets,
                                    with_critic_targets)
 
 if TYPE_CHECKING:

@@ -25,7 +25,8 @@ from workers.train.rank_messages import (_REQUESTS, AccumulateRequest, BeginStep
                                          _RankConfig)
 
 if TYPE_CHECKING:  # torch and DeepSpeed load in a rank only after its environment is set
-    from workers.train.trainer import Trainer, TrainSample
+    from workers.train.trainer import Trainer
+    from workers.train.samples import TrainSample
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class _Rank:
 
     @staticmethod
     def _samples(samples: list[Sample]) -> list[TrainSample]:
-        from workers.train.trainer import TrainSample
+        from workers.train.samples import TrainSample
 
         return [TrainSample(s.prompt_ids, s.token_ids, s.behav_logprobs, s.advantage, s.prox_logprobs,
                             reward=s.reward, values=s.values, ref_logprobs=s.ref_logprobs, versions=s.versions,
@@ -229,7 +230,7 @@ class _RankZeroWeights:
         return WeightGroupReply(rank=0, **fields)
 
     def handle(self, request) -> WeightGroupReply:
-        from workers.weights.broadcast import host_group
+        from workers.weights.weight_group import host_group
 
         try:
             if isinstance(request, HostWeightGroupRequest):
@@ -272,7 +273,7 @@ class _RankZeroWeights:
         raise TypeError(f"unexpected request {request.kind!r}")
 
     def prepare(self, state: dict, request: PrepareWeightsRequest) -> WeightGroupReply:
-        from workers.weights.broadcast import describe_state_dict
+        from workers.weights.weight_group import describe_state_dict
 
         self.meta, self.sources = describe_state_dict(state, request.version, request.bucket_bytes)
         return self._reply(meta=self.meta)

@@ -38,7 +38,7 @@ from workers.train.rank_process import _rank_main
 if TYPE_CHECKING:  # torch and DeepSpeed load in a rank only after its environment is set
     import torch
 
-    from workers.train.trainer import TrainSample
+    from workers.train.samples import TrainSample
     from workers.weights.files import WeightFile
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def _sample(s) -> Sample:
 
 def plan_train(batch: list, spec: RunSpec, version: int, world: int) -> list[TrainRequest]:
     """One request per global rank for ``Trainer.train_step(batch)`` over the world."""
-    from workers.train.trainer import minibatch_parts, needs_proximal, step_denominator
+    from workers.train.samples import minibatch_parts, needs_proximal, step_denominator
 
     algo, budget = spec.algorithm, spec.trainer.micro_batch_tokens
     lengths = [_length(s) for s in batch]

@@ -121,7 +121,7 @@ class WeightSyncExtension:
                                  backend: str = "gloo", timeout_s: float = 60.0, nccl_id: str | None = None) -> int:
         """Join the trainer's weight group (blocks until every member has); returns this
         worker's rank in it. A previous group is dropped (it is broken, or replaced)."""
-        from workers.weights.broadcast import WeightGroup
+        from workers.weights.weight_group import WeightGroup
 
         old = getattr(self, "_fluxrl_group", None)
         self._fluxrl_group = None

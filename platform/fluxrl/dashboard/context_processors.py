@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from workers.rewards.sandbox import UNSAFE_ENV, SandboxUnavailable, boundary
+from workers.rewards.sandbox_boundary import UNSAFE_ENV, SandboxUnavailable, boundary
 
 
 def sandbox_warning(request) -> dict:

@@ -5,7 +5,7 @@ here needs Django (the worker's fixup imports tasks early) or imports services, 
 sends these tasks."""
 from celery import shared_task
 
-from workers.rewards.sandbox import sandbox_status
+from workers.rewards.sandbox_boundary import sandbox_status
 
 from . import scoring
 

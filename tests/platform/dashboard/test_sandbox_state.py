@@ -12,7 +12,7 @@ from django.test import Client
 from tests import sandbox_path
 from tests.platform.servers import REPO, show_logs, start, stop, wait_until
 from tests.sandbox_path import MISSING
-from workers.rewards.sandbox import UNSAFE_ENV
+from workers.rewards.sandbox_boundary import UNSAFE_ENV
 
 # The sandbox fixtures, bound here so that pytest finds them: fresh_probe (autouse) for every
 # test of this module, no_bwrap where a test names it.

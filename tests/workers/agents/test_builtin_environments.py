@@ -13,7 +13,7 @@ import pytest
 from workers.agents.api import Environment, Observation
 from workers.agents.builtin import GuessNumberEnvironment, ToolsEnvironment, make_environment
 from workers.agents.sandboxed import SandboxedEnvironment, close_pools
-from workers.rewards.sandbox import UNSAFE_ENV
+from workers.rewards.sandbox_boundary import UNSAFE_ENV
 from workers.spec import EnvironmentSpec
 from workers.tasks.datasets import generate, load_rows, tool_arith_prompt
 

@@ -14,7 +14,7 @@ from workers.agents.episode import (Budgets, agent_metrics, episode_reward, epis
 from workers.agents.render import ObservationRenderer
 from workers.coord.async_schedule import AsyncSchedule, group_oldest_version
 from workers.coord.generation import Group, Sample
-from workers.rollout.engine import Completion
+from workers.rollout.engine_types import Completion
 from workers.rollout.staleness import VersionTrack
 from workers.tasks.prompts import load_tokenizer
 

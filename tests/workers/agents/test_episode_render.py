@@ -5,7 +5,8 @@ import pytest
 
 from workers.agents.api import Observation
 from workers.agents.render import ObservationRenderer, TemplateNotPrefixStable, chat_delta
-from workers.models.modelzoo import FORMATS, ensure_zoo_model, render_chat
+from workers.models.modelzoo import ensure_zoo_model
+from workers.models.zoo_data import FORMATS, render_chat
 from workers.tasks.prompts import _special_tokens, load_tokenizer
 
 

@@ -9,7 +9,7 @@ import pytest
 from workers.agents.api import Observation
 from workers.agents.builtin import make_environment
 from workers.agents.sandboxed import SandboxConfig, SandboxedEnvironment, SandboxPool, close_pools
-from workers.rewards.sandbox import UNSAFE_ENV, boundary
+from workers.rewards.sandbox_boundary import UNSAFE_ENV, boundary
 from workers.spec import EnvironmentSpec
 
 CODE = '''

@@ -11,7 +11,7 @@ from workers.agents.tools import (
     TOOLS, CalculatorError, Limits, calculate, format_number, format_tool_call, parse_tool_calls, run_python,
     tool_call_format, tool_schemas,
 )
-from workers.rewards.sandbox import UNSAFE_ENV, boundary
+from workers.rewards.sandbox_boundary import UNSAFE_ENV, boundary
 
 CALC = {"calculator": TOOLS["calculator"]}
 BOTH = {"calculator": TOOLS["calculator"], "python": TOOLS["python"]}

@@ -57,7 +57,7 @@ QWEN25_72B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hid
 def test_qwen25_72b_at_zero3_over_128_ranks_on_32_nodes_of_141_gib_places_by_role(tmp_path):
     # docs/deployment.md, "A worked example: Qwen2.5-72B": the trainer's 16 nodes, the engines' 16; ZeRO-3's
     # gather is one module (the 152,064 x 8,192 LM head), not the model
-    from workers.cluster.memory import model_size
+    from workers.cluster.model_size import model_size
     from workers.cluster.placement import Machine, plan_placement
     from workers.spec import validate_spec
 

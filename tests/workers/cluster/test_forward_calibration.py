@@ -21,7 +21,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from workers.cluster.memory import GIB, forward_memory, model_size
+from workers.cluster.model_size import GIB, model_size
+from workers.cluster.trainer_memory import forward_memory
 from workers.train import algorithms
 
 VOCAB = 100_352

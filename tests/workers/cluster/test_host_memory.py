@@ -5,7 +5,7 @@ import pytest
 
 from workers.cluster.host_memory import (COORDINATOR_RUNTIME_GIB, ENGINE_SERVER_RUNTIME_GIB,
                                          INFERENCE_WORKER_RUNTIME_GIB, TRAINER_RUNTIME_GIB, VLLM_CORE_RUNTIME_GIB)
-from workers.cluster.memory import GIB, ModelSize
+from workers.cluster.model_size import GIB, ModelSize
 from workers.cluster.placement import Machine, PlacementError, plan_placement
 from workers.spec import validate_spec
 

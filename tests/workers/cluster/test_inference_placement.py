@@ -3,7 +3,8 @@ algorithm.kl_reference 'stage', critic.forward 'stage') compute, what the memory
 for them there, and the refusals. Qwen2.5-0.5B's shape, bf16 at ZeRO 0 (autocast: fp32 weights)."""
 import pytest
 
-from workers.cluster.memory import GIB, ModelSize, inference_forward_gib
+from workers.cluster.model_size import GIB, ModelSize
+from workers.cluster.trainer_memory import inference_forward_gib
 from workers.cluster.placement import Machine, PlacementError, plan_placement
 from workers.spec import validate_spec
 
@@ -115,6 +116,7 @@ def test_an_engine_gpu_that_cannot_hold_the_stage_beside_vllms_share_names_what_
 
 def test_the_fused_pipeline_is_refused_on_gpus_with_the_reason():
     import asyncio
+    from types import SimpleNamespace
 
     from workers.coord.processes import Processes
 
@@ -125,7 +127,7 @@ def test_the_fused_pipeline_is_refused_on_gpus_with_the_reason():
     processes.plan = plan_placement(run, FOUR)
     with pytest.raises(PlacementError, match="passes each micro-batch's activations between its stage processes "
                                              "over gloo in host memory"):
-        asyncio.run(processes.start_trainer(None))
+        asyncio.run(processes.start_trainer(SimpleNamespace(pad_id=0)))  # the model check's result: only its pad id is read
 
 
 def test_a_reward_models_size_is_its_score_heads_not_a_language_models():
@@ -133,7 +135,7 @@ def test_a_reward_models_size_is_its_score_heads_not_a_language_models():
 
     from transformers import AutoModelForSequenceClassification
 
-    from workers.cluster.memory import model_size
+    from workers.cluster.model_size import model_size
 
     folder = str(Path(__file__).resolve().parents[3] / "workers" / "assets" / "tiny-rm")
     size = model_size(folder, head="sequence-classification")

@@ -4,8 +4,9 @@ KL reference as nothing (the base model with the adapter disabled) or, with mode
 as the frozen init adapter's weights."""
 import pytest
 
-from workers.cluster.memory import (REFERENCE_STAGE, ModelSize, inference_items, lora_trainer_memory, model_size,
-                                    trainer_rank_peak_gib)
+from workers.cluster.memory import REFERENCE_STAGE, inference_items
+from workers.cluster.model_size import ModelSize, model_size
+from workers.cluster.trainer_memory import lora_trainer_memory, trainer_rank_peak_gib
 from workers.spec import validate_spec
 
 GIB = 2**30

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from workers.cluster.memory import ModelSize, model_size, trainer_memory
+from workers.cluster.model_size import ModelSize, model_size
+from workers.cluster.trainer_memory import trainer_memory
 from workers.cluster.placement import Machine, PlacementError, plan_placement
 from workers.spec import validate_spec
 
@@ -183,7 +184,7 @@ def test_trainer_bytes_per_parameter_by_dtype_and_stage():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_precision_counted_is_the_trainers(dtype, stage):
     """workers/cluster/memory.py counts the precision workers/train/trainer.py configures."""
-    from workers.cluster.memory import trainer_precision
+    from workers.cluster.trainer_memory import trainer_precision
     from workers.train.deepspeed_setup import deepspeed_config
 
     config = deepspeed_config(spec({}, trainer={"zero_stage": stage}, model={"path": "m", "dtype": dtype}))
@@ -241,7 +242,7 @@ MEASURED_H200_PEAK_GIB = {0: 11.35, 2: 10.91, 3: 14.43}
 
 @pytest.mark.parametrize("stage", sorted(MEASURED_H200_PEAK_GIB))
 def test_the_planned_rank_peak_is_within_25_percent_of_the_peak_measured_on_a_gpu(stage, tmp_path):
-    from workers.cluster.memory import trainer_rank_peak_gib
+    from workers.cluster.trainer_memory import trainer_rank_peak_gib
 
     folder = tmp_path / "qwen2-0.36b"
     folder.mkdir()

@@ -127,7 +127,8 @@ def test_the_data_position_restores_the_same_row_sequence(tmp_path):
 @pytest.mark.timeout(300)
 def test_the_trainer_state_restores_exactly(tmp_path, tiny_model_path):
     """Weights and optimiser state: the step after a restore equals the step without one."""
-    from workers.train.trainer import Trainer, TrainSample
+    from workers.train.trainer import Trainer
+    from workers.train.samples import TrainSample
 
     spec = validate_spec({"name": "t", "model": {"path": tiny_model_path}, "task": {"dataset": "gen:add"},
                           "algorithm": {"lr": 1e-3}})

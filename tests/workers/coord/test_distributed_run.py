@@ -32,7 +32,7 @@ class CheckingController(Controller):
 # Two ranks at ZeRO-3 broadcasting over the collective (trainer rank 0 sending, the engines checked
 # after every update, the ranks gone after) are tests/workers/cluster/test_two_node_run.py's, over
 # two nodes: not run here again.
-@pytest.mark.parametrize("ranks, stage, transport", [(2, 2, "rpc"), (1, 0, "collective")])
+@pytest.mark.parametrize("ranks, stage, transport", [pytest.param(2, 2, "rpc", marks=pytest.mark.slow), (1, 0, "collective")])
 def test_trainer_rank_processes_train_an_async_run_and_the_engine_holds_their_weights(ranks, stage, transport,
                                                                                         tmp_path):
     """Two ranks, or one (``resources.trainer_process``: the trainer out of the coordinator's process)."""

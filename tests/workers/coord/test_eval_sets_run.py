@@ -15,7 +15,8 @@ from workers.tasks.datasets import GENERATORS
 
 @pytest.mark.engine
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("mode,update_mode", [("sync", "keep"), ("async", "interrupt")], ids=["sync", "async-interrupt"])
+@pytest.mark.parametrize("mode,update_mode", [pytest.param("sync", "keep", marks=pytest.mark.slow), ("async", "interrupt")],
+                         ids=["sync", "async-interrupt"])
 def test_a_run_reports_pass_at_k_and_avg_at_n_for_each_eval_set(tmp_path, mode, update_mode):
     rows = GENERATORS["add"](6, seed=7)
     held = tmp_path / "held.jsonl"

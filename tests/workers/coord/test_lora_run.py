@@ -57,6 +57,7 @@ def test_a_lora_run_sends_only_the_adapter_and_changes_the_policy(tmp_path, tiny
         assert torch.allclose(out, adapted(input_ids=ids).logits, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.engine
 @pytest.mark.timeout(1200)
 def test_a_lora_run_stopped_by_sigterm_resumes_with_the_checkpoints_adapter_in_trainer_and_engine(tmp_path,

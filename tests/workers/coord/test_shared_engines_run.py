@@ -13,7 +13,7 @@ import time
 import pytest
 import yaml
 
-from workers.rollout.pool import DIR_ENV, IDLE_ENV, stop_pools
+from workers.rollout.pool_registry import DIR_ENV, IDLE_ENV, stop_pools
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 

@@ -132,7 +132,7 @@ def test_summarize_gives_mean_seconds_and_shares_per_step():
 
 @pytest.mark.engine
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.slow), "async"])  # sync runs: test_sync_run.py
 def test_every_step_of_a_real_run_reports_parts_that_add_up_to_its_wall_time(mode, tmp_path, tiny_model_path):
     from workers.coord.controller import Controller
     from workers.spec import validate_spec

@@ -18,8 +18,8 @@ import torch
 from workers.io.ports import free_port
 from workers.spec import validate_spec
 from workers.train.ranks import TrainerGroup
-from workers.weights.broadcast import (ABORT_PREFIX, WeightBroadcastError, WeightGroup, describe_state_dict,
-                                      host_group)
+from workers.weights.weight_group import (ABORT_PREFIX, WeightBroadcastError, WeightGroup, describe_state_dict,
+                                          host_group)
 from workers.weights.sync import tensors_checksum
 
 OLD_ABORT_KEY = "fluxrl/weights/abort"  # a fixed name an attacker could guess

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from workers.io import wire
+from workers.io import wire, wire_local
 from workers.rollout.client import EngineClient
 from workers.rollout.messages import REQUESTS, EngineServerConfig, StartRequest
 from workers.cluster.node import (TO_NODE, Cluster, Join, NodeError, PathRefused, TrainerCall, _call_group,
                           confined)
-from workers.rollout.engine import EngineDied
+from workers.rollout.engine_types import EngineDied
 
 ROOT = Path(__file__).resolve().parents[3]
 KEY = bytes(range(32))
@@ -245,7 +245,7 @@ def local_wire(monkeypatch):
     import tempfile
 
     folder = tempfile.mkdtemp(prefix="fw-")
-    monkeypatch.setenv(wire.LOCAL_DIR_ENV, folder)
+    monkeypatch.setenv(wire_local.LOCAL_DIR_ENV, folder)
     yield Path(folder)
     for leftover in Path(folder).iterdir():
         leftover.unlink()
@@ -291,7 +291,7 @@ def test_silent_local_connections_do_not_stop_a_real_local_client(flood_deadline
 
 
 def test_silent_connections_from_a_known_address_push_out_each_other_not_its_real_peers(flood_deadline, monkeypatch):
-    monkeypatch.setenv(wire.LOCAL_ENV, "0")  # TCP only: 127.0.0.1 is one source for everyone on the node
+    monkeypatch.setenv(wire_local.LOCAL_ENV, "0")  # TCP only: 127.0.0.1 is one source for everyone on the node
     lst = wire.listen("127.0.0.1", 0, key=KEY)
     try:
         first, _ = _pair(lst)  # 127.0.0.1 is a known peer from here on

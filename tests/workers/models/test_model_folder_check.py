@@ -13,7 +13,7 @@ import transformers
 from safetensors import safe_open
 
 from tests.platform.model_archives import POLICY, RM
-from workers.cluster.memory import model_size
+from workers.cluster.model_size import model_size
 from workers.models.preflight import ModelCheckError
 from workers.models.reward_model import resolve_reward_model_path
 from workers.rewards.model import Scorer

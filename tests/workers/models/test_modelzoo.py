@@ -7,8 +7,9 @@ import os
 
 import pytest
 
-from workers.models import modelzoo
-from workers.models.modelzoo import ARCHS, build_zoo_model, chat_arithmetic_rows, ensure_zoo_model, write_chat_dataset
+from workers.models import modelzoo, zoo_data, zoo_tokenizers
+from workers.models.modelzoo import ARCHS, build_zoo_model, ensure_zoo_model
+from workers.models.zoo_data import chat_arithmetic_rows, write_chat_dataset
 
 MESSAGES = [{"role": "system", "content": "You are a careful calculator."},
             {"role": "user", "content": "What is 23 + 45?"}]
@@ -79,8 +80,8 @@ def test_chat_template_renders_system_user_and_the_generation_prompt(built, toke
     assert text.endswith({"qwen2": "<|im_start|>assistant\n", "llama": "<|end_header_id|>\n\n",
                           "gpt2": "<|assistant|>\n"}[arch])
     # The module renders the template as transformers does (its tokenizer corpus relies on it).
-    fmt = modelzoo.FORMATS[arch]
-    assert modelzoo.render_chat(fmt.template, MESSAGES, add_generation_prompt=True, bos_token=fmt.bos or "") == text
+    fmt = zoo_data.FORMATS[arch]
+    assert zoo_data.render_chat(fmt.template, MESSAGES, add_generation_prompt=True, bos_token=fmt.bos or "") == text
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -120,7 +121,7 @@ def test_built_folder_loads_in_transformers_and_generates_until_an_eos(built, to
 def test_sft_targets_are_the_whole_equation_then_the_end_of_turn_token(tokenizers):
     for arch in ARCHS:
         tok = tokenizers[arch]
-        rows = modelzoo._arith_rows(3, __import__("random").Random(0), system_share=1.0)
+        rows = zoo_data.arith_rows(3, __import__("random").Random(0), system_share=1.0)
         for row, (ids, prompt_len) in zip(rows, modelzoo.sft_examples(tok, rows, arch)):
             a, b = row["operands"]
             assert ids[-1] == tok.eos_token_id
@@ -134,9 +135,9 @@ def test_held_out_and_dev_sums_with_a_two_digit_operand_are_never_trained_on():
 
     recipe = modelzoo.zoo_recipe("qwen2")
     watched = modelzoo.held_out_rows(recipe) + modelzoo.dev_rows(recipe)
-    keys = {modelzoo._held_out_key(r) for r in watched}
-    train = modelzoo._arith_rows(5000, random.Random(1), recipe["system_share"], frozenset(keys))
-    assert not any(modelzoo._held_out_key(r) in keys for r in train)
+    keys = {zoo_data.held_out_key(r) for r in watched}
+    train = zoo_data.arith_rows(5000, random.Random(1), recipe["system_share"], frozenset(keys))
+    assert not any(zoo_data.held_out_key(r) in keys for r in train)
     pairs = {r["operands"] for r in watched if max(r["operands"]) >= 10}
     assert pairs and not pairs & {r["operands"] for r in train}
 
@@ -147,7 +148,7 @@ def test_the_warm_start_stops_once_dev_accuracy_reaches_its_target(monkeypatch):
               "held_out": 4}
     checks = iter([0.1, 0.2, 0.5, 0.9])
     monkeypatch.setattr(modelzoo, "greedy_accuracy", lambda *a, **k: next(checks, 0.0))
-    tok = modelzoo.build_tokenizer(recipe)
+    tok = zoo_tokenizers.build_tokenizer(recipe)
     report = modelzoo._sft(modelzoo.build_model(recipe, tok), tok, recipe, progress=False)
     assert report["sft_steps"] == 30 and report["dev_accuracy"] == 0.5 >= recipe["stop_at_accuracy"]
     assert modelzoo.zoo_recipe("gpt2", steps=5)["stop_at_accuracy"] is None

@@ -14,7 +14,8 @@ import uuid
 
 import pytest
 
-from workers.rewards.sandbox import UNSAFE_ENV, WORKDIR_MB, RewardSandbox, boundary, uid_pool
+from workers.rewards.sandbox import RewardSandbox
+from workers.rewards.sandbox_boundary import UNSAFE_ENV, WORKDIR_MB, boundary, uid_pool
 
 # Switches the audit hook off: every test below runs with no Python-level guard at all.
 _DISARM = """

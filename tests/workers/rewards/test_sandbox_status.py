@@ -7,7 +7,7 @@ import sys
 
 from tests import sandbox_path
 from tests.sandbox_path import MISSING
-from workers.rewards.sandbox import UNSAFE_ENV, sandbox_status, uid_pool
+from workers.rewards.sandbox_boundary import UNSAFE_ENV, sandbox_status, uid_pool
 
 # The sandbox fixtures, bound here so that pytest finds them: fresh_probe (autouse) for every
 # test of this module, no_bwrap where a test names it.

@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from workers.rewards import sandbox as sandbox_module
-from workers.rewards.sandbox import MAX_PROCESSES, UNSAFE_ENV, RewardCodeError, RewardSandbox, boundary, uid_pool
+from workers.rewards import sandbox_boundary
+from workers.rewards.sandbox import RewardCodeError, RewardSandbox
+from workers.rewards.sandbox_boundary import MAX_PROCESSES, UNSAFE_ENV, boundary, uid_pool
 
 # Starts threads (tasks of its uid, as RLIMIT_NPROC counts them) until the limit refuses one;
 # they stay alive after reward() returns, as long as the sandbox does.
@@ -99,7 +100,7 @@ def test_concurrent_sandboxes_of_this_and_another_process_get_different_uids():
 def test_a_full_pool_makes_a_new_sandbox_wait_then_names_the_setting(monkeypatch):
     monkeypatch.setenv("FLUXRL_SANDBOX_UID_BASE", "62000")  # a pool of its own, of one uid
     monkeypatch.setenv("FLUXRL_SANDBOX_UID_COUNT", "1")
-    monkeypatch.setattr(sandbox_module, "UID_WAIT_S", 0.5)
+    monkeypatch.setattr(sandbox_boundary, "UID_WAIT_S", 0.5)
     with RewardSandbox(WHO) as first:
         assert first.score("p", "c").reward == 62000.0
         t0 = time.monotonic()

@@ -3,7 +3,8 @@ spec says otherwise, and what reaches vLLM's AsyncEngineArgs, in-process and thr
 engine server's configuration (building the arguments starts no engine)."""
 import pytest
 
-from workers.rollout.engine import RolloutEngine, resolve_enforce_eager
+from workers.rollout.engine import RolloutEngine
+from workers.rollout.engine_args import resolve_enforce_eager
 from workers.rollout.messages import EngineServerConfig
 from workers.spec import validate_spec
 

@@ -15,7 +15,8 @@ import pytest
 import workers.coord.generation as generation_module
 from workers.cli.engine import LOG_FORMAT
 from workers.coord.controller import Controller
-from workers.rollout.engine import EngineDied, EngineRPCTimeout, RolloutEngine
+from workers.rollout.engine import RolloutEngine
+from workers.rollout.engine_types import EngineDied, EngineRPCTimeout
 from workers.spec import validate_spec
 from workers.weights.update import InlineWeights
 

@@ -78,7 +78,8 @@ def test_interrupted_request_resumes_from_its_prefix(loop, engine, hf_model):
 
 def test_trainer_and_engine_weights_match_after_a_training_step(loop, engine, tiny_model_path):
     from workers.spec import validate_spec
-    from workers.train.trainer import TrainSample, Trainer
+    from workers.train.trainer import Trainer
+    from workers.train.samples import TrainSample
 
     spec = validate_spec({"name": "t", "model": {"path": tiny_model_path}, "task": {"dataset": "gen:add"},
                           "algorithm": {"lr": 1e-3}, "trainer": {"zero_stage": 1}})

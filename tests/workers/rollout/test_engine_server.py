@@ -19,7 +19,7 @@ from tests.workers.helpers import perturb
 from workers.io import wire
 from workers.rollout.client import EngineClient
 from workers.rollout.messages import REPLIES, EngineServerConfig
-from workers.rollout.engine import EngineDied
+from workers.rollout.engine_types import EngineDied
 from workers.models.tinymodel import encode
 from workers.weights.broadcast import WeightBroadcaster
 from workers.weights.sync import serialize_state_dict, tensors_checksum

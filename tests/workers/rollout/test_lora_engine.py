@@ -40,7 +40,7 @@ async def _run_with_update(engine, weights, version, n=6, max_tokens=100):
 
 @pytest.fixture(scope="module")
 def lora_engine(loop, tiny_model_path, tmp_path_factory):
-    from workers.rollout.engine import configure_cpu_environment
+    from workers.rollout.engine_args import configure_cpu_environment
 
     configure_cpu_environment(None, 1.0)
     eng = RolloutEngine(tiny_model_path, update_mode="keep", max_model_len=256, lora_rank=RANK)

@@ -12,8 +12,9 @@ import pytest
 
 from tests.workers.rollout.lora_adapters import adapter_file, model_logprobs, seeded_adapter
 from workers.models.tinymodel import encode
-from workers.rollout.pool import (DIR_ENV, IDLE_ENV, SLOTS_ENV, PoolClient, _read_registry, pool_settings,
-                                  stop_pools)
+from workers.rollout.pool_client import PoolClient
+from workers.rollout.pool_registry import (DIR_ENV, IDLE_ENV, SLOTS_ENV, read_registry, pool_settings,
+                                           stop_pools)
 from workers.rollout.messages import EngineServerConfig, TenantInfo
 from workers.rollout.tickets import VERIFIER_ENV, PoolTicket, new_signing_key, sign_ticket
 
@@ -72,14 +73,14 @@ def two_teams(loop, pools, tiny_model_path, adapters):
     # a pool that died and left its entry behind (a live pid, nobody listening): a run that
     # finds it drops the entry and starts a new pool
     from workers.io.ports import free_port
-    from workers.rollout.pool import _registry_file
+    from workers.rollout.pool_registry import registry_file
 
     stale = pool_settings(_config(tiny_model_path), 8)[0]
-    _registry_file(stale).write_text(json.dumps({"address": f"127.0.0.1:{free_port('127.0.0.1')}",
+    registry_file(stale).write_text(json.dumps({"address": f"127.0.0.1:{free_port('127.0.0.1')}",
                                                  "pid": os.getpid()}))
     a, b = _client(tiny_model_path, "team-a"), _client(tiny_model_path, "team-b", seed=1)
     loop.run_until_complete(a.start(weights=files["base"], version=0))
-    assert _read_registry(stale)["pid"] == a.server_pid != os.getpid()
+    assert read_registry(stale)["pid"] == a.server_pid != os.getpid()
     loop.run_until_complete(b.start(weights=files["b0"], version=0))
     yield a, b
     for client in (a, b):
@@ -243,18 +244,18 @@ def test_the_idle_pool_exits_and_leaves_no_registry(loop, pools, tiny_model_path
     for client in (a, b):
         client.shutdown()
     pid_ = pool_settings(_config(tiny_model_path), 8)[0]
-    info = _read_registry(pid_)
+    info = read_registry(pid_)
     assert info is not None
     # a connection that never joins (a stuck or refused start) does not keep the pool awake
     from workers.io import wire
-    from workers.rollout.pool import pool_key
+    from workers.rollout.pool_registry import pool_key
     from workers.rollout.messages import REPLIES
 
     lingering = wire.connect(wire.parse_address(info["address"]), REPLIES, pool_key())
     deadline = time.monotonic() + IDLE_S + 20
-    while _read_registry(pid_) is not None and time.monotonic() < deadline:
+    while read_registry(pid_) is not None and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _read_registry(pid_) is None
+    assert read_registry(pid_) is None
     while time.monotonic() < deadline:
         try:
             os.kill(info["pid"], 0)

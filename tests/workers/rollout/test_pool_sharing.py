@@ -6,8 +6,10 @@ import time
 
 import pytest
 
-from workers.rollout.engine import extend_track
-from workers.rollout.pool import EnginePool, FairSeats, PoolConfig, TenantEngine, pool_settings
+from workers.rollout.engine_types import extend_track
+from workers.rollout.fair_seats import FairSeats
+from workers.rollout.pool import EnginePool, TenantEngine
+from workers.rollout.pool_registry import PoolConfig, pool_settings
 from workers.rollout.messages import EngineServerConfig, TenantInfo
 from workers.rollout.staleness import VersionTrack
 from workers.rollout.tickets import PoolTicket, new_signing_key, sign_ticket
@@ -290,7 +292,7 @@ def test_the_registry_is_kept_per_pid_namespace_and_stop_pools_kills_only_its_ow
     import sys
 
     from workers.io.lifetime import pid_alive, pid_namespace
-    from workers.rollout.pool import DIR_ENV, _read_registry, _registry_file, stop_pools
+    from workers.rollout.pool_registry import DIR_ENV, read_registry, registry_file, stop_pools
 
     folder = tmp_path / "pools"
     folder.mkdir(mode=0o700)
@@ -298,11 +300,11 @@ def test_the_registry_is_kept_per_pid_namespace_and_stop_pools_kills_only_its_ow
     ours, theirs = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
                     for _ in range(2))
     try:
-        _registry_file("p1").write_text(json.dumps({"address": "127.0.0.1:1", "pid": ours.pid}))
+        registry_file("p1").write_text(json.dumps({"address": "127.0.0.1:1", "pid": ours.pid}))
         (folder / f"p1.ns{pid_namespace() + 1}.json").write_text(json.dumps({"address": "x", "pid": theirs.pid}))
-        assert _registry_file("p1").name == f"p1.ns{pid_namespace()}.json"
-        assert _read_registry("p1")["pid"] == ours.pid
-        assert _read_registry("p2") is None
+        assert registry_file("p1").name == f"p1.ns{pid_namespace()}.json"
+        assert read_registry("p1")["pid"] == ours.pid
+        assert read_registry("p2") is None
         assert stop_pools() == 1
         ours.wait(timeout=10)
         assert pid_alive(theirs.pid) and (folder / f"p1.ns{pid_namespace() + 1}.json").exists()
@@ -427,7 +429,7 @@ def test_a_weight_counts_only_in_a_ticket_the_platform_signed(tmp_path):
 
 
 def test_without_a_platform_a_weight_in_the_environment_counts_for_nothing(tmp_path, monkeypatch):
-    from workers.rollout.pool import tenant_info
+    from workers.rollout.pool_client import tenant_info
 
     monkeypatch.setenv("FLUXRL_POOL_WEIGHT", "1000")
     monkeypatch.setenv("FLUXRL_POOL_TEAM", "team-9")

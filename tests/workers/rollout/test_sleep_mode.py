@@ -56,13 +56,13 @@ def test_an_engine_started_without_sleep_mode_refuses_to_sleep_and_an_awake_one_
     ("kv_cache", ["weights"], "kv_cache"), ("weights", ["weights"], None), (None, None, None),
     (None, ["weights"], None)])
 def test_what_sleeps_after_a_wake_is_what_slept_less_what_was_woken(asleep, tags, left):
-    from workers.rollout.engine import asleep_after_wake
+    from workers.rollout.engine_args import asleep_after_wake
 
     assert asleep_after_wake(asleep, tags) == left
 
 
 def test_a_wake_of_an_unknown_tag_is_refused():
-    from workers.rollout.engine import asleep_after_wake
+    from workers.rollout.engine_args import asleep_after_wake
 
     with pytest.raises(ValueError, match="everything"):
         asleep_after_wake("all", ["everything"])

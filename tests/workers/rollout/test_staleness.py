@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from workers.rollout.engine import extend_track
+from workers.rollout.engine_types import extend_track
 from workers.rollout.staleness import StalenessGate, VersionTrack
 
 

@@ -11,7 +11,7 @@ from workers.spec import SpecError, validate_spec
 from workers.train.algorithms import gae, kl_rewards, whiten, whiten_moments
 from workers.train.batching import completion_mask, per_token
 from workers.train.pipeline import Hyper
-from workers.train.trainer import TrainSample, whiten_targets, with_critic_targets
+from workers.train.samples import TrainSample, whiten_targets, with_critic_targets
 
 EPS = 1e-8
 

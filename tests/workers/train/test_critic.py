@@ -9,7 +9,8 @@ import torch
 from workers.models.tinymodel import encode
 from workers.spec import SpecError, validate_spec
 from workers.train.algorithms import critic_stats
-from workers.train.trainer import Trainer, TrainSample
+from workers.train.trainer import Trainer
+from workers.train.samples import TrainSample
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
 

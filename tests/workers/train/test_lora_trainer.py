@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from workers.spec import validate_spec
-from workers.train.trainer import Trainer, TrainSample
+from workers.train.trainer import Trainer
+from workers.train.samples import TrainSample
 from workers.weights.files import ADAPTER_CONFIG_KEY, trainer_weight_file, weight_file_metadata
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]

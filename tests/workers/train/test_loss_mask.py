@@ -10,7 +10,7 @@ import torch
 from workers.train import algorithms
 from workers.train.batching import completion_mask, pad_sequences, per_token, token_exact, trained_ids
 from workers.train.rank_messages import Sample as RankSample
-from workers.train.trainer import TrainSample, critic_sums_of, step_denominator, with_critic_targets
+from workers.train.samples import TrainSample, critic_sums_of, step_denominator, with_critic_targets
 
 # one episode: 2 generated, 2 observation, 1 generated; and a single-turn sample
 EPISODE = TrainSample([1, 2], [10, 11, 12, 13, 14], [-0.5, -0.25, 0.0, 0.0, -1.0], 1.0,

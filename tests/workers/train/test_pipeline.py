@@ -9,7 +9,7 @@ import torch
 from workers.train.pipeline import (MODELS, Hyper, Op, fused_schedule, micro_batches, one_f_one_b,
                                     reference_gradients, sequential_schedule, simulate, split_layers)
 from workers.train.pipeline_group import run_step
-from workers.train.trainer import TrainSample
+from workers.train.samples import TrainSample
 
 
 def test_one_f_one_b_fills_the_pipe_then_alternates_forward_and_backward():

@@ -12,7 +12,8 @@ from workers.models.tinymodel import encode
 from workers.spec import SpecError, validate_spec
 from workers.train.pipeline_trainer import PipelineTrainer, length_sorted_parts
 from workers.train.ranks import TrainerRankError
-from workers.train.trainer import Trainer, TrainSample
+from workers.train.trainer import Trainer
+from workers.train.samples import TrainSample
 
 LR, CRITIC_LR = 1e-3, 3e-3
 

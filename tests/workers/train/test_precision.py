@@ -91,7 +91,7 @@ def test_the_rest_of_the_config_is_unchanged():
 
 def _batch():
     from workers.models.tinymodel import encode
-    from workers.train.trainer import TrainSample
+    from workers.train.samples import TrainSample
 
     # micro_batch_tokens 32: the batch packs into several micro-batches, so gradients accumulate
     return [TrainSample(encode(f"{i}+{i}="), [3, 4, 5, 6], [-1.0] * 4, float(i % 2 * 2 - 1)) for i in range(6)]

@@ -43,7 +43,7 @@ def _batch(trainer):
     alike), the second mixed; behaviour log-probs below the policy's so the importance
     weights differ from 1 (and the loss from −mean(A) = 0)."""
     from workers.models.tinymodel import encode
-    from workers.train.trainer import TrainSample
+    from workers.train.samples import TrainSample
 
     rewards = [1.0, 1.0, 1.0, 0.0, 1.0, 0.0]
     batch = [TrainSample(encode(f"{i}+{i}="), [3, 4, 5, 6][: 2 + i % 3], [0.0] * (2 + i % 3), 0.0, reward=r)

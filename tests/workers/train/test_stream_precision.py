@@ -56,7 +56,7 @@ def _spec(dtype: str, stage: int, path: str):
 
 def _batch(scale: float = 1.0):
     from workers.models.tinymodel import encode
-    from workers.train.trainer import TrainSample
+    from workers.train.samples import TrainSample
 
     return [TrainSample(encode(f"{i}+{i}="), [3, 4, 5, 6], [-1.0] * 4, scale * (i % 2 * 2 - 1) * (1 + i))
             for i in range(6)]

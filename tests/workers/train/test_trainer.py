@@ -8,7 +8,8 @@ import torch
 
 from workers.spec import validate_spec
 from workers.models.tinymodel import encode
-from workers.train.trainer import Trainer, TrainSample
+from workers.train.trainer import Trainer
+from workers.train.samples import TrainSample
 from workers.weights.sync import tensors_checksum
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]

@@ -31,7 +31,8 @@ from workers.io.ports import free_port
 from workers.io.checkpoint import IncompleteCheckpoint, missing_trainer_shards, require_trainer_shards
 from workers.spec import validate_spec
 from workers.models.tinymodel import encode
-from workers.train.trainer import Trainer, TrainSample
+from workers.train.trainer import Trainer
+from workers.train.samples import TrainSample
 from workers.train.ranks import TrainerGroup, TrainerRankError, plan_train
 from workers.weights.sync import tensors_checksum
 
@@ -258,7 +259,7 @@ _NODE = r"""
 import json, logging, sys
 import torch
 from workers.spec import validate_spec
-from workers.train.trainer import TrainSample
+from workers.train.samples import TrainSample
 from workers.train.ranks import TrainerGroup
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ import pytest
 
 from tests.workers.train.test_critic import _on_policy
 from workers.spec import SpecError, validate_spec
-from workers.train.trainer import Trainer, TrainSample
+from workers.train.trainer import Trainer
+from workers.train.samples import TrainSample
 from workers.train.value_stage import ValueScorer, ValueStage, scorer_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]

@@ -1,4 +1,4 @@
-"""The full state dict of a ZeRO-3 module (trainer.py ``_gathered_state_dict``), gathered by
+"""The full state dict of a ZeRO-3 module (deepspeed_internals.py ``gathered_state_dict``), gathered by
 parameter: a module shared under two names and a parameter tied under two names come back
 whole under every name (``named_modules()`` lists a shared module once; ``state_dict()`` lists
 it under each name, and a name never gathered would keep its empty ZeRO-3 placeholder)."""
@@ -26,7 +26,7 @@ def test_a_shared_module_and_a_tied_parameter_are_gathered_whole_under_every_nam
     import deepspeed
 
     from workers.train.deepspeed_setup import init_distributed
-    from workers.train.trainer import _gathered_state_dict
+    from workers.train.deepspeed_internals import gathered_state_dict
 
     init_distributed()
     torch.manual_seed(0)
@@ -37,9 +37,9 @@ def test_a_shared_module_and_a_tied_parameter_are_gathered_whole_under_every_nam
                                            config={"train_micro_batch_size_per_gpu": 1,
                                                    "zero_optimization": {"stage": 3}})
     assert engine.module.second.weight.shape == (0,)  # partitioned: an empty placeholder outside a gather
-    got = _gathered_state_dict(engine.module)
+    got = gathered_state_dict(engine.module)
     assert set(got) == set(want)
     for name, tensor in want.items():
         assert got[name].shape == tensor.shape, name
         assert torch.equal(got[name], tensor), name
-    assert _gathered_state_dict(engine.module, keep=False) == {}
+    assert gathered_state_dict(engine.module, keep=False) == {}

@@ -18,8 +18,8 @@ from tests.workers.helpers import perturb
 
 from workers.rollout.engine import RolloutEngine
 from workers.models.tinymodel import encode
-from workers.weights.broadcast import (WeightBroadcaster, WeightBroadcastError, WeightGroup, bucket_layout,
-                                      describe_state_dict)
+from workers.weights.broadcast import WeightBroadcaster
+from workers.weights.weight_group import WeightBroadcastError, WeightGroup, bucket_layout, describe_state_dict
 from workers.weights.sync import tensors_checksum
 
 
