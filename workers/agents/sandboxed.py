@@ -42,7 +42,7 @@ OBSERVATION_FACTOR = 4  # an observation may be this many times output_chars
 START_TIMEOUT_S = 10.0  # starting a child and loading the code, at least
 CHILD_CPU_S = 3600  # a long-lived child's CPU seconds (RLIMIT_CPU); past it, it is restarted
 
-# After the sandbox's guards (workers/rewards/sandbox.py CHILD_GUARDS).
+# After the sandbox's guards (workers/rewards/process.py CHILD_GUARDS).
 _ENV_CHILD = r'''
 import io, math
 # The protocol gets file descriptors of its own; fd 1 then points where stderr does (nowhere),

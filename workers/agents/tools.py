@@ -258,7 +258,7 @@ def _run_calculator(arguments: dict[str, Any], limits: Limits) -> tuple[str, Opt
 
 
 # -- python ------------------------------------------------------------------------------
-# After the sandbox's guards (workers/rewards/sandbox.py CHILD_GUARDS): run the code as a
+# After the sandbox's guards (workers/rewards/process.py CHILD_GUARDS): run the code as a
 # script, printing a last bare expression's value as a REPL does; on an exception print the
 # traceback (the code's own frames, with their lines) and exit 1 (3 for memory).
 _PYTHON_CHILD = r'''

@@ -313,7 +313,8 @@ def build_zoo_model(arch: str, out_dir, *, steps: int | None = None, seed: int =
     return out
 
 
-def _zoo_cache_is_good(out: Path, recipe: dict) -> bool:
+def cache_is_good(out: Path, recipe: dict) -> bool:
+    """Whether a cached zoo folder holds a model of ``recipe`` whose files match its manifest."""
     if not (out / MANIFEST).exists():
         return False
     try:
@@ -324,12 +325,12 @@ def _zoo_cache_is_good(out: Path, recipe: dict) -> bool:
     return manifest.get("recipe") == recipe
 
 
-def shipped_zoo_model(arch: str, recipe: dict) -> Path | None:
-    """The warm start of ``arch`` shipped with the project (``workers/assets/zoo-<arch>``,
-    about 3 MB each), if it was built from ``recipe``. Shipped for the tiny model's reason:
-    the same recipe trained on another CPU is another model (its starting accuracy moves by
-    several points), and building the three takes minutes of every fresh install's tests."""
-    folder = ASSETS / f"zoo-{arch}"
+def shipped_model(name: str, recipe: dict) -> Path | None:
+    """The warm start ``name`` shipped with the project (``workers/assets/zoo-<name>``, about
+    3 MB each), if it was built from ``recipe``. Shipped for the tiny model's reason: the
+    same recipe trained on another CPU is another model (its starting accuracy moves by
+    several points), and building them takes minutes of every fresh install's tests."""
+    folder = ASSETS / f"zoo-{name}"
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -337,24 +338,33 @@ def shipped_zoo_model(arch: str, recipe: dict) -> Path | None:
     return folder if manifest.get("recipe") == recipe else None
 
 
-def ensure_zoo_model(arch: str, root: str | os.PathLike | None = None, *, steps: int | None = None, seed: int = 0,
-                     progress: bool = False) -> Path:
-    """The folder of the zoo model ``arch`` under ``$FLUXRL_MODEL_CACHE`` (or ``root``) as
-    ``zoo-<arch>-<recipe id>``: the shipped warm start for the default recipe (checked
-    against its SHA-256), else built once; concurrent callers wait for one builder, and a
-    damaged cache is replaced."""
-    recipe = zoo_recipe(arch, steps, seed)
-    out = Path(root or default_cache()) / f"zoo-{arch}-{recipe_id(recipe)}"
-    if _zoo_cache_is_good(out, recipe):
+def shipped_zoo_model(arch: str, recipe: dict) -> Path | None:
+    return shipped_model(arch, recipe)
+
+
+def ensure_built(name: str, recipe: dict, root: str | os.PathLike | None, build_here) -> Path:
+    """The folder ``zoo-<name>-<recipe id>`` under ``$FLUXRL_MODEL_CACHE`` (or ``root``): the
+    shipped warm start for ``recipe`` (checked against its SHA-256), else ``build_here(staging)``
+    once; concurrent callers wait for one builder, and a damaged cache is replaced."""
+    out = Path(root or default_cache()) / f"zoo-{name}-{recipe_id(recipe)}"
+    if cache_is_good(out, recipe):
         return out
-    shipped = shipped_zoo_model(arch, recipe)
+    shipped = shipped_model(name, recipe)
 
     def build(staging: Path) -> None:
         if shipped is not None:
             shutil.copytree(shipped, staging)
             verify_model_folder(staging, MANIFEST)  # a damaged copy is refused, never installed
-            logger.info("%s: shipped warm start -> %s", arch, out)
+            logger.info("%s: shipped warm start -> %s", name, out)
         else:
-            build_zoo_model(arch, staging, steps=steps, seed=seed, progress=progress)
+            build_here(staging)
 
-    return install_folder(out, build, lambda: _zoo_cache_is_good(out, recipe))
+    return install_folder(out, build, lambda: cache_is_good(out, recipe))
+
+
+def ensure_zoo_model(arch: str, root: str | os.PathLike | None = None, *, steps: int | None = None, seed: int = 0,
+                     progress: bool = False) -> Path:
+    """The folder of the zoo model ``arch`` under ``$FLUXRL_MODEL_CACHE`` (or ``root``) as
+    ``zoo-<arch>-<recipe id>`` (``ensure_built``)."""
+    return ensure_built(arch, zoo_recipe(arch, steps, seed), root,
+                        lambda staging: build_zoo_model(arch, staging, steps=steps, seed=seed, progress=progress))

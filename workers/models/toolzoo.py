@@ -38,7 +38,6 @@ import operator
 import os
 import random
 import re
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,8 +46,7 @@ import torch
 
 from workers.models import modelzoo, zoo_data, zoo_tokenizers
 from workers.tasks.datasets import tool_arith_prompt
-from workers.models.tinymodel import WEIGHTS, _cpu_model, default_cache, file_sha256, install_folder, recipe_id, \
-    sft_lr_factor, verify_model_folder
+from workers.models.tinymodel import WEIGHTS, _cpu_model, file_sha256, sft_lr_factor
 
 logger = logging.getLogger(__name__)
 
@@ -453,46 +451,16 @@ def build_tool_model(out_dir, *, steps: int | None = None, seed: int = 0, progre
     return out
 
 
-def _cache_is_good(out: Path, recipe: dict) -> bool:
-    if not (out / MANIFEST).exists():
-        return False
-    try:
-        manifest = verify_model_folder(out, MANIFEST)
-    except (RuntimeError, ValueError, OSError) as exc:
-        logger.warning("tool model cache %s is damaged (%s): rebuilding it", out, exc)
-        return False
-    return manifest.get("recipe") == recipe
-
-
 def shipped_tool_model(recipe: dict) -> Path | None:
     """The warm start shipped with the project (``workers/assets/zoo-qwen2-tools``), if it was
-    built from ``recipe``: the zoo's reason (the same recipe on another CPU is another model)."""
-    folder = modelzoo.ASSETS / f"zoo-{NAME}"
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    return folder if manifest.get("recipe") == recipe else None
+    built from ``recipe`` (modelzoo.shipped_model)."""
+    return modelzoo.shipped_model(NAME, recipe)
 
 
 def ensure_tool_model(root: str | os.PathLike | None = None, *, steps: int | None = None, seed: int = 0,
                       progress: bool = False) -> Path:
     """The folder of the tool model under ``$FLUXRL_MODEL_CACHE`` (or ``root``) as
-    ``zoo-qwen2-tools-<recipe id>``: the shipped warm start for the default recipe (checked
-    against its SHA-256), else built once (a few CPU minutes); concurrent callers wait for
-    one builder, and a damaged cache is replaced."""
-    recipe = tool_recipe(steps, seed)
-    out = Path(root or default_cache()) / f"zoo-{NAME}-{recipe_id(recipe)}"
-    if _cache_is_good(out, recipe):
-        return out
-    shipped = shipped_tool_model(recipe)
-
-    def build(staging: Path) -> None:
-        if shipped is not None:
-            shutil.copytree(shipped, staging)
-            verify_model_folder(staging, MANIFEST)  # a damaged copy is refused, never installed
-            logger.info("%s: shipped warm start -> %s", NAME, out)
-        else:
-            build_tool_model(staging, steps=steps, seed=seed, progress=progress)
-
-    return install_folder(out, build, lambda: _cache_is_good(out, recipe))
+    ``zoo-qwen2-tools-<recipe id>``: the shipped warm start for the default recipe, else built
+    once (a few CPU minutes; modelzoo.ensure_built)."""
+    return modelzoo.ensure_built(NAME, tool_recipe(steps, seed), root,
+                                 lambda staging: build_tool_model(staging, steps=steps, seed=seed, progress=progress))

@@ -1,6 +1,6 @@
 """A child process inside the reward sandbox's operating-system boundary, for any program.
 
-The boundary is workers/rewards/sandbox.py's: bubblewrap namespaces, a uid leased from the
+The boundary is workers/rewards/sandbox_boundary.py's: bubblewrap namespaces, a uid leased from the
 pool, the seccomp filters (no fork, no execve once Python runs), rlimits, and the audit
 hook of ``CHILD_GUARDS``, which every program here runs first. What differs between users
 is the program after the guards and how its output is read: the agents' environments
@@ -20,9 +20,82 @@ import tempfile
 import time
 from typing import Optional
 
-from workers.rewards.sandbox import CHILD_GUARDS
 from workers.rewards.sandbox_boundary import (CHILD_ENV, SANDBOX_UID, SandboxUnavailable, UidLease, boundary, lease_uid,
                                               limit_child, seccomp_fd)
+
+
+# The guards every sandboxed child runs first (reward code here; environments and the Python
+# tool in workers/agents): reads the first JSON line (``code``, ``exec_filter``, ``where``: the
+# words naming the code in refusals), loads the exec filter and installs the audit hook.
+# ``out`` is the protocol stream, ``first`` the first message.
+CHILD_GUARDS = r'''
+import json, os, sys, traceback
+out = sys.stdout
+def reply(**kw):
+    out.write(json.dumps(kw) + "\n"); out.flush()
+workdir = os.getcwd()
+allowed_read = tuple({os.path.realpath(p) for p in sys.path if p} | {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix), workdir})
+import math, re, random, statistics, string, collections, functools, itertools, fractions, decimal  # preload common stdlib
+BLOCK = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
+         "os.kill", "os.killpg", "os.putenv", "os.unsetenv", "ctypes.", "os.chdir", "os.remove", "os.rename",
+         "os.rmdir", "os.symlink", "os.link", "shutil.rmtree", "pty.spawn", "resource.setrlimit",
+         "os.setuid", "os.chmod", "os.chown", "fcntl.")
+# _posixsubprocess.fork_exec starts a process without any audit event; ctypes calls anything.
+BLOCK_IMPORT = {"_posixsubprocess", "_ctypes", "ctypes", "_xxsubinterpreters", "_posixshmem"}
+# Events whose first argument is a path that the call changes / reads (an fd was opened through "open").
+PATH_WRITE = {"os.mkdir", "os.truncate", "os.utime", "os.setxattr", "os.removexattr", "os.chflags", "os.lockf"}
+PATH_READ = {"os.listdir", "os.scandir", "os.getxattr", "os.listxattr"}
+def real_path(path):
+    return None if path is None or isinstance(path, int) else os.path.realpath(os.fsdecode(path))
+def hook(event, args):
+    if event.startswith(BLOCK):
+        raise PermissionError(f"sandbox: {event} is not allowed in {WHERE}")
+    if event == "import" and args[0] in BLOCK_IMPORT:
+        raise ImportError(f"sandbox: importing {args[0]} is not allowed in {WHERE}")  # ImportError: optional imports degrade
+    if event in PATH_WRITE:
+        real = real_path(args[0])
+        # dir_fd (args[-1] of mkdir and utime) would make a relative path land elsewhere
+        if (real is not None and not real.startswith(workdir + os.sep)) or (event in ("os.mkdir", "os.utime") and args[-1] not in (None, -1)):
+            raise PermissionError(f"sandbox: {event} outside the working folder is not allowed")
+    if event in PATH_READ:
+        real = real_path(args[0] if args else ".")
+        if real is not None and not real.startswith(allowed_read):
+            raise PermissionError(f"sandbox: listing {real} is not allowed")
+    if event == "open":
+        path, mode, flags = args
+        if isinstance(path, int):
+            return
+        real = os.path.realpath(os.fsdecode(path))
+        writing = (mode and any(c in str(mode) for c in "wax+")) or (isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR))
+        if writing and not real.startswith(workdir + os.sep):
+            raise PermissionError(f"sandbox: writing {real} is not allowed")
+        if not writing and not real.startswith(allowed_read):
+            raise PermissionError(f"sandbox: reading {real} is not allowed")
+        # A directory fd outside the folder would let os.open(..., dir_fd=fd) write there
+        # (the "open" event does not carry dir_fd).
+        if os.path.isdir(real) and real != workdir and not real.startswith(workdir + os.sep):
+            raise PermissionError(f"sandbox: opening the folder {real} is not allowed")
+first = json.loads(sys.stdin.readline())
+code, WHERE = first["code"], first.get("where", "reward code")
+if first.get("exec_filter"):
+    # The second seccomp filter (no execve), loaded now that the interpreter is running.
+    import ctypes
+    program = ctypes.create_string_buffer(bytes.fromhex(first["exec_filter"]))
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    fprog = SockFprog(len(program.raw) // 8, ctypes.addressof(program))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:  # NO_NEW_PRIVS, SECCOMP filter
+        reply(ok=False, error=f"sandbox: could not load the exec filter (errno {ctypes.get_errno()})"); sys.exit(0)
+    del libc, fprog, program, SockFprog
+    for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
+        del sys.modules[name]
+    del ctypes
+for name in ("mkfifo", "mknod"):  # no audit event for these: take them away
+    for module in (os, sys.modules["posix"]):
+        module.__dict__.pop(name, None)
+sys.addaudithook(hook)
+'''
 
 
 class ChildTimeout(Exception):
@@ -50,6 +123,11 @@ class SandboxedChild:
         self._dir: Optional[str] = None
         self._lease: Optional[UidLease] = None
         self._buf = b""
+
+    @property
+    def uid(self) -> Optional[int]:
+        """The uid leased for the child (None without the OS boundary)."""
+        return self._lease.uid if self._lease is not None else None
 
     @property
     def alive(self) -> bool:
@@ -200,4 +278,4 @@ class SandboxedChild:
         return f"exit code {rc}"
 
 
-__all__ = ["ChildDied", "ChildFlood", "ChildTimeout", "SandboxUnavailable", "SandboxedChild"]
+__all__ = ["CHILD_GUARDS", "ChildDied", "ChildFlood", "ChildTimeout", "SandboxUnavailable", "SandboxedChild"]

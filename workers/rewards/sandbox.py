@@ -30,95 +30,15 @@ audit hook); the dashboard then shows a warning on every page.
 """
 from __future__ import annotations
 
-import json
-import os
-import select
-import shutil
-import signal
-import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from workers.rewards.sandbox_boundary import (CHILD_ENV, SANDBOX_UID, SandboxUnavailable, UidLease, boundary, lease_uid,
-                                              limit_child, seccomp_fd)
+from workers.rewards.process import ChildDied, ChildFlood, ChildTimeout, SandboxedChild
+from workers.rewards.sandbox_boundary import SandboxUnavailable
 
-# The guards every sandboxed child runs first (reward code here; environments and the Python
-# tool in workers/agents): reads the first JSON line (``code``, ``exec_filter``, ``where``: the
-# words naming the code in refusals), loads the exec filter and installs the audit hook.
-# ``out`` is the protocol stream, ``first`` the first message.
-CHILD_GUARDS = r'''
-import json, os, sys, traceback
-out = sys.stdout
-def reply(**kw):
-    out.write(json.dumps(kw) + "\n"); out.flush()
-workdir = os.getcwd()
-allowed_read = tuple({os.path.realpath(p) for p in sys.path if p} | {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix), workdir})
-import math, re, random, statistics, string, collections, functools, itertools, fractions, decimal  # preload common stdlib
-BLOCK = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-         "os.kill", "os.killpg", "os.putenv", "os.unsetenv", "ctypes.", "os.chdir", "os.remove", "os.rename",
-         "os.rmdir", "os.symlink", "os.link", "shutil.rmtree", "pty.spawn", "resource.setrlimit",
-         "os.setuid", "os.chmod", "os.chown", "fcntl.")
-# _posixsubprocess.fork_exec starts a process without any audit event; ctypes calls anything.
-BLOCK_IMPORT = {"_posixsubprocess", "_ctypes", "ctypes", "_xxsubinterpreters", "_posixshmem"}
-# Events whose first argument is a path that the call changes / reads (an fd was opened through "open").
-PATH_WRITE = {"os.mkdir", "os.truncate", "os.utime", "os.setxattr", "os.removexattr", "os.chflags", "os.lockf"}
-PATH_READ = {"os.listdir", "os.scandir", "os.getxattr", "os.listxattr"}
-def real_path(path):
-    return None if path is None or isinstance(path, int) else os.path.realpath(os.fsdecode(path))
-def hook(event, args):
-    if event.startswith(BLOCK):
-        raise PermissionError(f"sandbox: {event} is not allowed in {WHERE}")
-    if event == "import" and args[0] in BLOCK_IMPORT:
-        raise ImportError(f"sandbox: importing {args[0]} is not allowed in {WHERE}")  # ImportError: optional imports degrade
-    if event in PATH_WRITE:
-        real = real_path(args[0])
-        # dir_fd (args[-1] of mkdir and utime) would make a relative path land elsewhere
-        if (real is not None and not real.startswith(workdir + os.sep)) or (event in ("os.mkdir", "os.utime") and args[-1] not in (None, -1)):
-            raise PermissionError(f"sandbox: {event} outside the working folder is not allowed")
-    if event in PATH_READ:
-        real = real_path(args[0] if args else ".")
-        if real is not None and not real.startswith(allowed_read):
-            raise PermissionError(f"sandbox: listing {real} is not allowed")
-    if event == "open":
-        path, mode, flags = args
-        if isinstance(path, int):
-            return
-        real = os.path.realpath(os.fsdecode(path))
-        writing = (mode and any(c in str(mode) for c in "wax+")) or (isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR))
-        if writing and not real.startswith(workdir + os.sep):
-            raise PermissionError(f"sandbox: writing {real} is not allowed")
-        if not writing and not real.startswith(allowed_read):
-            raise PermissionError(f"sandbox: reading {real} is not allowed")
-        # A directory fd outside the folder would let os.open(..., dir_fd=fd) write there
-        # (the "open" event does not carry dir_fd).
-        if os.path.isdir(real) and real != workdir and not real.startswith(workdir + os.sep):
-            raise PermissionError(f"sandbox: opening the folder {real} is not allowed")
-first = json.loads(sys.stdin.readline())
-code, WHERE = first["code"], first.get("where", "reward code")
-if first.get("exec_filter"):
-    # The second seccomp filter (no execve), loaded now that the interpreter is running.
-    import ctypes
-    program = ctypes.create_string_buffer(bytes.fromhex(first["exec_filter"]))
-    class SockFprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-    fprog = SockFprog(len(program.raw) // 8, ctypes.addressof(program))
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:  # NO_NEW_PRIVS, SECCOMP filter
-        reply(ok=False, error=f"sandbox: could not load the exec filter (errno {ctypes.get_errno()})"); sys.exit(0)
-    del libc, fprog, program, SockFprog
-    for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
-        del sys.modules[name]
-    del ctypes
-for name in ("mkfifo", "mknod"):  # no audit event for these: take them away
-    for module in (os, sys.modules["posix"]):
-        module.__dict__.pop(name, None)
-sys.addaudithook(hook)
-'''
-
-# Executed by the reward child interpreter: the guards, then one JSON request per line.
-_CHILD = CHILD_GUARDS + r'''
+# Executed by the reward child interpreter after the guards (process.py): one JSON request per line.
+_CHILD = r'''
 sys.stdout = sys.stderr  # user prints must not corrupt the protocol
 ns = {"__name__": "reward_module"}
 try:
@@ -159,74 +79,39 @@ class RewardResult:
 class RewardSandbox:
     """One long-lived child per reward function; restarted after a timeout or crash."""
 
+    REPLY_BYTES = 1 << 20  # a reward reply is a number or an error message: a longer line is not the protocol
+
     def __init__(self, code: str, timeout_s: float = 2.0, memory_mb: int = 512, cpu_s: int = 120):
         self.code, self.timeout_s, self.memory_mb, self.cpu_s = code, timeout_s, memory_mb, cpu_s
-        self._proc: Optional[subprocess.Popen] = None
-        self._dir: Optional[str] = None
-        self._lease: Optional[UidLease] = None  # the uid this sandbox runs as (OS boundary only)
-        self._buf = b""
+        self._child: Optional[SandboxedChild] = None
+
+    @property
+    def uid(self) -> Optional[int]:
+        """The uid this sandbox runs as (leased for its lifetime; None without the OS boundary)."""
+        return self._child.uid if self._child is not None else None
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> None:
         self.close()
+        child = SandboxedChild(_CHILD, memory_mb=self.memory_mb, cpu_s=self.cpu_s)
         try:
-            where = boundary()
+            child.start({"code": self.code})
         except SandboxUnavailable as exc:
+            child.close()
             raise RewardCodeError(str(exc)) from None
-        unsafe = where.kind != "bwrap"
-        env, cwd, pass_fds = dict(CHILD_ENV), None, ()
-        if unsafe:
-            self._dir = tempfile.mkdtemp(prefix="fluxrl-reward-")
-            env.update(HOME=self._dir, TMPDIR=self._dir)
-            cwd = self._dir
-        if not unsafe:
-            try:
-                self._lease = lease_uid()
-            except SandboxUnavailable as exc:
-                raise RewardCodeError(str(exc)) from None
-        filter_fd = seccomp_fd(where.filters[0]) if not unsafe else -1
-        try:
-            if not unsafe:
-                pass_fds = (filter_fd,)
-            self._proc = subprocess.Popen(
-                where.argv(filter_fd, self._lease.uid if self._lease else SANDBOX_UID) + ["-c", _CHILD],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                cwd=cwd, env=env, close_fds=True, pass_fds=pass_fds,
-                preexec_fn=lambda: limit_child(self.memory_mb, self.cpu_s, unsafe),
-            )
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            if filter_fd >= 0:
-                os.close(filter_fd)
-        self._buf = b""
-        self._send({"code": self.code, "exec_filter": where.filters[1].hex()})
+        except ChildDied:
+            pass  # gone before it read its code: the reply below is missing, and says so
+        self._child = child
         reply = self._recv(max(self.timeout_s, 10.0))
         if reply is None or not reply.get("ok"):
-            err = (reply or {}).get("error") or f"reward process did not start ({self._exit_text()})"
+            err = (reply or {}).get("error") or f"reward process did not start ({child.exit_text()})"
             self.close()
             raise RewardCodeError(err)
 
     def close(self) -> None:
-        if self._proc is not None:
-            try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            self._proc.wait()
-            for f in (self._proc.stdin, self._proc.stdout):
-                try:
-                    f.close()
-                except Exception:
-                    pass
-            self._proc = None
-        if self._lease is not None:  # after the wait: the uid's processes are gone (lease_uid checks too)
-            self._lease.release()
-            self._lease = None
-        if self._dir:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        if self._child is not None:
+            self._child.close()
+            self._child = None
 
     def __enter__(self):
         self.start()
@@ -238,59 +123,33 @@ class RewardSandbox:
     # -- scoring ---------------------------------------------------------------
     def score(self, prompt: str, completion: str, fields: Optional[dict[str, Any]] = None) -> RewardResult:
         t0 = time.perf_counter()
-        if self._proc is None or self._proc.poll() is not None:
+        if self._child is None or not self._child.alive:
             self.start()
+        assert self._child is not None
         try:
-            self._send({"prompt": prompt, "completion": completion, "fields": fields or {}})
-        except (BrokenPipeError, OSError):
+            self._child.send({"prompt": prompt, "completion": completion, "fields": fields or {}})
+        except ChildDied:
             reply = None
         else:
             reply = self._recv(self.timeout_s)
         ms = (time.perf_counter() - t0) * 1000
         if reply is None:
-            alive = self._proc is not None and self._proc.poll() is None
-            why = f"timed out after {self.timeout_s:g}s" if alive else f"reward process died ({self._exit_text()})"
+            alive = self._child is not None and self._child.alive
+            why = (f"timed out after {self.timeout_s:g}s" if alive
+                   else f"reward process died ({self._child.exit_text() if self._child else 'not running'})")
             self.close()  # next call restarts a clean child
             return RewardResult(None, why, ms)
         if reply.get("ok"):
             return RewardResult(reply["reward"], None, ms)
         return RewardResult(None, reply.get("error", "unknown error"), ms)
 
-    # -- pipe protocol ----------------------------------------------------------
-    def _send(self, obj: dict) -> None:
-        assert self._proc and self._proc.stdin
-        self._proc.stdin.write((json.dumps(obj) + "\n").encode())
-        self._proc.stdin.flush()
-
     def _recv(self, timeout: float) -> Optional[dict]:
-        assert self._proc and self._proc.stdout
-        deadline = time.monotonic() + timeout
-        fd = self._proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            ready, _, _ = select.select([fd], [], [], left)
-            if not ready:
-                return None
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return None
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
-
-    def _exit_text(self) -> str:
-        if self._proc is None:
-            return "not running"
-        rc = self._proc.poll()
-        if rc is None:
-            return "still running"
-        if rc < 0:
-            name = signal.Signals(-rc).name
-            hint = " (CPU time limit)" if name == "SIGXCPU" else " (killed, likely its memory limit)" if name == "SIGKILL" else ""
-            return f"signal {name}{hint}"
-        return f"exit code {rc}"
+        """The child's next reply, or None: no reply in time, or the child is gone."""
+        assert self._child is not None
+        try:
+            return self._child.recv(timeout, self.REPLY_BYTES)
+        except (ChildTimeout, ChildDied, ChildFlood):
+            return None
 
 
 def try_reward(code: str, rows: list[dict], timeout_s: float = 2.0, memory_mb: int = 256) -> dict:

@@ -88,7 +88,7 @@ def test_code_may_write_read_and_list_inside_its_own_folder_which_goes_away():
     code = ("def reward(prompt, completion, **fields):\n    import os\n    os.makedirs('sub', exist_ok=True)\n"
             "    open('sub/a.txt', 'w').write('hi')\n    return float(len(open('sub/a.txt').read()) + len(os.listdir('.')))\n")
     with RewardSandbox(code) as box:
-        folder = box._dir  # None under the OS sandbox: the folder is a tmpfs inside it
+        folder = box._child._dir  # None under the OS sandbox: the folder is a tmpfs inside it
         result = box.score("p", "c")
     assert (result.reward, result.error) == (3.0, None)
     assert folder is None or not os.path.exists(folder)

@@ -66,13 +66,13 @@ def test_a_sandbox_holding_its_process_limit_does_not_stop_another_from_starting
         for hog in hogs:
             started = hog.score("p", "c")
             assert started.error is None and started.reward == MAX_PROCESSES - 1, started  # + its main thread
-            assert tasks_of(hog._lease.uid) == MAX_PROCESSES  # held at the limit while the sandbox lives
+            assert tasks_of(hog.uid) == MAX_PROCESSES  # held at the limit while the sandbox lives
         # Two sandboxes at the limit: with one shared uid, a third could not even start.
         with RewardSandbox(WHO, timeout_s=5) as other:
             result = other.score("p", "c")
             assert result.error is None, result
-            assert result.reward == other._lease.uid
-            assert int(result.reward) not in {hog._lease.uid for hog in hogs}
+            assert result.reward == other.uid
+            assert int(result.reward) not in {hog.uid for hog in hogs}
     finally:
         for hog in hogs:
             hog.close()
