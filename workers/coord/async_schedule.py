@@ -5,10 +5,12 @@ then pushes its weights into the running engines (``rollout.update_mode``)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from typing import Optional
 
 from workers.agents.episode import oldest_trained_version
 from workers.coord.generation import Group
+from workers.coord.schedule_parts import ScheduleParts
 from workers.coord.scheduling import DispatchWindow
 
 
@@ -45,9 +47,10 @@ class AsyncSchedule:
       the look-ahead window are saved as rows to redo; a resumed run generates them first.
     - A group whose generation or scoring raises fails the run (``Controller.run`` raises it).
 
-    ``run``: the Controller (rows, fleet, gate, trainer, training step, checkpoints, stop)."""
+    ``run``: the run's parts it works with (rows, fleet, gate, trainer work, training
+    step, checkpoints, stop, result; schedule_parts.py)."""
 
-    def __init__(self, run):
+    def __init__(self, run: ScheduleParts):
         self.run = run
         self.ready: asyncio.Queue[Group] = asyncio.Queue()  # finished groups, in the order they finished
         self.stash: list[Group] = []  # finished groups taken off the queue, not batched yet
@@ -57,23 +60,23 @@ class AsyncSchedule:
         self.pending: set[asyncio.Task] = set()  # groups generating
         self.task_rows: dict[asyncio.Task, dict] = {}
         self.counter = 0  # groups started
-        self.rows = None
+        self.rows: Iterator[dict] = iter(())  # the run's rows, from run_steps on
 
     def queue_depth(self) -> int:
         return self.ready.qsize()
 
     async def run_steps(self, t_start: float) -> None:
         run = self.run
-        spec, self.rows = run.spec, run._rows()
+        spec, self.rows = run.spec, run.rows
         producer = asyncio.create_task(self._admit())
         try:
             for step in range(run.checkpoints.first_step, spec.stop.max_steps + 1):
-                if run._out_of_time(t_start):
+                if run.out_of_time(t_start):
                     break
                 batch = await self._batch(t_start)
                 if len(batch) < spec.schedule.batch_prompts:
                     break
-                await run._train_on(batch, step, t_start)
+                await run.train_on(batch, step, t_start)
                 self.wake.set()
                 if run.checkpoints.due(step) or run.checkpoints.requested:
                     await run.checkpoints.after_step(step, t_start, self._unfinished())
@@ -105,7 +108,7 @@ class AsyncSchedule:
         try:
             run.fleet.live_engine()  # fails clearly if every engine is dead
         except RuntimeError as exc:
-            run._fail(exc)
+            run.fail(exc)
             return False
         # aging: longest_first alone would let a predicted-short row wait forever behind longer newcomers
         plan = run.fleet.plan_indexed(list(self.waiting.rows), self.waiting.overdue(), limit=free)
@@ -125,8 +128,9 @@ class AsyncSchedule:
         self.pending.discard(task)
         self.task_rows.pop(task, None)
         self.run.gate.finish(accepted=not task.cancelled() and task.exception() is None)
-        if not task.cancelled() and task.exception() is not None:
-            self.run._fail(task.exception())
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            self.run.fail(error)
         elif not task.cancelled():
             self.ready.put_nowait(task.result())
         self.wake.set()
@@ -149,7 +153,7 @@ class AsyncSchedule:
                 batch.append(group)
                 continue
             self._drop(reason)
-            if reason == "uniform" and run._out_of_time(t_start):
+            if reason == "uniform" and run.out_of_time(t_start):
                 break
         return batch
 
@@ -173,7 +177,7 @@ class AsyncSchedule:
         """Why a finished group is not trained on: "stale" (it would break the staleness
         bound) or "uniform" (DAPO's dynamic sampling); None to train on it."""
         spec = self.run.spec
-        if self.run.trainer.version - group_oldest_version(group) > spec.schedule.max_staleness:
+        if self.run.work.trainer.version - group_oldest_version(group) > spec.schedule.max_staleness:
             return "stale"
         if spec.algorithm.drop_uniform_groups and len({s.reward for s in group.samples}) == 1:
             # equal rewards give every sample a zero advantage, so the group would only thin

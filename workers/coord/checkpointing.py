@@ -13,11 +13,18 @@ import logging
 import pickle
 import random
 import time
-from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
+from workers.coord.generation import Fleet
+from workers.coord.length_ranker import LengthRanker
+from workers.coord.rows import RowSource
+from workers.coord.step_metrics import RunResult
+from workers.coord.trainer_work import TrainerWork
 from workers.io.checkpoint import CheckpointInfo, IncompleteCheckpoint, require_trainer_shards, save_checkpoint
-from workers.spec import model_dtype
+from workers.spec import RunSpec, model_dtype
 from workers.weights.files import WeightFile, iter_weight_file
 from workers.weights.sync import combine_digests, legacy_tensors_checksum, tensor_digest, tensors_checksum
 
@@ -47,14 +54,33 @@ def numpy_rng_tuple(state: list) -> tuple:
     return (name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
 
 
+@dataclass
+class CheckpointParts:
+    """What a checkpoint holds and where it goes: the run's spec, folder (``out``),
+    totals (``result``) and stop event; its data position and RNG (``rows``), length
+    ranker, trainer and trainer time (``work``), generation time so far (``gen_busy()``),
+    the engines (``fleet``, checked on resume), the checkpoint resumed from (``resume``)
+    and ``on_checkpoint(step, version, path)``, called after each save."""
+    spec: RunSpec
+    out: Path
+    result: RunResult
+    stop: asyncio.Event
+    rows: RowSource
+    ranker: LengthRanker
+    work: TrainerWork
+    gen_busy: Callable[[], float]
+    fleet: Fleet
+    resume: Optional[CheckpointInfo] = None
+    on_checkpoint: Optional[Callable[[int, int, str], None]] = None
+
+
 class Checkpointer:
-    """Checkpoints of one run (``run``: the Controller, whose data position, RNG, result,
-    ranker, trainer and times a checkpoint holds).
+    """Checkpoints of one run (``run``: the parts a checkpoint holds, ``CheckpointParts``).
 
     ``first_step``: the first step this process trains (after a restored checkpoint's);
     ``seconds_before`` and ``gen_busy_before``: training and generation time before it."""
 
-    def __init__(self, run):
+    def __init__(self, run: CheckpointParts):
         self.run = run
         self.requested = False  # request_stop (SIGTERM): save after the step in progress, then stop
         self.first_step = 1
@@ -87,8 +113,8 @@ class Checkpointer:
 
         # Everything captured now, in the loop's thread: generation goes on while the
         # files are written.
-        trainer = run.trainer
-        state = run._controller_state(step, trainer.version, time.time() - t_start, unfinished)
+        trainer = run.work.trainer
+        state = self.state(step, trainer.version, time.time() - t_start, unfinished)
 
         def write(folder: Path) -> None:
             trainer.save_state(str(folder / "trainer"))
@@ -124,16 +150,15 @@ class Checkpointer:
         r = run.result
         return {
             "step": step, "version": version,
-            "rows": {"order": list(run._row_order), "pos": run._row_pos,
-                     "redo": list(unfinished) + list(run._redo)},
-            "rng": {"controller": plain_rng(run._rng.getstate()), "python": plain_rng(random.getstate()),
+            "rows": run.rows.state(unfinished),
+            "rng": {"controller": plain_rng(run.rows.rng.getstate()), "python": plain_rng(random.getstate()),
                     "numpy": plain_numpy_rng(np.random.get_state()), "torch": torch.get_rng_state()},
             "result": {"steps": r.steps, "trained_samples": r.trained_samples, "trained_tokens": r.trained_tokens,
                        "staleness_max": r.staleness_max, "dropped_stale": r.dropped_stale,
                        "dropped_uniform": r.dropped_uniform, "trained_groups": r.trained_groups,
                        "accuracy_before": r.accuracy_before},
-            "seconds": seconds, "trainer_busy_s": run.trainer_busy_s,
-            "gen_busy_s": run.metrics.gen_busy() - run.metrics.busy_before,
+            "seconds": seconds, "trainer_busy_s": run.work.busy_s,
+            "gen_busy_s": run.gen_busy(),
             # plain data copied here, on the loop: pickling the ranker object in the writer
             # thread while the loop goes on learning fails ("deque mutated during iteration")
             "ranker": run.ranker.state_dict(),
@@ -141,7 +166,7 @@ class Checkpointer:
 
     def require_trainer_state(self, folder: Path) -> None:
         """Every file of the trainer's state in ``folder``, or ``IncompleteCheckpoint``."""
-        missing_files = getattr(self.run.trainer, "missing_state_files", None)  # the pipeline trainer's own
+        missing_files = getattr(self.run.work.trainer, "missing_state_files", None)  # the pipeline trainer's own
         if missing_files is None:
             require_trainer_shards(folder, *self.trainer_world())
         elif missing := missing_files(str(folder)):
@@ -150,14 +175,14 @@ class Checkpointer:
     def trainer_world(self) -> tuple[int, int, bool]:
         """(data-parallel ranks, ZeRO stage, bf16): what names the trainer's checkpoint files."""
         spec = self.run.spec
-        return getattr(self.run.trainer, "world", 1), spec.trainer.zero_stage, model_dtype(spec) == "bfloat16"
+        return getattr(self.run.work.trainer, "world", 1), spec.trainer.zero_stage, model_dtype(spec) == "bfloat16"
 
     def restore(self, info: CheckpointInfo) -> None:
         """Trainer (weights, optimiser, version) and controller state from a checkpoint."""
         import torch
 
         self.require_trainer_state(info.path / "trainer")  # refused, not half-loaded
-        self.run.trainer.load_state(str(info.path / "trainer"))
+        self.run.work.trainer.load_state(str(info.path / "trainer"))
         # Plain tensors, lists, dicts, numbers and strings only: nothing in a checkpoint
         # folder runs code when loaded.
         try:
@@ -165,7 +190,7 @@ class Checkpointer:
         except pickle.UnpicklingError as exc:
             raise RuntimeError(f"{info.path / 'state.pt'} holds pickled objects (a checkpoint of an older FluxRL) "
                                f"and is not loaded: start the run again without --resume ({exc})") from None
-        self.run._load_controller_state(state)
+        self.load_state(state)
 
     def load_state(self, state: dict) -> None:
         """The controller state a checkpoint saved (``state``), restored into the run."""
@@ -173,9 +198,8 @@ class Checkpointer:
         import torch
 
         run = self.run
-        run._row_order, run._row_pos = list(state["rows"]["order"]), state["rows"]["pos"]
-        run._redo = deque(state["rows"]["redo"])
-        run._rng.setstate(rng_tuple(state["rng"]["controller"]))
+        run.rows.load_state(state["rows"])
+        run.rows.rng.setstate(rng_tuple(state["rng"]["controller"]))
         random.setstate(rng_tuple(state["rng"]["python"]))
         np.random.set_state(numpy_rng_tuple(state["rng"]["numpy"]))
         torch.set_rng_state(state["rng"]["torch"])
@@ -184,7 +208,7 @@ class Checkpointer:
         run.ranker.load_state_dict(state["ranker"])
         self.first_step = state["step"] + 1
         self.seconds_before = state["seconds"]
-        run.trainer_busy_s = state["trainer_busy_s"]
+        run.work.busy_s = state["trainer_busy_s"]
         self.gen_busy_before = state["gen_busy_s"]
 
     async def note_resume(self, weights: WeightFile) -> None:
@@ -203,13 +227,13 @@ class Checkpointer:
             recorded, trainer = info.meta.get("weights_sha256"), legacy_tensors_checksum(load_file(weights.path))
         else:
             trainer = loaded
-        record = {"from_step": info.step, "version": run.trainer.version, "checkpoint": str(info.path),
+        record = {"from_step": info.step, "version": run.work.trainer.version, "checkpoint": str(info.path),
                   "checkpoint_sha256": recorded, "trainer_sha256": trainer,
                   "engine_sha256": engines, "resumed_at": time.time()}
         (run.out / "resume.json").write_text(json.dumps(record, indent=2))
         same = trainer == recorded and all(e == loaded for e in engines)
         logger.log(logging.INFO if same else logging.WARNING,
                    "resuming from %s (step %d, policy version %d); weights %s", info.path, info.step,
-                   run.trainer.version, "match the checkpoint" if same else "DIFFER from the checkpoint")
+                   run.work.trainer.version, "match the checkpoint" if same else "DIFFER from the checkpoint")
         if not same:
             raise RuntimeError(f"the weights loaded from {info.path} do not match its checksum")

@@ -9,9 +9,11 @@
   interrupt, drain).
 
 The Controller owns the parts and the order they run in: the processes (processes.py),
-the rollout fleet (generation.py), the checkpoints (checkpointing.py) and the step
-metrics (step_metrics.py); it keeps the data position, the training step both schedules
-share, and the evaluation.
+the rollout fleet (generation.py), the data position (rows.py), the trainer's work
+(trainer_work.py), the checkpoints (checkpointing.py), the step metrics
+(step_metrics.py) and the evaluation (evaluation.py); it keeps the training step both
+schedules share (``train_on``). Each part gets the other parts it uses, never the
+Controller: the schedules get theirs as ``ScheduleParts`` (schedule_parts.py).
 
 Everything here is asyncio in one process; the vLLM engines are their own processes
 and the trainer's step runs in a thread so generation streams on meanwhile.
@@ -24,20 +26,22 @@ import os
 import random
 import tempfile
 import time
-from collections import deque
 from pathlib import Path
 from typing import Optional
 
-from workers.agents.episode import engine_ids, loss_mask, oldest_trained_version
+from workers.agents.episode import oldest_trained_version
 from workers.coord.async_schedule import AsyncSchedule
-from workers.coord.checkpointing import Checkpointer
-from workers.coord.evaluation import EvalSets
-from workers.coord.generation import EVALUATING, Fleet, Group, Sample
+from workers.coord.checkpointing import CheckpointParts, Checkpointer
+from workers.coord.evaluation import EvalSets, Evaluator
+from workers.coord.generation import Fleet, Group, Sample
 from workers.coord.length_ranker import LengthRanker
 from workers.coord.processes import Processes, placement
-from workers.coord.step_metrics import RunResult, StepMetrics, peak_resident_gib
+from workers.coord.rows import RowSource
+from workers.coord.schedule_parts import ScheduleParts
+from workers.coord.step_metrics import RunResult, StepMetrics, memory_peaks
 from workers.coord.sync_schedule import SyncSchedule
 from workers.coord.time_breakdown import TimeBreakdown
+from workers.coord.trainer_work import TrainerError, TrainerWork
 from workers.io.checkpoint import CheckpointInfo
 from workers.io.report import Reporter
 from workers.models.preflight import check_run, resolve_model_path
@@ -47,9 +51,6 @@ from workers.rollout.engine_types import Completion
 from workers.rollout.staleness import StalenessGate
 from workers.spec import RunSpec
 from workers.tasks.datasets import load_rows
-from workers.train import algorithms
-from workers.train.batching import token_exact
-from workers.train.samples import TrainSample
 from workers.weights.files import trainer_weight_file
 from workers.weights.update import FileWeights
 
@@ -58,30 +59,10 @@ __all__ = ["Controller", "Group", "RunResult", "Sample", "TrainerError"]
 logger = logging.getLogger(__name__)
 
 
-class TrainerError(RuntimeError):
-    """The trainer raised: the run fails (exit code 1, status failed) with this as its reason."""
-
-
-def _part(part: str, name: str) -> property:
-    """An attribute of one of the Controller's parts, read and set as the Controller's own."""
-    return property(lambda self: getattr(getattr(self, part), name),
-                    lambda self, value: setattr(getattr(self, part), name, value))
-
-
 class Controller:
-    # the parts' state, under the names it had on the Controller
-    engines = _part("fleet", "engines")
-    _dead = _part("fleet", "dead")
-    engine_deaths = _part("fleet", "engine_deaths")
-    migrations = _part("fleet", "migrations")
-    broadcaster = _part("fleet", "broadcaster")
-    prompts = _part("fleet", "prompts")
-    rewards = _part("fleet", "rewards")
-    trainer = _part("processes", "trainer")
-    plan = _part("processes", "plan")
-    node_trainer_pids = _part("processes", "node_trainer_pids")
-    _first_step = _part("checkpoints", "first_step")
-    _seconds_before = _part("checkpoints", "seconds_before")
+    """One run: its parts (``processes``, ``fleet``, ``data``, ``work``, ``checkpoints``,
+    ``metrics``, ``evaluation``, ``times``) and the order they run in. The seams a
+    subclass may override: ``_generate``, ``_score``, ``_send_weights`` and ``train_on``."""
 
     def __init__(self, spec: RunSpec, out_dir: str | Path, reporter: Optional[Reporter] = None,
                  progress: bool = True, stop_event: Optional[asyncio.Event] = None,
@@ -96,26 +77,24 @@ class Controller:
         self.stop = stop_event or asyncio.Event()
         self.result = RunResult()
         self._failure: Optional[BaseException] = None
-        self._rng = random.Random(spec.seed)
+        rng = random.Random(spec.seed)  # the row order's and dispatch's: one state in a checkpoint
+        self.data = RowSource(rng)  # the training rows and the data position (rows.py)
         self.ranker = LengthRanker()
-        self.trainer_busy_s = 0.0
-        # Data position (saved in checkpoints): the current epoch's shuffled order, the next
-        # index in it, and rows drawn before a checkpoint but not trained on (redone first).
-        self._row_order: list[int] = []
-        self._row_pos = 0
-        self._redo: deque[dict] = deque()
         self.resume = resume  # a checkpoint to continue from (workers/io/checkpoint.py)
-        self.on_checkpoint = on_checkpoint  # called (step, version, path) after each save
-        self.last_sampled_reward: Optional[float] = None  # of the latest evaluation (eval.samples)
         self.eval_sets = EvalSets(spec)  # eval.sets: pass@k and avg@n per held-out set (evaluation.py)
         self.bar = None  # the progress bar, while the schedule runs
         self.schedule: Optional[SyncSchedule | AsyncSchedule] = None
         self.processes = Processes(spec, self.out, self.rendezvous, self._lost_node)
         # _generate and _score through the Controller: a subclass that overrides them sees every sample
-        self.fleet = Fleet(spec, self.ranker, self._rng, generate=self._generate, score=self._score)
-        self.checkpoints = Checkpointer(self)
-        self.metrics = StepMetrics(self)
+        self.fleet = Fleet(spec, self.ranker, rng, generate=self._generate, score=self._score)
         self.times = TimeBreakdown()  # each step's time/<part>_s (time_breakdown.py)
+        self.work = TrainerWork(spec, self.processes, self.times)  # the trainer, its calls timed
+        self.metrics = StepMetrics(spec, self.fleet, self.result, self.reporter, self.ranker, self.work)
+        self.evaluation = Evaluator(spec, self.fleet, self.eval_sets, self.reporter, self.times)  # evaluation.py
+        # on_checkpoint(step, version, path): called after each save
+        self.checkpoints = Checkpointer(CheckpointParts(
+            spec, self.out, self.result, self.stop, self.data, self.ranker, self.work,
+            lambda: self.metrics.gen_busy() - self.metrics.busy_before, self.fleet, resume, on_checkpoint))
 
     # -- set-up -------------------------------------------------------------------
     def _placement(self):
@@ -124,39 +103,40 @@ class Controller:
     async def setup(self) -> None:
         spec = self.spec
         t = spec.task
-        self.train_rows, held_out = load_rows(t.dataset, t.size, t.eval_size, t.seed, t.prompt_field, t.answer_field)
-        self.eval_rows = held_out[: spec.eval.prompts]
+        train_rows, held_out = load_rows(t.dataset, t.size, t.eval_size, t.seed, t.prompt_field, t.answer_field)
+        eval_rows = held_out[: spec.eval.prompts]
         set_rows = self.eval_sets.load(held_out)  # copies: told apart from eval_rows by identity below
         # The model's tokenizer, stop ids and limits, checked before any process starts.
         spec.model.path = await asyncio.to_thread(resolve_model_path, spec.model.path)
         if spec.reward.model is not None:
             spec.reward.model.path = await asyncio.to_thread(resolve_reward_model_path, spec.reward.model.path)
         # the sets' prompts are checked with the run's: max_model_len must hold them too
-        checked = await asyncio.to_thread(check_run, spec, self.train_rows, self.eval_rows + set_rows)
-        self.prompts = checked.renderer
-        own = {id(r) for r in self.eval_rows}
-        self.train_rows, self.eval_rows = checked.train_rows, [r for r in checked.eval_rows if id(r) in own]
+        checked = await asyncio.to_thread(check_run, spec, train_rows, eval_rows + set_rows)
+        self.fleet.prompts = checked.renderer
+        own = {id(r) for r in eval_rows}
+        self.data.rows, self.evaluation.rows = checked.train_rows, [r for r in checked.eval_rows if id(r) in own]
         self.eval_sets.keep(checked.eval_rows)
         self.result.skipped_prompts = sum(checked.skipped.values())
-        if t.environment is not None and self.train_rows and self.prompts.is_chat(self.train_rows[0]):
+        if t.environment is not None and self.data.rows and checked.renderer.is_chat(self.data.rows[0]):
             # the observations' chat deltas: a template that is not prefix-stable fails here, before any process
             await asyncio.to_thread(self.fleet.observations().prepare)
         self.processes.start(self._placement)
-        self.rewards = self.processes.rewards
+        self.fleet.rewards = self.processes.rewards
         self.eval_sets.start_rewards()
         collective = spec.rollout.weight_transport == "collective"
         beside = self.processes.starts_beside_trainer()
         starting = None
         if beside:  # the engines start while the trainer loads; the trainer's weights follow as an update
             self.fleet.add(self.processes.engines(checked))  # in the fleet before they start: close() stops them
-            starting = asyncio.ensure_future(self.processes.start_engines(self.engines, None, 0, together=True))
+            starting = asyncio.ensure_future(self.processes.start_engines(self.fleet.engines, None, 0, together=True))
         try:
             await self.processes.start_trainer(checked)
+            trainer = self.processes.trainer
             self.fleet.reference = self.processes.reference  # None unless algorithm.kl_reference is 'stage'
             self.fleet.critic = self.processes.critic_stage  # None unless critic.forward is 'stage'
             if self.resume is not None:
-                await asyncio.to_thread(self._restore, self.resume)
-            await self._load_critic_stage()  # before the first sample is valued, resumed or not
+                await asyncio.to_thread(self.checkpoints.restore, self.resume)
+            await self.work.load_critic_stage()  # before the first sample is valued, resumed or not
         except BaseException:
             if starting is not None:  # close() then stops what did start
                 starting.cancel()
@@ -165,33 +145,24 @@ class Controller:
         # the collective path needs the file only for the resume check
         rpc_warm = not collective and not beside  # the RPC path's first weights ride on the engines' start
         with tempfile.TemporaryDirectory(prefix="fluxrl-weights-") as folder:
-            warm = (await asyncio.to_thread(trainer_weight_file, self.trainer, folder, self.trainer.version)
+            warm = (await asyncio.to_thread(trainer_weight_file, trainer, folder, trainer.version)
                     if rpc_warm or self.resume is not None else None)
             if beside:
                 await starting
                 if not collective:  # the first weights (and version label), as the collective path sends them
-                    await self._send_weights(self.trainer.version)
+                    await self._send_weights(trainer.version)
             else:
                 self.fleet.add(self.processes.engines(checked))  # in the fleet before they start: close() stops them
                 # the warm weights are the first update: on resume, the checkpoint's weights and version
-                await self.processes.start_engines(self.engines, None if collective else FileWeights.of(warm),
-                                                   0 if collective else self.trainer.version)
+                await self.processes.start_engines(self.fleet.engines, None if collective else FileWeights.of(warm),
+                                                   0 if collective else trainer.version)
             if collective:  # the first weights (and version label) come through the group
-                self.broadcaster = await self.processes.open_weight_group(self.engines)
-                self.broadcaster.digest_next = self.resume is not None  # checked by note_resume
-                await self._send_weights(self.trainer.version)
+                broadcaster = await self.processes.open_weight_group(self.fleet.engines)
+                self.fleet.weights.broadcaster = broadcaster
+                broadcaster.digest_next = self.resume is not None  # checked by note_resume
+                await self._send_weights(trainer.version)
             if self.resume is not None:
                 await self.checkpoints.note_resume(warm)
-
-    async def _load_critic_stage(self) -> Optional[float]:
-        """critic.forward stage: the trainer critic's weights into the stage's copy; the seconds it took."""
-        stage = self.processes.critic_stage
-        if stage is None:
-            return None
-        t0 = time.perf_counter()
-        state = await self._in_trainer(self.trainer.critic_state_dict)
-        await asyncio.to_thread(stage.load, state, self.trainer.version)
-        return time.perf_counter() - t0
 
     def _lost_node(self, error: BaseException) -> None:
         """A node of a run over several nodes is gone (called in the loop): the run fails."""
@@ -202,28 +173,8 @@ class Controller:
         self._failure = self._failure or error
         self.stop.set()
 
-    def _memory_peaks(self) -> dict[str, float]:
-        """Each process of the run on this node, by role, and its peak resident memory so far."""
-        pids = {"coordinator": os.getpid()}
-        for rank, pid in enumerate(getattr(self.trainer, "pids", None) or []):
-            pids[f"trainer rank {rank}"] = pid
-        for engine in self.engines:
-            if getattr(engine, "server_pid", None):
-                pids[f"engine {engine.index} server"] = engine.server_pid
-            for k, pid in enumerate(engine.core_pids()):
-                pids[f"engine {engine.index} vLLM core" + (f" {k}" if k else "")] = pid
-        # the inference stage's workers (named as the plan names them)
-        rewards, procs = self.processes.rewards, self.processes
-        for name, worker in (("reward model", rewards.model if rewards else None),
-                             ("KL reference stage", procs.reference), ("critic stage", procs.critic_stage)):
-            proc = getattr(worker, "proc", None)
-            if proc is not None and proc.poll() is None:
-                pids[name] = proc.pid
-        peaks = {name: peak_resident_gib(pid) for name, pid in pids.items()}
-        return {name: round(gib, 2) for name, gib in peaks.items() if gib is not None}
-
     async def close(self) -> None:
-        self.processes.close(self.engines + self._dead, self.broadcaster)
+        self.processes.close(self.fleet.engines + self.fleet.dead, self.fleet.weights.broadcaster)
         self.eval_sets.close()
 
     # -- the fleet's seams (a subclass may override these) ---------------------------------
@@ -236,67 +187,10 @@ class Controller:
 
     async def _send_weights(self, version: int) -> list:
         with self.times.track("weight_update"):
-            return await self.fleet.send_weights(self.trainer, version)
+            return await self.fleet.send_weights(self.processes.trainer, version)
 
     def _one_request_per_group(self, engine: RolloutEngine) -> bool:
         return self.fleet.one_request_per_group(engine)
-
-    # -- data and trainer ------------------------------------------------------------------
-    def _rows(self):
-        """Training rows, epoch after epoch in a shuffled order; rows a checkpoint saved
-        as drawn but not trained on come first."""
-        while True:
-            if self._redo:
-                yield self._redo.popleft()
-                continue
-            if self._row_pos >= len(self._row_order):
-                self._row_order = list(range(len(self.train_rows)))
-                self._rng.shuffle(self._row_order)
-                self._row_pos = 0
-            self._row_pos += 1
-            yield self.train_rows[self._row_order[self._row_pos - 1]]
-
-    async def _in_trainer(self, fn, *args):
-        """Run trainer work in a thread (generation streams on meanwhile), timing it."""
-        t0 = time.perf_counter()
-        self.times.begin("train")
-        try:
-            return await asyncio.to_thread(fn, *args)
-        except Exception as exc:  # not a bad-input exit (2) even if it is a ValueError
-            raise TrainerError(f"the trainer failed: {type(exc).__name__}: {exc}") from exc
-        finally:
-            self.times.end("train")
-            self.trainer_busy_s += time.perf_counter() - t0
-
-    def _train_samples(self, group: Group) -> list[TrainSample]:
-        """Group-relative advantages need only the group itself, so a group can be
-        trained on the moment it is complete. With GAE the trainer's critic computes them
-        from each sample's reward."""
-        rewards = [s.reward for s in group.samples]
-        if self.spec.algorithm.advantage == "gae":
-            adv = [0.0] * len(rewards)
-        else:
-            adv = algorithms.group_advantages(rewards, self.spec.algorithm.group_size,
-                                              self.spec.algorithm.adv_std_norm)
-        return [TrainSample(s.completion.prompt_ids, s.completion.token_ids, s.completion.logprobs, a, reward=r,
-                            ref_logprobs=s.ref_logprobs, values=s.values, versions=s.completion.versions.per_token(),
-                            loss_mask=loss_mask(s.completion), token_rewards=s.token_rewards)
-                for s, a, r in zip(group.samples, adv, rewards)]
-
-    def _token_exactness(self, groups: list[Group]) -> dict[str, float]:
-        """task.environment: agent/token_exact, the share of the step's samples whose ids at
-        the trained positions, packed as the trainer packs them (batching.py), equal the ids
-        the engine returned turn by turn. Anything below 1.0 is a bug, logged loudly."""
-        if self.spec.task.environment is None:
-            return {}
-        samples = [s for g in groups for s in g.samples]
-        exact = token_exact([(s.completion.prompt_ids, s.completion.token_ids) for s in samples],
-                            [loss_mask(s.completion) for s in samples], [engine_ids(s.completion) for s in samples],
-                            getattr(self.trainer, "pad_id", 0))
-        if not all(exact):
-            logger.error("token-exactness: %d of %d trained samples' ids differ from the engine's",
-                         exact.count(False), len(exact))
-        return {"agent/token_exact": sum(exact) / max(1, len(exact))}
 
     # -- checkpoints (checkpointing.py) ----------------------------------------------------
     def request_checkpoint_and_stop(self) -> None:
@@ -305,100 +199,33 @@ class Controller:
         was trained here, stops at once."""
         self.checkpoints.request_stop()
 
-    def _restore(self, info: CheckpointInfo) -> None:
-        self.checkpoints.restore(info)
-
-    def _controller_state(self, step: int, version: int, seconds: float, unfinished: list[dict]) -> dict:
-        return self.checkpoints.state(step, version, seconds, unfinished)
-
-    def _load_controller_state(self, state: dict) -> None:
-        self.checkpoints.load_state(state)
-
-    # -- evaluation and the training step ---------------------------------------------------
-    async def evaluate(self, step: int) -> float:
-        """Greedy accuracy (mean reward) on the held-out rows; with ``eval.samples`` also the
-        policy's expected held-out reward: the mean reward of that many completions per row
-        sampled at the rollout temperature (what RL raises first, before the argmax moves).
-
-        Each evaluation, the one before step 0 too, has ``eval.timeout_minutes``: past it the
-        evaluation is stopped (its requests cancelled), reported as ``eval/timed_out`` 1 at
-        ``step`` with none of its other metrics (a part of the prompts, the quick ones,
-        would read as a score), and NaN is returned. The run goes on: an evaluation only
-        observes the training, and a run failed here could not be resumed with other
-        evaluation settings (a resumed run keeps its spec)."""
-        if not self.eval_rows and not self.eval_sets.sets:
-            return float("nan")
-        self.fleet.live_engine()  # fails clearly if every engine is dead
-        evaluating = EVALUATING.set(True)
-        limit_s = self.spec.eval.timeout_minutes * 60
-        try:
-            async with asyncio.timeout(limit_s) as deadline:
-                with self.times.track("eval"):
-                    return await self._evaluate(step)
-        except TimeoutError:
-            if not deadline.expired():  # a timeout of the evaluation's own calls: its error
-                raise
-            logger.warning("the evaluation at step %d did not finish within eval.timeout_minutes (%g): stopped, "
-                           "reported as eval/timed_out, and the run goes on; lower eval.prompts, eval.samples or "
-                           "the sets' prompts or n, or raise the timeout", step, self.spec.eval.timeout_minutes)
-            self.last_sampled_reward = None
-            self.reporter.log(step, {"eval/timed_out": 1.0})
-            return float("nan")
-        finally:
-            EVALUATING.reset(evaluating)
-
-    async def _evaluate(self, step: int) -> float:
-        accuracy, metrics = float("nan"), {}
-        if self.eval_rows:
-            accuracy, metrics = await self._evaluate_greedy()
-        metrics.update(await self.eval_sets.evaluate(self.fleet, self.rewards))  # eval.sets: pass@k, avg@n
-        self.reporter.log(step, metrics)
-        return accuracy
-
-    async def _evaluate_greedy(self) -> tuple[float, dict[str, float]]:
-        engines = [e for e in self.engines if not e.dead]
-        sample = self.fleet.sample
-        samples = await asyncio.gather(*(sample(engines[i % len(engines)], r, 0.0)
-                                         for i, r in enumerate(self.eval_rows)))
-        accuracy = sum(s.reward for s in samples) / len(samples)
-        metrics = {"eval/accuracy": accuracy,  # a summed reward's components too, e.g. a rule at weight 0
-                   **{f"eval/part/{name}": sum(s.parts.get(name, 0.0) for s in samples) / len(samples)
-                      for name in samples[0].parts}}
-        k = self.spec.eval.samples
-        if k:
-            temperature = self.spec.rollout.temperature
-            sampled = await asyncio.gather(*(sample(engines[i % len(engines)], r, temperature)
-                                             for i, r in enumerate(self.eval_rows) for _ in range(k)))
-            self.last_sampled_reward = sum(s.reward for s in sampled) / len(sampled)
-            metrics["eval/sampled_reward"] = self.last_sampled_reward
-        return accuracy, metrics
-
-    async def _train_on(self, groups: list[Group], step: int, t_start: float,
-                        stats: Optional[dict] = None) -> None:
-        """Train on a batch (unless a streamed step already did: ``stats``), push the new
-        weights to every engine, and report the step."""
-        spec = self.spec
-        version = self.trainer.version - (1 if stats is not None else 0)
+    # -- the training step ------------------------------------------------------------------
+    async def train_on(self, groups: list[Group], step: int, t_start: float,
+                       stats: Optional[dict] = None) -> None:
+        """The training step both schedules share: train on a batch (unless a streamed step
+        already did: ``stats``), push the new weights to every engine, and report the step."""
+        spec, trainer = self.spec, self.processes.trainer
+        version = trainer.version - (1 if stats is not None else 0)
         # an episode counts by its oldest trained (generated) token (async_schedule.py)
         staleness = [version - oldest_trained_version(s.completion, g.start_version) for g in groups for s in g.samples]
-        exactness = self._token_exactness(groups)  # before the step, on what it is about to train
+        exactness = self.work.token_exactness(groups)  # before the step, on what it is about to train
         # colocated GPU plans: the engines' memory is the trainer's during its step
         sleeps = self.processes.plan is not None and self.processes.plan.sleeps and stats is None
         if stats is None:
-            batch = [t for g in groups for t in self._train_samples(g)]
+            batch = [t for g in groups for t in self.work.samples(g)]
             sleep_s = await self.fleet.sleep() if sleeps else 0.0
-            stats = await self._in_trainer(self.trainer.train_step, batch)
+            stats = await self.work.run(trainer.train_step, batch)
         stats = {**stats, **exactness}
         if self.processes.critic_stage is not None:  # samples valued from here on see the stepped critic
             lags = [version - s.values_version for g in groups for s in g.samples]
             stats = {**stats, "critic_stage/lag": sum(lags) / max(1, len(lags)),
-                     "critic_stage/reload_s": await self._load_critic_stage()}
+                     "critic_stage/reload_s": await self.work.load_critic_stage()}
         if sleeps:  # the weights first, so the update lands while the KV cache still sleeps
             stats = {**stats, "engine/sleep_s": sleep_s, "engine/wake_s": await self.fleet.wake_up(["weights"])}
-        timings = await self._send_weights(self.trainer.version)
+        timings = await self._send_weights(trainer.version)
         if sleeps:
             stats["engine/wake_s"] += await self.fleet.wake_up()
-        self.gate.advance(self.trainer.version)
+        self.gate.advance(trainer.version)
         self.fleet.after_step()
         # the step ends with its weight update; the trainer's own split goes into time/*
         stats = {**{k: v for k, v in stats.items() if k not in ("trainer/backward_s", "trainer/optimizer_s")},
@@ -407,7 +234,7 @@ class Controller:
                                            self.schedule.queue_depth() if self.schedule is not None else 0)
         self.metrics.collect_stalls()
         if spec.eval.every_steps and step % spec.eval.every_steps == 0 and step < spec.stop.max_steps:
-            await self.evaluate(step)
+            await self.evaluation.evaluate(step)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(**postfix)
@@ -432,27 +259,29 @@ class Controller:
             await self.setup()
             if self.resume is None:  # a resumed run has it (and the step-0 points) already
                 self.reporter.log(0, {"data/skipped_prompts": self.result.skipped_prompts})
-                self.result.accuracy_before = await self.evaluate(0)
-                self.result.sampled_reward_before = self.last_sampled_reward
+                self.result.accuracy_before = await self.evaluation.evaluate(0)
+                self.result.sampled_reward_before = self.evaluation.last_sampled_reward
             self.gate = StalenessGate(spec.schedule.batch_prompts,
                                       0 if spec.schedule.mode == "sync" else spec.schedule.max_staleness)
             # Resumed: the checkpoint's batches count as trained, so admission starts where it was.
-            self.gate.advance(self.trainer.version)
-            self.gate.finished = (self._first_step - 1) * spec.schedule.batch_prompts
-            self.bar = tqdm(total=spec.stop.max_steps, initial=self._first_step - 1,
+            self.gate.advance(self.processes.trainer.version)
+            self.gate.finished = (self.checkpoints.first_step - 1) * spec.schedule.batch_prompts
+            self.bar = tqdm(total=spec.stop.max_steps, initial=self.checkpoints.first_step - 1,
                             desc=f"{spec.name} [{spec.schedule.mode}]", unit="step", disable=not self.progress)
             # Resumed: times and totals continue from the checkpoint (throughput, idle
             # shares and stop.max_minutes count the training before it).
-            t_start = time.time() - self._seconds_before
+            t_start = time.time() - self.checkpoints.seconds_before
             # the evaluation above is not training time
-            self.metrics.busy_before = sum(e.busy_s for e in self.engines) - self.checkpoints.gen_busy_before
+            self.metrics.busy_before = sum(e.busy_s for e in self.fleet.engines) - self.checkpoints.gen_busy_before
             if self.resume is None:
-                self.trainer_busy_s = 0.0
+                self.work.busy_s = 0.0
             gate = self.gate
             self.times.gate_blocked = lambda: not gate.can_start()
-            self.times.watch(self.engines)
+            self.times.watch(self.fleet.engines)
             self.times.restart()
-            self.schedule = SyncSchedule(self) if spec.schedule.mode == "sync" else AsyncSchedule(self)
+            parts = ScheduleParts(spec, self.data.draw(), self.fleet, self.work, self.checkpoints, self.train_on,
+                                  self._score, self._out_of_time, self.stop, self._fail, gate, self.result)
+            self.schedule = SyncSchedule(parts) if spec.schedule.mode == "sync" else AsyncSchedule(parts)
             await self.schedule.run_steps(t_start)
             self.result.seconds = time.time() - t_start
             self.result.idle_generation = self.metrics.idle_generation(self.result.seconds)
@@ -461,12 +290,12 @@ class Controller:
             if self._failure is not None:
                 raise self._failure
             self.metrics.collect_stalls()
-            self.result.accuracy_after = await self.evaluate(self.result.steps)
-            self.result.sampled_reward_after = self.last_sampled_reward
+            self.result.accuracy_after = await self.evaluation.evaluate(self.result.steps)
+            self.result.sampled_reward_after = self.evaluation.last_sampled_reward
             final = self.out / "final_model"
-            await asyncio.to_thread(self.trainer.save, str(final))
+            await asyncio.to_thread(self.processes.trainer.save, str(final))
             self.result.final_model = str(final)
-            self.result.memory_peak_gib = self._memory_peaks()
+            self.result.memory_peak_gib = memory_peaks(self.processes, self.fleet.engines)
             host = getattr(self.processes.plan, "host_memory", None)
             self.result.memory_plan_gib = host.by_process() if host is not None else {}
             failed = False

@@ -18,6 +18,9 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+from workers.coord.generation import EVALUATING, Fleet
+from workers.coord.time_breakdown import TimeBreakdown
+from workers.io.report import Reporter
 from workers.rewards.service import RewardService
 from workers.spec import EvalSetSpec, RunSpec
 from workers.tasks.datasets import load_rows
@@ -110,12 +113,15 @@ class EvalSets:
             if s.own_rewards and s.rewards is not None:
                 s.rewards.close()
 
-    async def evaluate(self, fleet, run_rewards: RewardService) -> dict[str, float]:
-        """Every set's metrics, the sets one after another (each one's prompts at once)."""
+    async def evaluate(self, fleet, run_rewards: Optional[RewardService]) -> dict[str, float]:
+        """Every set's metrics, the sets one after another (each one's prompts at once);
+        ``run_rewards``: the run's reward service (set once started), for a set without its own."""
         metrics: dict[str, float] = {}
         for s in self.sets:
             if s.rows:
-                metrics.update(await self._evaluate_set(fleet, s, s.rewards or run_rewards))
+                rewards = s.rewards or run_rewards
+                assert rewards is not None  # the run's is started before any evaluation
+                metrics.update(await self._evaluate_set(fleet, s, rewards))
         return metrics
 
     async def _evaluate_set(self, fleet, s: EvalSet, rewards: RewardService) -> dict[str, float]:
@@ -145,3 +151,73 @@ class EvalSets:
                                                 temperature)
             return list(await asyncio.gather(*(fleet.finish_elsewhere(engine, c, temperature) for c in comps)))
         return list(await asyncio.gather(*(fleet.generate(engine, row, temperature) for _ in range(n))))
+
+
+class Evaluator:
+    """The run's evaluations: greedy accuracy on the held-out ``rows`` (set once checked,
+    Controller.setup), ``eval.samples``' sampled reward, and the ``eval.sets``
+    (``eval_sets``). Receives the run's ``spec``, its ``fleet`` (engines, sampling,
+    reward service), the ``reporter`` the metrics go to and the step's ``times``."""
+
+    def __init__(self, spec: RunSpec, fleet: Fleet, eval_sets: EvalSets, reporter: Reporter, times: TimeBreakdown):
+        self.spec, self.fleet, self.eval_sets, self.reporter, self.times = spec, fleet, eval_sets, reporter, times
+        self.rows: list[dict] = []
+        self.last_sampled_reward: Optional[float] = None  # of the latest evaluation (eval.samples)
+
+    async def evaluate(self, step: int) -> float:
+        """Greedy accuracy (mean reward) on the held-out rows; with ``eval.samples`` also the
+        policy's expected held-out reward: the mean reward of that many completions per row
+        sampled at the rollout temperature (what RL raises first, before the argmax moves).
+
+        Each evaluation, the one before step 0 too, has ``eval.timeout_minutes``: past it the
+        evaluation is stopped (its requests cancelled), reported as ``eval/timed_out`` 1 at
+        ``step`` with none of its other metrics (a part of the prompts, the quick ones,
+        would read as a score), and NaN is returned. The run goes on: an evaluation only
+        observes the training, and a run failed here could not be resumed with other
+        evaluation settings (a resumed run keeps its spec)."""
+        if not self.rows and not self.eval_sets.sets:
+            return float("nan")
+        self.fleet.live_engine()  # fails clearly if every engine is dead
+        evaluating = EVALUATING.set(True)
+        limit_s = self.spec.eval.timeout_minutes * 60
+        try:
+            async with asyncio.timeout(limit_s) as deadline:
+                with self.times.track("eval"):
+                    return await self._evaluate(step)
+        except TimeoutError:
+            if not deadline.expired():  # a timeout of the evaluation's own calls: its error
+                raise
+            logger.warning("the evaluation at step %d did not finish within eval.timeout_minutes (%g): stopped, "
+                           "reported as eval/timed_out, and the run goes on; lower eval.prompts, eval.samples or "
+                           "the sets' prompts or n, or raise the timeout", step, self.spec.eval.timeout_minutes)
+            self.last_sampled_reward = None
+            self.reporter.log(step, {"eval/timed_out": 1.0})
+            return float("nan")
+        finally:
+            EVALUATING.reset(evaluating)
+
+    async def _evaluate(self, step: int) -> float:
+        accuracy, metrics = float("nan"), dict[str, float]()
+        if self.rows:
+            accuracy, metrics = await self._evaluate_greedy()
+        metrics.update(await self.eval_sets.evaluate(self.fleet, self.fleet.rewards))  # eval.sets: pass@k, avg@n
+        self.reporter.log(step, metrics)
+        return accuracy
+
+    async def _evaluate_greedy(self) -> tuple[float, dict[str, float]]:
+        engines = [e for e in self.fleet.engines if not e.dead]
+        sample = self.fleet.sample
+        samples = await asyncio.gather(*(sample(engines[i % len(engines)], r, 0.0)
+                                         for i, r in enumerate(self.rows)))
+        accuracy = sum(s.reward for s in samples) / len(samples)
+        metrics = {"eval/accuracy": accuracy,  # a summed reward's components too, e.g. a rule at weight 0
+                   **{f"eval/part/{name}": sum(s.parts.get(name, 0.0) for s in samples) / len(samples)
+                      for name in samples[0].parts}}
+        k = self.spec.eval.samples
+        if k:
+            temperature = self.spec.rollout.temperature
+            sampled = await asyncio.gather(*(sample(engines[i % len(engines)], r, temperature)
+                                             for i, r in enumerate(self.rows) for _ in range(k)))
+            self.last_sampled_reward = sum(s.reward for s in sampled) / len(sampled)
+            metrics["eval/sampled_reward"] = self.last_sampled_reward
+        return accuracy, metrics

@@ -3,8 +3,9 @@
 It chooses the engine for each prompt group (``schedule.dispatch``), generates the
 group (one request of ``group_size`` samples, or a request per sample), finishes a
 sequence elsewhere when its engine hands it off or dies, retires dead engines, pushes
-the trainer's weights to the live ones, migrates a synchronous step's tail, and scores
-samples with the reward service.
+the trainer's weights to the live ones (weight_push.py), migrates a synchronous step's
+tail (tail.py), and scores samples with the reward service. ``skew_aware`` dispatch
+keeps its engine roles in long_tail.py.
 
 With ``task.environment`` each sample is an episode (workers/agents/episode.py): turns
 generated one request each, continued elsewhere like any request, with a fresh
@@ -16,29 +17,27 @@ import asyncio
 import contextlib
 import contextvars
 import logging
-import math
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 from workers.api import TrainEngine
 from workers.coord.length_ranker import LengthRanker
-from workers.coord.scheduling import (LENGTH_AWARE, LongTailThreshold, plan_dispatch, plan_skew_aware,
-                                      plan_tail_gathering, plan_tail_migration, split_engines)
+from workers.coord.long_tail import LongTailRoles
+from workers.coord.scheduling import LENGTH_AWARE, plan_dispatch, plan_skew_aware
 from workers.coord.scheduling import priority as request_priority
+from workers.coord.tail import TailMover
+from workers.coord.weight_push import WeightPush
+from workers.rewards.service import RewardService
 from workers.rollout.engine import RolloutEngine, continue_on
-from workers.rollout.engine_types import Completion, UpdateTiming
+from workers.rollout.engine_types import Completion
 from workers.spec import RunSpec
-from workers.weights.broadcast import RankZeroSender, WeightBroadcaster
-from workers.weights.weight_group import WeightBroadcastError
-from workers.weights.files import trainer_weight_file
-from workers.weights.update import FileWeights, WeightUpdate
+from workers.tasks.prompts import PromptRenderer
 
 logger = logging.getLogger(__name__)
 
 
-# Set while the held-out evaluation generates (Controller.evaluate): its samples skip the
+# Set while the held-out evaluation generates (Evaluator.evaluate, evaluation.py): its samples skip the
 # inference stage's training-only forwards. A context variable, so only the evaluation's
 # own tasks see it, not the rollouts generating beside it.
 EVALUATING: contextvars.ContextVar[bool] = contextvars.ContextVar("fluxrl_evaluating", default=False)
@@ -102,29 +101,21 @@ class Fleet:
         self._rng = rng  # the controller's: dispatch draws from the same sequence as the row order
         self._generate_fn = generate or self.generate
         self._score_fn = score or self.score
-        self.prompts = None
-        self.rewards = None
+        self.prompts: Optional[PromptRenderer] = None
+        self.rewards: Optional[RewardService] = None
         self.reference = None  # algorithm.kl_reference stage: workers/train/reference.py ReferenceStage
         self.critic = None  # critic.forward stage: workers/train/value_stage.py ValueStage
         self.engines: list[RolloutEngine] = []
         self.load: dict[int, float] = {}  # engine index -> predicted tokens it is generating
-        self.broadcaster: Optional[WeightBroadcaster] = None  # rollout.weight_transport: collective
-        self.migrations = 0  # sequences moved to another engine (rollout.migrate_tail, gather_tail)
-        self.gather_onto: Optional[int] = None  # rollout.gather_tail: the engine a step's tail is gathered onto
-        self.request_ended = asyncio.Event()  # a sequence's request ended (set by ``generate``)
+        self.tail = TailMover(spec)  # rollout.migrate_tail, gather_tail (tail.py)
         # Rollout engines whose core process dies are taken out of service; their requests
         # continue on a live engine. (Restarting one in the same process is not done: vLLM's
         # engine core does not start again cleanly beside a dead one; an attempt hung.)
         self.engine_deaths = 0
         self.dead: list[RolloutEngine] = []
         self.retired_tokens, self.retired_busy = 0, 0.0  # counters of dead engines
-        self.update_bytes: Optional[int] = None  # bytes the last weight update sent (weights/update_bytes)
-        # skew_aware: which engines serve the long tail, the cut, the measured rates per role
-        self.long_tail: set[int] = set()
-        self.long_tail_cut = LongTailThreshold(spec.schedule.long_tail.share)
-        self.dispatched = 0  # groups dispatched: the base of their priorities
-        self.role_rates = {"long": None, "bulk": None}  # tokens per busy second of one engine (EMA)
-        self._rate_marks: dict[int, tuple[int, float]] = {}  # engine -> (tokens, busy s) at the last split
+        self.weights = WeightPush(self.retire)  # the trainer's weights to the engines (weight_push.py)
+        self.roles = LongTailRoles(spec)  # skew_aware: the long-tail engines (long_tail.py)
         self._observations = None  # task.environment: the observation renderer, made on first use
         self._render_lock = asyncio.Lock()
 
@@ -152,8 +143,8 @@ class Fleet:
         if policy != "skew_aware":
             plan = plan_dispatch(policy, predicted, loads, seed=self._rng.randrange(2**31), overdue=overdue)
             return [Dispatched(i, self.engines[e], predicted[i]) for i, e in plan[:limit]]
-        cut = self.long_tail_cut
-        roles = self._long_tail_roles()
+        cut = self.roles.long_tail_cut
+        roles = self.roles.roles(self.engines)
         plan = plan_skew_aware(predicted, loads, [e.index in roles for e in self.engines],
                                cut.threshold(predicted), overdue)[:limit]
         cut.observe([predicted[i] for i, _ in plan])  # what starts now joins the recent predictions
@@ -161,65 +152,18 @@ class Fleet:
         out = []
         for i, e in plan:
             out.append(Dispatched(i, self.engines[e], predicted[i],
-                                  request_priority(self.dispatched, cut.percentile(predicted[i]), aging)))
-            self.dispatched += 1
+                                  request_priority(self.roles.dispatched, cut.percentile(predicted[i]), aging)))
+            self.roles.dispatched += 1
         return out
-
-    # -- skew_aware: the long-tail engines ----------------------------------------------------
-    def _long_tail_roles(self) -> set[int]:
-        """The live engines serving the long tail (none with one engine); chosen again when
-        every one of them (or every bulk engine) died, or before the first dispatch."""
-        live = {e.index for e in self.engines}
-        self.long_tail &= live
-        if len(live) > 1 and (not self.long_tail or self.long_tail == live):
-            self.split()
-        return self.long_tail
-
-    def split(self) -> int:
-        """Choose the long-tail engines again (after each trained step, and when an engine
-        died): measure each role's tokens per busy second since the last split (an EMA),
-        then ``split_engines`` over the recent predictions' long and bulk tokens. The
-        long-tail engines are the lowest indices, so an engine keeps its role while the
-        split stays. ``long_tail.engines`` fixes the count instead. Returns it."""
-        now = {e.index: (e.generated_tokens, e.busy_seconds()) for e in self.engines}
-        for role, members in (("long", self.long_tail), ("bulk", set(now) - self.long_tail)):
-            tokens = busy = 0.0
-            for i in members & set(self._rate_marks):
-                tokens += now[i][0] - self._rate_marks[i][0]
-                busy += now[i][1] - self._rate_marks[i][1]
-            if busy > 0.5 and tokens > 0:  # enough to measure: per engine of the role
-                rate = tokens / busy
-                old = self.role_rates[role]
-                self.role_rates[role] = rate if old is None else 0.7 * old + 0.3 * rate
-        self._rate_marks = now
-        fixed = self.spec.schedule.long_tail.engines
-        if fixed is not None:
-            k = min(fixed, max(0, len(now) - 1))
-        else:
-            cut = self.long_tail_cut.threshold()
-            recent = list(self.long_tail_cut.recent)
-            long_tokens = sum(p for p in recent if p >= cut) or 1.0
-            bulk_tokens = sum(p for p in recent if p < cut) or 1.0
-            # no measurement yet: one engine's rate for both roles (then k follows the tokens)
-            bulk_rate = self.role_rates["bulk"] or self.role_rates["long"] or 1.0
-            long_rate = self.role_rates["long"] or bulk_rate
-            k = split_engines(len(now), long_tokens, bulk_tokens, long_rate, bulk_rate)
-        self.long_tail = set(sorted(now)[:k])
-        return k
 
     def after_step(self) -> None:
         """A step was trained: ``skew_aware`` measures the roles' rates and splits again."""
         if self.spec.schedule.dispatch == "skew_aware" and self.engines:
-            self.split()
+            self.roles.split(self.engines)
 
     def dispatch_metrics(self) -> dict[str, float]:
         """``dispatch/*`` for the step's report (skew_aware only)."""
-        if self.spec.schedule.dispatch != "skew_aware":
-            return {}
-        cut = self.long_tail_cut.threshold()
-        return {"dispatch/long_tail_engines": float(len(self.long_tail)),
-                "dispatch/long_tail_cut": cut if math.isfinite(cut) else 0.0,
-                **{f"dispatch/{role}_tokens_per_s": rate for role, rate in self.role_rates.items() if rate}}
+        return self.roles.metrics() if self.spec.schedule.dispatch == "skew_aware" else {}
 
     # -- samples and groups ----------------------------------------------------------
     async def generate(self, engine: RolloutEngine, row: dict, temperature: float) -> Completion:
@@ -227,7 +171,7 @@ class Fleet:
             return await self.episode(engine, row, temperature)
         comp = await engine.generate(self.prompts.ids(row), self.spec.rollout.max_tokens, temperature,
                                      priority=PRIORITY.get())
-        self.request_ended.set()  # the tail gatherer looks again
+        self.tail.request_ended.set()  # the tail gatherer looks again
         return await self.finish_elsewhere(engine, comp, temperature)
 
     def observations(self):
@@ -259,7 +203,7 @@ class Fleet:
             if current.dead:
                 current = self.live_engine(exclude=current.index)
             comp = await current.generate(ids, max_tokens, temperature, priority=PRIORITY.get())
-            self.request_ended.set()
+            self.tail.request_ended.set()
             comp = await self.finish_elsewhere(current, comp, temperature, max_tokens)
             return comp
 
@@ -298,8 +242,9 @@ class Fleet:
             self.reference.logprobs(comp.prompt_ids, comp.token_ids) if self.reference is not None else _none(),
             self.critic.values(comp.prompt_ids, comp.token_ids) if self.critic is not None else _none())
         values, version = valued if valued is not None else (None, -1)
-        return Sample(row, comp, text, score.reward, score.error, score.parts, ref, values, version, began,
-                      time.time(), token_rewards=per_token)
+        return Sample(row, comp, text, score.reward, score.error, score.parts, ref_logprobs=ref, values=values,
+                      values_version=version, token_rewards=per_token, inference_started_at=began,
+                      scored_at=time.time())
 
     async def sample(self, engine: RolloutEngine, row: dict, temperature: float) -> Sample:
         return await self._score_fn(row, await self._generate_fn(engine, row, temperature))
@@ -371,7 +316,7 @@ class Fleet:
                 if dead is not None:
                     self.retire(dead, "its requests continue on the other engine(s)")
             target = self.live_engine(exclude=comp.engine, fallback=source)
-            onto = next((e for e in self.engines if e.index == self.gather_onto and not e.dead), None)
+            onto = next((e for e in self.engines if e.index == self.tail.gather_onto and not e.dead), None)
             if comp.finish_reason == "handed_off" and onto is not None and onto.index != comp.engine:
                 target = onto  # gathered: the whole tail onto one engine
             comp = await continue_on(target, comp, max_tokens or self.spec.rollout.max_tokens, temperature)
@@ -401,47 +346,9 @@ class Fleet:
         self.dead.append(engine)  # shut down at close
 
     # -- weights -------------------------------------------------------------------------
-    async def _update(self, engine: RolloutEngine, weights: WeightUpdate, version: int) -> Optional[UpdateTiming]:
-        """Push an update (weights/update.py) to one engine; None if it died (it is
-        retired; the others go on)."""
-        try:
-            return await engine.update_weights(weights, version)
-        except Exception:
-            if not engine.dead:
-                raise
-            self.retire(engine, "weight updates skip it")
-            return None
-
     async def send_weights(self, trainer: TrainEngine, version: int) -> list:
-        """The trainer's weights to every live engine by ``rollout.weight_transport``; the
-        timings of the engines that took them."""
-        if self.broadcaster is None:  # a file, sent to each engine in bounded chunks (weights/files.py)
-            with tempfile.TemporaryDirectory(prefix="fluxrl-weights-") as folder:
-                weights = FileWeights.of(await asyncio.to_thread(trainer_weight_file, trainer, folder, version))
-                self.update_bytes = weights.size  # model.lora: the adapter's file alone
-                results = await asyncio.gather(*(self._update(e, weights, version) for e in list(self.engines)))
-            return [t for t in results if t is not None]
-        remote = isinstance(self.broadcaster.sender, RankZeroSender)
-        # in this process: the full weights (a collective of the ranks under ZeRO-3); with
-        # rank 0 sending, it gathers them itself
-        state = None if remote else await asyncio.to_thread(trainer.state_dict)
-        if state is not None:
-            self.update_bytes = sum(t.numel() * t.element_size() for t in state.values())
-        while True:
-            if self.broadcaster.engines != self.engines:
-                # A member died (retired) and broke the group: form it again with the live
-                # engines (those that got this version already reload the same weights).
-                if not self.engines:
-                    return []  # every engine died: the run fails where it next needs one
-                logger.warning("weight group formed again with %d live engine(s)", len(self.engines))
-                await self.broadcaster.open(self.engines)
-            members = list(self.broadcaster.engines)
-            try:
-                results = await self.broadcaster.broadcast(state, version, update=self._update)
-                return [t for t in results if t is not None]
-            except WeightBroadcastError:
-                if not any(e.dead for e in members):
-                    raise
+        """The trainer's weights to every live engine (weight_push.py); the timings of those that took them."""
+        return await self.weights.send(self.engines, trainer, version)
 
     # -- colocated plans: the engines sleep through the trainer's step ----------------------
     async def sleep(self) -> float:
@@ -452,50 +359,6 @@ class Fleet:
         """Every live engine wakes ``tags`` ("weights" before an update) or all; the slowest's seconds."""
         return max(await asyncio.gather(*(e.wake_up(tags) for e in list(self.engines))), default=0.0)
 
-    # -- a synchronous step's tail ---------------------------------------------------------
-    async def _migrate_tail(self) -> None:
-        """During a synchronous step's generation: when few requests remain, move some
-        from the busiest engine to the idlest (``rollout.migrate_tail``)."""
-        tail = self.spec.rollout.migrate_tail
-        while True:
-            plan = plan_tail_migration([len(e.active) for e in self.engines], tail)
-            if plan is not None:
-                src, dst, count = plan
-                self.migrations += await self.engines[src].hand_off(count)
-                await asyncio.sleep(0.1)  # let the moved requests land before looking again
-            await asyncio.sleep(0.02)
-
-    async def _gather_tail(self) -> None:
-        """During a synchronous step's generation: when few requests remain, move them all
-        onto one engine (``rollout.gather_tail``), once; the freed engines' cores then serve
-        the inference stage while the tail finishes."""
-        tail, capacity = self.spec.rollout.gather_tail, self.spec.rollout.max_num_seqs
-        while True:
-            self.request_ended.clear()
-            running = [len(e.active) for e in self.engines]
-            plan = plan_tail_gathering(running, tail, capacity)
-            if plan is not None:
-                onto, sources = plan
-                self.gather_onto = self.engines[onto].index
-                moved = await asyncio.gather(*(self.engines[i].hand_off(running[i]) for i in sources))
-                self.migrations += sum(moved)
-                return
-            # the tail shrinks when a request ends: look then (a step's tail may last milliseconds)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.request_ended.wait(), 0.05)
-
-    @contextlib.asynccontextmanager
-    async def tail_migration(self):
-        """Around a synchronous step's generation: migrate (``migrate_tail``) or gather
-        (``gather_tail``) its tail while it runs."""
-        mover = None
-        if len(self.engines) > 1 and (self.spec.rollout.migrate_tail or self.spec.rollout.gather_tail):
-            mover = asyncio.create_task(self._migrate_tail() if self.spec.rollout.migrate_tail
-                                        else self._gather_tail())
-        try:
-            yield
-        finally:
-            if mover is not None:
-                mover.cancel()
-                await asyncio.gather(mover, return_exceptions=True)
-            self.gather_onto = None
+    def tail_migration(self):
+        """Around a synchronous step's generation: migrate or gather its tail (tail.py)."""
+        return self.tail.during(self.engines)

@@ -7,9 +7,16 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from workers.agents.episode import agent_metrics, episode_view
+
+if TYPE_CHECKING:
+    from workers.coord.generation import Fleet
+    from workers.coord.length_ranker import LengthRanker
+    from workers.coord.trainer_work import TrainerWork
+    from workers.io.report import Reporter
+    from workers.spec import RunSpec
 
 
 @dataclass
@@ -92,11 +99,15 @@ def inference_overlap(generated: list[float], began: list[float], scored: list[f
 class StepMetrics:
     """The per-step report and the busy/idle accounting of one run.
 
-    Reads the run's engines (``run.fleet``), trainer, reporter, result, ranker and prompt
-    renderer; ``run.trainer_busy_s`` is the trainer's busy time (``Controller._in_trainer``)."""
+    Receives the run's ``spec``; its engines, prompt renderer and reward service
+    (``fleet``); its totals (``result``); the ``reporter`` the metrics go to; the length
+    ``ranker``; and ``work``, the trainer (``work.trainer``) and its busy time
+    (``work.busy_s``)."""
 
-    def __init__(self, run):
-        self.run = run
+    def __init__(self, spec: RunSpec, fleet: Fleet, result: RunResult, reporter: Reporter, ranker: LengthRanker,
+                 work: TrainerWork):
+        self.spec, self.fleet, self.result, self.reporter, self.ranker = spec, fleet, result, reporter, ranker
+        self.work = work
         self.busy_before = 0.0  # engine busy time before the schedule started (the first evaluation)
         self._model_bytes: Optional[int] = None
 
@@ -107,7 +118,7 @@ class StepMetrics:
             from workers.spec import model_dtype
             from workers.weights.files import model_state_bytes
 
-            spec = self.run.spec
+            spec = self.spec
             try:
                 self._model_bytes = model_state_bytes(spec.model.path, model_dtype(spec))
             except (OSError, ValueError):  # a folder we cannot read here (another node's path): not reported
@@ -117,40 +128,39 @@ class StepMetrics:
     def weight_bytes(self) -> dict:
         """weights/update_bytes (the last update's, sent to each engine) and weights/model_bytes."""
         out = {}
-        if self.run.fleet.update_bytes is not None:
-            out["weights/update_bytes"] = self.run.fleet.update_bytes
+        if self.fleet.weights.update_bytes is not None:
+            out["weights/update_bytes"] = self.fleet.weights.update_bytes
         if (full := self.model_bytes()) is not None:
             out["weights/model_bytes"] = full
         return out
 
     def gen_busy(self) -> float:
         """Seconds the engines (live and retired) have had requests running."""
-        fleet = self.run.fleet
+        fleet = self.fleet
         now = time.perf_counter()
         return fleet.retired_busy + sum(e.busy_seconds(now) for e in fleet.engines)
 
     def idle_generation(self, elapsed: float) -> float:
         busy = self.gen_busy()
-        return 1.0 - min(1.0, (busy - self.busy_before) / (elapsed * max(1, len(self.run.fleet.engines))))
+        return 1.0 - min(1.0, (busy - self.busy_before) / (elapsed * max(1, len(self.fleet.engines))))
 
     def idle_training(self, elapsed: float) -> float:
-        return 1.0 - min(1.0, self.run.trainer_busy_s / elapsed)
+        return 1.0 - min(1.0, self.work.busy_s / elapsed)
 
     def collect_stalls(self) -> None:
         """Generation stalls of finished weight updates into the result and the metrics."""
-        run = self.run
-        for e in run.fleet.engines:
-            done = [u for u in e.updates if u.gen_stall_ms is not None or u.version < run.trainer.version - 1]
+        for e in self.fleet.engines:
+            done = [u for u in e.updates if u.gen_stall_ms is not None or u.version < self.work.trainer.version - 1]
             for u in done:
                 if u.gen_stall_ms is not None:
-                    run.result.gen_stall_ms.append(u.gen_stall_ms)
-                    run.reporter.log(u.version, {"weights/gen_stall_ms": u.gen_stall_ms})
+                    self.result.gen_stall_ms.append(u.gen_stall_ms)
+                    self.reporter.log(u.version, {"weights/gen_stall_ms": u.gen_stall_ms})
                 e.updates.remove(u)
 
     def pool_metrics(self) -> dict:
         """rollout.share_engines: this run's measured and due share of its pools' generation
         (the mean over its engines), and how many runs share them."""
-        views = [e.pool for e in self.run.fleet.engines if getattr(e, "pool", None) is not None]
+        views = [v for e in self.fleet.engines if (v := getattr(e, "pool", None)) is not None]
         if not views:
             return {}
         return {"pool/share": sum(v.share for v in views) / len(views),
@@ -161,10 +171,12 @@ class StepMetrics:
                     t_start: float, queue_depth: int) -> dict:
         """Add a trained step to the totals and report it (metrics and a few samples);
         returns the progress bar's postfix."""
-        run, spec, fleet = self.run, self.run.spec, self.run.fleet
+        spec, fleet = self.spec, self.fleet
+        prompts, rewards_service = fleet.prompts, fleet.rewards
+        assert prompts is not None and rewards_service is not None  # set by Controller.setup
         rewards = [s.reward for g in groups for s in g.samples]
         samples = [s for g in groups for s in g.samples]
-        r = run.result
+        r = self.result
         lengths = [s.completion.length for s in samples]
         r.steps, r.trained_samples = step, r.trained_samples + len(samples)
         r.trained_groups += len(groups)
@@ -176,7 +188,7 @@ class StepMetrics:
         elapsed = time.time() - t_start
         mean_r = sum(rewards) / len(rewards)
         hist = {f"staleness/hist/{k}": staleness.count(k) for k in range(max(staleness) + 1)}
-        run.reporter.log(step, {
+        self.reporter.log(step, {
             **{k: v for k, v in stats.items() if not k.startswith("trainer/micro") and k != "trainer/step_s"},
             "reward/mean": mean_r,
             "reward/std": statistics.pstdev(rewards),
@@ -185,7 +197,7 @@ class StepMetrics:
                if spec.algorithm.drop_uniform_groups else {}),
             **{f"reward/part/{name}": sum(s.parts.get(name, 0.0) for s in samples) / len(samples)
                for name in samples[0].parts},
-            **{f"reward_model/{k}": v for k, v in run.rewards.model_stats().items()},
+            **{f"reward_model/{k}": v for k, v in rewards_service.model_stats().items()},
             **({f"reference_stage/{k}": v for k, v in fleet.reference.stats().items()} if fleet.reference else {}),
             **({f"critic_stage/{k}": v for k, v in fleet.critic.stats().items()} if fleet.critic else {}),
             "throughput/samples_per_s": r.trained_samples / elapsed,
@@ -199,7 +211,7 @@ class StepMetrics:
             **({"weights/sync_ms": max(t.sync_ms for t in timings),
                 "weights/load_ms": max(t.load_ms for t in timings)} if timings else {}),
             **self.weight_bytes(),
-            **run.ranker.metrics(),
+            **self.ranker.metrics(),
             **fleet.dispatch_metrics(),
             "generation/long_tail_share": long_tail_share([s.completion.started_at for s in samples],
                                                           [s.completion.finished_at for s in samples]),
@@ -211,19 +223,44 @@ class StepMetrics:
             "lengths/mean": sum(lengths) / len(lengths),
             "lengths/p99": percentile(lengths, 0.99),
             "queue/depth": queue_depth,
-            "version/current": run.trainer.version,
-            "rollout/migrations": fleet.migrations,
+            "version/current": self.work.trainer.version,
+            "rollout/migrations": fleet.tail.migrations,
             **self.pool_metrics(),
             **agent_metrics([s.completion for s in samples]),  # task.environment: agent/*
         })
         # A few samples for the run page; a sequence spanning an update first.
         shown = sorted(samples, key=lambda s: (-len(s.completion.versions.runs), -s.completion.length))[:4]
         for s in shown:
-            record = {"step": step, "prompt": fleet.prompts.text(s.row), "completion": s.text,
+            record = {"step": step, "prompt": prompts.text(s.row), "completion": s.text,
                       "reward": s.reward, "versions": s.completion.versions.per_token(),
-                      "tokens": fleet.prompts.pieces(s.completion.token_ids),
+                      "tokens": prompts.pieces(s.completion.token_ids),
                       "length": s.completion.length, "error": s.error or ""}
             if s.completion.episode is not None:  # the turn-by-turn view (observation tokens masked)
                 record["episode"] = episode_view(s.completion)
-            run.reporter.sample(record)
+            self.reporter.sample(record)
         return {"reward": f"{mean_r:.2f}", "stale": max(staleness), "sps": f"{r.trained_samples / elapsed:.1f}"}
+
+
+def memory_peaks(processes, engines: list) -> dict[str, float]:
+    """Each process of the run on this node, by role, and its peak resident memory so far
+    (GiB): ``processes`` (the run's Processes: trainer ranks, inference stage) and the
+    live ``engines``."""
+    import os
+
+    pids = {"coordinator": os.getpid()}
+    for rank, pid in enumerate(getattr(processes.trainer, "pids", None) or []):
+        pids[f"trainer rank {rank}"] = pid
+    for engine in engines:
+        if getattr(engine, "server_pid", None):
+            pids[f"engine {engine.index} server"] = engine.server_pid
+        for k, pid in enumerate(engine.core_pids()):
+            pids[f"engine {engine.index} vLLM core" + (f" {k}" if k else "")] = pid
+    # the inference stage's workers (named as the plan names them)
+    rewards = processes.rewards
+    for name, worker in (("reward model", rewards.model if rewards else None),
+                         ("KL reference stage", processes.reference), ("critic stage", processes.critic_stage)):
+        proc = getattr(worker, "proc", None)
+        if proc is not None and proc.poll() is None:
+            pids[name] = proc.pid
+    peaks = {name: peak_resident_gib(pid) for name, pid in pids.items()}
+    return {name: round(gib, 2) for name, gib in peaks.items() if gib is not None}

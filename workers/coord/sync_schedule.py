@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+from workers.coord.schedule_parts import ScheduleParts
+
 
 class SyncSchedule:
     """One step at a time; what it guarantees:
@@ -22,9 +24,10 @@ class SyncSchedule:
     - A checkpoint (when due, or asked for by SIGTERM) follows a trained step; nothing is
       in flight then, so it saves no rows to redo.
 
-    ``run``: the Controller (rows, fleet, trainer, training step, checkpoints, stop)."""
+    ``run``: the run's parts it works with (rows, fleet, trainer work, training step,
+    scoring, checkpoints; schedule_parts.py)."""
 
-    def __init__(self, run):
+    def __init__(self, run: ScheduleParts):
         self.run = run
 
     def queue_depth(self) -> int:
@@ -32,9 +35,9 @@ class SyncSchedule:
 
     async def run_steps(self, t_start: float) -> None:
         run = self.run
-        spec, rows = run.spec, run._rows()
+        spec, rows = run.spec, run.rows
         for step in range(run.checkpoints.first_step, spec.stop.max_steps + 1):
-            if run._out_of_time(t_start):
+            if run.out_of_time(t_start):
                 break
             run.fleet.live_engine()  # fails clearly if every engine is dead
             plan = run.fleet.plan([next(rows) for _ in range(spec.schedule.batch_prompts)])
@@ -47,7 +50,7 @@ class SyncSchedule:
     async def _step(self, plan, step: int, t_start: float) -> None:
         """Generate every group of the step (the barrier), score, train."""
         run = self.run
-        version = run.trainer.version
+        version = run.work.trainer.version
         fused = run.spec.rollout.fused_scoring
         async with run.fleet.tail_migration():
             groups = await asyncio.gather(*(run.fleet.group(row, i, version, d.engine, d.predicted, score=fused,
@@ -56,15 +59,16 @@ class SyncSchedule:
         if not fused:  # the barrier: score everything once generation is over
             for g in groups:
                 row = plan[g.index][0]
-                g.samples = list(await asyncio.gather(*(run._score(row, c) for c in g.samples)))
-        await run._train_on(list(groups), step, t_start)
+                g.samples = list(await asyncio.gather(*(run.score(row, c) for c in g.samples)))
+        await run.train_on(list(groups), step, t_start)
 
     async def _streamed_step(self, plan, step: int, t_start: float) -> None:
         """StreamRL's stream generation in a synchronous step: each group goes into the
         trainer's micro-batches as soon as it is scored, overlapping the generation tail."""
         run = self.run
-        version = run.trainer.version
-        await run._in_trainer(run.trainer.begin_step)
+        work = run.work
+        version = work.trainer.version
+        await work.run(work.trainer.begin_step)
         tasks = [asyncio.create_task(run.fleet.group(row, i, version, d.engine, d.predicted, priority=d.priority))
                  for i, (row, d) in enumerate(plan)]
         groups = []
@@ -72,7 +76,7 @@ class SyncSchedule:
             for next_done in asyncio.as_completed(tasks):
                 group = await next_done
                 groups.append(group)
-                await run._in_trainer(run.trainer.accumulate, run._train_samples(group))
+                await work.run(work.trainer.accumulate, work.samples(group))
         n = sum(len(g.samples) for g in groups)
-        stats = await run._in_trainer(run.trainer.finish_step, n, True)
-        await run._train_on(sorted(groups, key=lambda g: g.index), step, t_start, stats=stats)
+        stats = await work.run(work.trainer.finish_step, n, True)
+        await run.train_on(sorted(groups, key=lambda g: g.index), step, t_start, stats=stats)

@@ -1,5 +1,7 @@
 """Rollout worker: one vLLM ``AsyncLLM`` engine that generates completions with
-behaviour log-probs and takes new weights while requests are in flight.
+behaviour log-probs and takes new weights while requests are in flight. Generation is
+here; the vLLM engine's arguments, calls and sleep are in engine_lifecycle.py, its weight
+updates in engine_updates.py.
 
 Update modes (``rollout.update_mode``):
 - ``keep`` (PipelineRL): pause the scheduler keeping requests and KV cache, load,
@@ -19,26 +21,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import logging
-import math
 import os
-import statistics
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from workers.rollout.engine_args import (LORA_ID, LORA_NAME, asleep_after_wake, identity_args, lora_engine_args,
-                                         priority_kwargs, resolve_enforce_eager, vllm_on_cpu)
-from workers.rollout.engine_types import (Completion, EngineDied, EngineRPCTimeout, SamplingOptions, UpdateTiming,
-                                          delta_logprobs, extend_track)
+from workers.rollout.engine_args import LORA_ID, priority_kwargs
+from workers.rollout.engine_types import Completion, SamplingOptions, UpdateTiming, delta_logprobs, extend_track
+from workers.rollout.engine_updates import EngineUpdates
 from workers.rollout.staleness import VersionTrack
 from workers.tasks.model_folder import check_model_folder
-from workers.weights.update import BroadcastWeights, FileWeights, InlineWeights, WeightUpdate
+from workers.weights.update import WeightUpdate
 
 if TYPE_CHECKING:
     from workers.rollout.messages import EngineServerConfig
-    from workers.weights.files import WeightFile
 
-logger = logging.getLogger(__name__)
 _ids = itertools.count()
 
 
@@ -56,7 +52,7 @@ async def continue_on(engine: "RolloutEngine", done: Completion, max_tokens: int
                       done.resubmits + rest.resubmits + 1, rest.engine)
 
 
-class RolloutEngine:
+class RolloutEngine(EngineUpdates):
     # called with True when a request starts on an idle engine, False when its last one stops
     # (the run's time breakdown, workers/coord/time_breakdown.py)
     on_busy: Optional[Callable[[bool], None]] = None
@@ -146,110 +142,11 @@ class RolloutEngine:
             await self._set_label(str(version))
             self.version = version
 
-    def engine_args(self, on_cpu: Optional[bool] = None):
-        """The AsyncEngineArgs this engine starts vLLM with (building them starts nothing).
-        ``on_cpu``: default, vLLM's platform."""
-        from vllm.engine.arg_utils import AsyncEngineArgs
-
-        eager = resolve_enforce_eager(self.enforce_eager, vllm_on_cpu() if on_cpu is None else on_cpu)
-        return AsyncEngineArgs(
-            model=self.model_path, dtype=self.dtype, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-            enforce_eager=eager, seed=self.seed, disable_log_stats=True,
-            worker_extension_cls="workers.weights.sync.WeightSyncExtension",
-            # behaviour log-probs of the distribution actually sampled from (after temperature)
-            logprobs_mode="processed_logprobs",
-            # a cached prefix computed with old weights would leak into new requests
-            enable_prefix_caching=False,
-            # one shard: the worker in the engine core process; more: vLLM's worker processes
-            tensor_parallel_size=self.tensor_parallel,
-            distributed_executor_backend="uni" if self.tensor_parallel == 1 else "mp",
-            # vLLM checks the platform (CUDA, ROCm, XPU) and turns its cumem allocator on
-            **({"enable_sleep_mode": True} if self.sleep_mode else {}),
-            **({"scheduling_policy": "priority"} if self.priority_scheduling else {}),
-            **({"gpu_memory_utilization": self.gpu_memory_utilization} if self.gpu_memory_utilization else {}),
-            **(lora_engine_args(self.lora_rank, self.lora_slots) if self.lora_rank else {}),
-        )
-
-    # -- colocated plans: asleep while the trainer steps ---------------------------------
-    async def sleep(self) -> float:
-        """Free this engine's GPU memory for the trainer's step: vLLM's sleep level 1 (the
-        weights offloaded to host memory, the KV cache discarded; vllm/v1/worker/gpu_worker.py
-        ``sleep``). Level 1, not 2: a woken engine holds exactly the weights it slept with,
-        whatever the next update sends. The sync schedule calls it after its generation
-        barrier, so nothing is running (vLLM would abort it). Returns the seconds it took."""
-        if not self.sleep_mode:
-            raise RuntimeError(f"rollout engine {self.index} was started without sleep mode")
-        t = time.perf_counter()
-        await self._call("sleep", self.engine.sleep(level=1))
-        self.asleep = "all"
-        return time.perf_counter() - t
-
-    async def wake_up(self, tags: Optional[list[str]] = None) -> float:
-        """Wake what sleeps: ``["weights"]`` first, so that an update lands in them while the
-        KV cache still sleeps (the weight-receive buffers fit where it was), then the rest
-        (``None``). vLLM resumes scheduling once all of it is back. Returns the seconds."""
-        if self.asleep is None:
-            return 0.0
-        left = asleep_after_wake(self.asleep, tags)
-        t = time.perf_counter()
-        # what sleeps follows what was asked, once vLLM has done it: its answer differs by
-        # version (0.26 returns None, later ones whether everything is awake)
-        answer = await self._call("wake_up", self.engine.wake_up(tags))
-        if isinstance(answer, bool) and answer != (left is None):
-            logger.warning("rollout engine %d: vLLM says %s after waking %s; %s sleeps as asked",
-                           self.index, "all awake" if answer else "not all awake", tags or "everything",
-                           left or "nothing")
-        self.asleep = left
-        return time.perf_counter() - t
-
-    def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
-        if self._lora_folder is not None:
-            import shutil
-
-            shutil.rmtree(self._lora_folder, ignore_errors=True)
-            self._lora_folder = None
-
     def busy_seconds(self, now: Optional[float] = None) -> float:
         """Time with at least one request running, the current stretch included."""
         now = time.perf_counter() if now is None else now
         running = now - self._busy_since if self._busy_since is not None else 0.0
         return self.busy_s + running
-
-    @property
-    def dead(self) -> bool:
-        """Its engine core process died (vLLM then raises EngineDeadError for new calls)."""
-        return self.engine is None or bool(getattr(self.engine, "errored", False))
-
-    def core_pids(self) -> list[int]:
-        """Pids of the engine core processes (one with the uni executor)."""
-        resources = getattr(getattr(self.engine, "engine_core", None), "resources", None)
-        manager = getattr(resources, "engine_manager", None)
-        return [proc.pid for proc in getattr(manager, "processes", [])]
-
-    async def _call(self, what: str, aw, timed: bool = True):
-        """Await an engine call, failing with ``EngineDied`` once the engine is dead and with
-        ``EngineRPCTimeout`` after ``rpc_timeout_s``. vLLM (0.32, AsyncMPClient) never
-        resolves a utility call that is pending when the core process dies: the future
-        stays in ``utility_results`` forever, so without this a weight update hangs."""
-        task = asyncio.ensure_future(aw)
-        deadline = time.monotonic() + (self.rpc_timeout_s if timed else math.inf)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=max(0.0, min(0.05, deadline - time.monotonic())))
-                if done:
-                    return task.result()
-                if self.dead:
-                    raise EngineDied(f"rollout engine {self.index} died during {what}")
-                if time.monotonic() >= deadline:
-                    raise EngineRPCTimeout(f"rollout engine {self.index} did not answer {what} within "
-                                           f"{self.rpc_timeout_s:g} s (rollout.rpc_timeout_s); it looks wedged")
-        finally:
-            if not task.done():
-                task.cancel()
-                task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
 
     # -- generation ----------------------------------------------------------------
     def _params(self, max_tokens: int, temperature: float, seed: Optional[int], ignore_eos: bool, n: int = 1):
@@ -427,173 +324,3 @@ class RolloutEngine:
         if victims:
             await self.engine.abort(victims)
         return len(victims)
-
-    # -- weight updates ------------------------------------------------------------
-    @property
-    def worker_count(self) -> int:
-        """Its vLLM workers (ranks it takes in a weight group): its tensor-parallel shards."""
-        parallel = getattr(getattr(self.engine, "vllm_config", None), "parallel_config", None)
-        return int(getattr(parallel, "world_size", 1) or 1)
-
-    async def join_weight_group(self, info: dict) -> list[int]:
-        """Join the trainer's weight group (workers/weights/broadcast.py); returns the ranks
-        of its workers. Blocks until every member has joined, so the trainer's side must
-        run meanwhile."""
-        return await self._call("joining the weight group",
-                                self.engine.collective_rpc("fluxrl_join_weight_group", kwargs=info))
-
-    def _load(self, weights: WeightUpdate):
-        """The load of one update, by what it is (the one place an engine tells them apart):
-        an awaitable of each worker's report."""
-        if isinstance(weights, FileWeights) and weights.adapter != bool(self.lora_rank):
-            raise ValueError(f"rollout engine {self.index} serves "
-                             f"{'a LoRA adapter (model.lora)' if self.lora_rank else 'full weights'}: it cannot "
-                             f"load {'an adapter' if weights.adapter else 'full weights'}")
-        if self.lora_rank and not isinstance(weights, FileWeights):
-            raise TypeError("model.lora: an adapter update comes as a weight file (rollout.weight_transport rpc)")
-        if isinstance(weights, FileWeights) and weights.adapter:
-            return self._load_adapter(weights.file)
-        if isinstance(weights, FileWeights):  # read by vLLM's workers a tensor at a time
-            return self.engine.collective_rpc("fluxrl_load_weight_file", args=(weights.file.path, False,
-                                                                                *identity_args(weights.file)))
-        if isinstance(weights, InlineWeights):
-            return self.engine.collective_rpc("fluxrl_load_weights", args=(weights.data,))
-        return self.engine.collective_rpc("fluxrl_receive_weights", args=(weights.group.meta,))
-
-    async def _load_adapter(self, weights: "WeightFile") -> list[dict]:
-        """model.lora: the adapter file into vLLM's LoRA slot, in place (the worker's
-        ``fluxrl_load_lora_file``). The first one also becomes the adapter every request
-        generates with from then on (before it, the base model: the same policy, B = 0)."""
-        if self._lora_folder is None:
-            import tempfile
-
-            self._lora_folder = tempfile.mkdtemp(prefix=f"fluxrl-lora-e{self.index}-")
-        name = f"{LORA_NAME}-{self.lora_id}"
-        loaded = await self.engine.collective_rpc("fluxrl_load_lora_file",
-                                                  args=(weights.path, self._lora_folder, self.lora_id, name,
-                                                        *identity_args(weights)))
-        if self.lora_request is None:
-            from vllm.lora.request import LoRARequest
-
-            self.lora_request = LoRARequest(name, self.lora_id, loaded[0]["folder"])
-        return loaded
-
-    # -- what a run on a shared engine changes (workers/rollout/pool.py) --------------------
-    def policy_version(self, label: int) -> int:
-        """The policy version behind the label vLLM stamped a token with: the same number,
-        on an engine of one run."""
-        return label
-
-    def engine_label(self, version: int) -> int:
-        """The label vLLM stamps tokens with once this engine holds ``version``."""
-        return version
-
-    def _set_label(self, label: str):
-        """Have the engine stamp its next output steps ``label`` (awaitable). vLLM 0.26 has
-        no weight versions (``set_weight_version``, ``CompletionOutput.weight_versions``;
-        0.32 has both): there the outputs carry none and each is labelled with
-        ``self.version`` as it arrives (``seen`` in ``extend_track``)."""
-        core = self.engine.engine_core
-        if hasattr(core, "set_weight_version_async"):
-            return core.set_weight_version_async(label)
-        return asyncio.sleep(0)
-
-    async def update_weights(self, weights: WeightUpdate, version: int) -> UpdateTiming:
-        """Load new weights, labelled ``version``, with the engine's update mode: ``weights``
-        says how they come (weights/update.py): a safetensors file (the RPC path),
-        safetensors bytes, or a broadcast the trainer runs meanwhile (weights/broadcast.py).
-        On a shared engine one run's update at a time (a pause and resume of another's would
-        land in the middle of it)."""
-        async with (self._update_lock or contextlib.nullcontext()):
-            return await self._update_weights(weights, version)
-
-    async def _update_weights(self, weights: WeightUpdate, version: int) -> UpdateTiming:
-        core = self.engine.engine_core
-        label = str(self.engine_label(version))
-        t0 = time.perf_counter()
-        group = weights.group if isinstance(weights, BroadcastWeights) else None
-        collective = group is not None
-        if group is not None and self.update_mode != "drain":
-            await group.arrive()  # every engine is about to receive: the trainer sends now
-        if self.update_mode == "keep" and collective:
-            # The version is set only once the receive succeeded (one more round trip while
-            # paused): a broken broadcast leaves the old weights, which keep their label.
-            try:
-                _, loaded = await self._call("a weight update", asyncio.gather(
-                    core.pause_scheduler_async(mode="keep", clear_cache=False), self._load(weights)))
-            except Exception as exc:
-                await self._resume_after(exc)
-                raise
-            await self._call("a weight version", asyncio.gather(self._set_label(label),
-                                                                 core.resume_scheduler_async()))
-        elif self.update_mode == "keep":
-            _, loaded, _, _ = await self._call("a weight update", asyncio.gather(
-                core.pause_scheduler_async(mode="keep", clear_cache=False),
-                self._load(weights),
-                self._set_label(label),
-                core.resume_scheduler_async(),
-            ))
-        elif self.update_mode == "interrupt":
-            self._resume.clear()
-            try:
-                # only requests of their own: group requests are refused in this mode
-                victims = [key for key in self.active if key not in self._grouped]
-                self._interrupted.update(victims)
-                await self._call("an abort", self.engine.abort(victims))
-                loaded = await self._call("a weight load", self._load(weights))
-                await self._call("a weight version", self._set_label(label))
-            finally:
-                self._resume.set()
-        elif self.update_mode == "drain":
-            # waits for the running requests: as long as they take, but not past a death
-            await self._call("a drain", core.pause_scheduler_async(mode="wait", clear_cache=False), timed=False)
-            try:
-                if group is not None:  # the other engines may still be draining: wait for them untimed
-                    await group.arrive()
-                loaded = await self._call("a weight load", self._load(weights))
-                await self._call("a weight version", self._set_label(label))
-            except Exception as exc:
-                if collective:
-                    await self._resume_after(exc)
-                raise
-            await self._call("a resume", core.resume_scheduler_async())
-        else:
-            raise ValueError(f"unknown update mode {self.update_mode!r}")
-        self.version = version
-        timing = UpdateTiming(version, (time.perf_counter() - t0) * 1000, loaded[0]["load_ms"])
-        self.updates.append(timing)
-        if self.update_mode == "keep" and self.active:
-            # Stall as the requests see it: the gap across the update minus a usual gap.
-            self._pending_stall = (timing, time.perf_counter(), {r: t for r, t in self.active.items()})
-        return timing
-
-    async def _resume_after(self, exc: Exception) -> None:
-        """After a failed broadcast the engine is fine and must not stay paused; a dead or
-        wedged one is not worth another call."""
-        if not isinstance(exc, (EngineDied, EngineRPCTimeout)) and not self.dead:
-            with contextlib.suppress(Exception):
-                await self._call("a resume", self.engine.engine_core.resume_scheduler_async())
-
-    def _note_output(self, rid: str) -> None:
-        now = time.perf_counter()
-        last = self.active.get(rid, now)
-        gap = now - last
-        self.active[rid] = now
-        pending = self._pending_stall
-        if pending is not None and rid in pending[2]:
-            timing, _, before = pending
-            if before.pop(rid) == last and self._gap_ema is not None:
-                timing.stall_samples.append(max(0.0, (gap - self._gap_ema) * 1000))
-            if not before or len(timing.stall_samples) >= 8:
-                timing.gen_stall_ms = statistics.median(timing.stall_samples) if timing.stall_samples else None
-                self._pending_stall = None
-            return
-        self._gap_ema = gap if self._gap_ema is None else 0.9 * self._gap_ema + 0.1 * gap
-
-    async def weights_checksum(self) -> Optional[str]:
-        """The checksum of the state dict its last update loaded, the same in every shard
-        (each tensor-parallel worker takes the whole update and keeps its slice)."""
-        sums = await self._call("a checksum", self.engine.collective_rpc("fluxrl_loaded_checksum"))
-        if len(set(sums)) > 1:
-            raise RuntimeError(f"rollout engine {self.index}: its {len(sums)} shards loaded different weights: {sums}")
-        return sums[0]

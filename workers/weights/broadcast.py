@@ -206,12 +206,13 @@ class WeightBroadcaster:
         self.engines, self.opened = engines, True
         logger.info("weight group open: %s, %d rank(s) on %s:%d", self.backend, world, self.host, port)
 
-    async def broadcast(self, state_dict: dict[str, torch.Tensor], version: int,
+    async def broadcast(self, state_dict: Optional[dict[str, torch.Tensor]], version: int,
                         update: Optional[Callable[[Any, BroadcastWeights, int], Awaitable]] = None) -> list:
-        """Send ``state_dict`` to every engine, each loading it with its update mode (keep /
-        interrupt / drain) and labelling it ``version``. ``update(engine, weights, version)``
-        defaults to ``engine.update_weights``; it returns the engine's ``UpdateTiming``, or
-        None for an engine that died (the caller's bookkeeping). Any failure raises
+        """Send ``state_dict`` (None: a ``RankZeroSender`` gathers it) to every engine, each
+        loading it with its update mode (keep / interrupt / drain) and labelling it
+        ``version``. ``update(engine, weights, version)`` defaults to
+        ``engine.update_weights``; it returns the engine's ``UpdateTiming``, or None for an
+        engine that died (the caller's bookkeeping). Any failure raises
         ``WeightBroadcastError`` after every member has stopped, and breaks the group."""
         if not self.opened:
             raise WeightBroadcastError("the weight group is not open (WeightBroadcaster.open)")

@@ -3,7 +3,6 @@ span weight updates, every generated token keeps the version that produced it an
 behaviour log-prob (checked against the model at that version), observation tokens are
 masked, and the trainer packs exactly the engine's ids."""
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,8 +11,8 @@ from tests.workers.helpers import perturb
 from workers.agents.api import Observation, StepResult
 from workers.agents.episode import Budgets, engine_ids, run_episode, trained_versions
 from workers.agents.render import ObservationRenderer
-from workers.coord.controller import Controller
 from workers.coord.generation import Group, Sample
+from workers.coord.trainer_work import train_samples
 from workers.models.tinymodel import encode
 from workers.spec import validate_spec
 from workers.tasks.prompts import load_tokenizer
@@ -125,7 +124,7 @@ def _check_logprobs_against_each_tokens_version(model, states, comp, whole_turns
 def _check_trainer_packs_the_engines_ids(trainer_and_spec, comp):
     trainer, spec = trainer_and_spec
     sample = Sample({"prompt": "12+34="}, comp, "", 1.0)
-    batch = Controller._train_samples(SimpleNamespace(spec=spec), Group([sample], 0, 0))
+    batch = train_samples(spec, Group([sample], 0, 0))
     ids, _, mask, behav, _, _ = trainer._tensors(batch, "cpu")
     # the ids at the trained positions, read back from the padded tensor, are the engine's
     assert trained_ids(ids, mask) == [engine_ids(comp)]

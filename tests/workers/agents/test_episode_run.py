@@ -35,14 +35,14 @@ class CheckingController(Controller):
         self.checked = 0
         self.masked = 0
 
-    async def _train_on(self, groups, step, t_start, stats=None):
+    async def train_on(self, groups, step, t_start, stats=None):
         samples = [s for g in groups for s in g.samples]
         exact = token_exact([(s.completion.prompt_ids, s.completion.token_ids) for s in samples],
                             [loss_mask(s.completion) for s in samples], [engine_ids(s.completion) for s in samples])
         assert all(exact)
         self.checked += len(exact)
         self.masked += sum(m == 0 for s in samples for m in loss_mask(s.completion))
-        return await super()._train_on(groups, step, t_start, stats)
+        return await super().train_on(groups, step, t_start, stats)
 
 
 def test_an_async_run_of_episodes_is_token_exact_and_reports_the_agent_metrics(tmp_path):

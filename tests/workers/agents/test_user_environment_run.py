@@ -44,9 +44,9 @@ class RecordingController(Controller):
         super().__init__(*args, **kwargs)
         self.episodes = []
 
-    async def _train_on(self, groups, step, t_start, stats=None):
+    async def train_on(self, groups, step, t_start, stats=None):
         self.episodes += [s.completion.episode for g in groups for s in g.samples]
-        return await super()._train_on(groups, step, t_start, stats)
+        return await super().train_on(groups, step, t_start, stats)
 
 
 def test_a_misbehaving_user_environment_ends_its_episodes_by_name_and_the_run_goes_on(tmp_path):

@@ -59,8 +59,8 @@ class CheckingController(Controller):
 
     async def _send_weights(self, version):
         timings = await super()._send_weights(version)
-        trainer = tensors_checksum(await asyncio.to_thread(self.trainer.state_dict))
-        self.checks.append((version, [await e.weights_checksum() == trainer for e in self.engines]))
+        trainer = tensors_checksum(await asyncio.to_thread(self.processes.trainer.state_dict))
+        self.checks.append((version, [await e.weights_checksum() == trainer for e in self.fleet.engines]))
         return timings
 
 
@@ -98,13 +98,13 @@ def _assert_trained_on_both_nodes(controller, result, steps, trained_here):
     """Every step trained within η = 1, both nodes' engines generated and held the trainer's
     weights after every update (``trained_here`` of them in this run), nothing left behind."""
     assert result.steps == steps and result.staleness_max <= 1
-    assert len(controller.engines) == 2 and {e.index for e in controller.engines} == {0, 1}
+    assert len(controller.fleet.engines) == 2 and {e.index for e in controller.fleet.engines} == {0, 1}
     assert len(controller.checks) >= trained_here and all(all(ok) and len(ok) == 2 for _, ok in controller.checks), \
         controller.checks
     # both engines generated: the work was spread over the two nodes
-    assert all(e.generated_tokens > 0 for e in controller.engines)
-    servers = [e.server_pid for e in controller.engines]
-    assert not any(_alive(pid) for pid in servers + controller.trainer.pids)  # nothing left behind
+    assert all(e.generated_tokens > 0 for e in controller.fleet.engines)
+    servers = [e.server_pid for e in controller.fleet.engines]
+    assert not any(_alive(pid) for pid in servers + controller.processes.trainer.pids)  # nothing left behind
 
 
 # One test, two node start-ups: a two-node run (ZeRO-3, trainer rank 0 broadcasting to both
@@ -120,13 +120,13 @@ def test_a_killed_rank_fails_the_two_node_run_and_the_resumed_run_trains_on_both
     node = _start_node(cluster_env, tmp_path / "node1.log")
 
     class KillAtStep3(CheckingController):
-        async def _train_on(self, groups, step, t_start, stats=None):
+        async def train_on(self, groups, step, t_start, stats=None):
             if step == 3:  # node 1's trainer rank dies mid-run (before this step trains)
-                rank1 = self.node_trainer_pids[1][0]
+                rank1 = self.processes.node_trainer_pids[1][0]
                 assert rank1 in _descendants(node.pid)  # in node 1's process tree
                 os.kill(rank1, signal.SIGKILL)
                 self.killed_at = time.monotonic()
-            return await super()._train_on(groups, step, t_start, stats)
+            return await super().train_on(groups, step, t_start, stats)
 
     controller = KillAtStep3(validate_spec(spec), out, progress=False, rendezvous=cluster_env)
     try:
@@ -139,12 +139,13 @@ def test_a_killed_rank_fails_the_two_node_run_and_the_resumed_run_trains_on_both
             os.killpg(node.pid, signal.SIGKILL)
     assert "trainer rank 1" in str(failure.value) and "SIGKILL" in str(failure.value), str(failure.value)
     assert failed_after < 30
-    assert not any(_alive(e.server_pid) for e in controller.engines + controller._dead)
-    assert not any(_alive(pid) for pid in controller.trainer.pids)
+    assert not any(_alive(e.server_pid) for e in controller.fleet.engines + controller.fleet.dead)
+    assert not any(_alive(pid) for pid in controller.processes.trainer.pids)
     # before the kill: both nodes' engines held the trainer's weights after every update (the first, steps 1-2),
     # broadcast by trainer rank 0 itself
     assert [v for v, _ in controller.checks] == [0, 1, 2] and all(all(ok) and len(ok) == 2 for _, ok in controller.checks)
-    assert isinstance(controller.broadcaster.sender, RankZeroSender) and controller.broadcaster.last_send_ms
+    broadcaster = controller.fleet.weights.broadcaster
+    assert isinstance(broadcaster.sender, RankZeroSender) and broadcaster.last_send_ms
 
     # resume: a new node agent, the same run folder, from the step-2 checkpoint
     info = latest_checkpoint(out)
@@ -159,7 +160,7 @@ def test_a_killed_rank_fails_the_two_node_run_and_the_resumed_run_trains_on_both
             os.killpg(node.pid, signal.SIGKILL)
     # The resumed run is a full two-node run, ZeRO-3 over the collective: steps 3-6 here.
     _assert_trained_on_both_nodes(resumed, result, 6, 6 - info.step)
-    assert isinstance(resumed.broadcaster.sender, RankZeroSender)
+    assert isinstance(resumed.fleet.weights.broadcaster.sender, RankZeroSender)
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
              if "reward/mean" in line]
     assert sorted(set(steps)) == list(range(1, 7)), steps  # no step missing

@@ -24,8 +24,8 @@ class CheckingController(Controller):
 
     async def _send_weights(self, version):
         timings = await super()._send_weights(version)
-        trainer = tensors_checksum(await asyncio.to_thread(self.trainer.state_dict))
-        self.checks.append(all([await e.weights_checksum() == trainer for e in self.engines]))
+        trainer = tensors_checksum(await asyncio.to_thread(self.processes.trainer.state_dict))
+        self.checks.append(all([await e.weights_checksum() == trainer for e in self.fleet.engines]))
         return timings
 
 
@@ -64,7 +64,7 @@ def test_a_run_trains_on_both_transports_with_a_one_mib_cap_on_every_frame(trans
     if transport == "rpc":
         weights = os.path.getsize(os.path.join(controller.spec.model.path, "model.safetensors"))
         assert weights > 1 << 20  # the model is over the cap: it had to go in pieces
-        assert all(e.same_files == by_path for e in controller.engines)
+        assert all(e.same_files == by_path for e in controller.fleet.engines)
         if by_path:  # no update on the wire: at most a start's weights (the server's view is not known before)
             assert all(n == 1 << 20 for n in sent[:-1]) and sum(sent) < 2 * weights, sent
         else:

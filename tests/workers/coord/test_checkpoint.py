@@ -102,23 +102,23 @@ def test_a_resumed_run_sends_the_kept_points_again_before_new_ones_without_rewri
 def _controller(tmp_path, seed=3):
     spec = validate_spec({"name": "rows", "model": {"path": "x"}, "task": {"dataset": "gen:add"}, "seed": seed})
     c = Controller(spec, tmp_path, progress=False)
-    c.train_rows = [{"prompt": str(i)} for i in range(7)]
+    c.data.rows = [{"prompt": str(i)} for i in range(7)]
     return c
 
 
 def test_the_data_position_restores_the_same_row_sequence(tmp_path):
     a = _controller(tmp_path)
-    rows = a._rows()
+    rows = a.data.draw()
     drawn = [next(rows)["prompt"] for _ in range(10)]  # into the second epoch
     in_flight = drawn[-3:]  # drawn, not trained on when the checkpoint is taken
-    saved = (list(a._row_order), a._row_pos, a._rng.getstate())
+    saved = (list(a.data.order), a.data.pos, a.data.rng.getstate())
     expected = [next(rows)["prompt"] for _ in range(12)]
 
     b = _controller(tmp_path)
-    b._row_order, b._row_pos = saved[0], saved[1]
-    b._rng.setstate(saved[2])
-    b._redo.extend({"prompt": p} for p in in_flight)
-    rows_b = b._rows()
+    b.data.order, b.data.pos = saved[0], saved[1]
+    b.data.rng.setstate(saved[2])
+    b.data.redo.extend({"prompt": p} for p in in_flight)
+    rows_b = b.data.draw()
     assert [next(rows_b)["prompt"] for _ in range(15)] == in_flight + expected
     assert sorted(drawn[:7]) == sorted(str(i) for i in range(7))  # an epoch is a permutation
 

@@ -79,29 +79,30 @@ def torch_roundtrip(state, tmp=None):
 def _controller(tmp_path, seed=3):
     spec = validate_spec({"name": "rows", "model": {"path": "x"}, "task": {"dataset": "gen:add"}, "seed": seed})
     c = Controller(spec, tmp_path, progress=False)
-    c.train_rows = [{"prompt": str(i), "answer": str(i * 2)} for i in range(7)]
+    c.data.rows = [{"prompt": str(i), "answer": str(i * 2)} for i in range(7)]
     return c
 
 
 def test_the_controller_state_loads_with_weights_only_and_restores_rows_rngs_and_ranker(tmp_path):
     a = _controller(tmp_path)
-    rows = a._rows()
+    rows = a.data.draw()
     [next(rows) for _ in range(10)]
     r = random.Random(5)
     for _ in range(80):
         a.ranker.observe(*chain(r))
     random.seed(11), np.random.seed(12), torch.manual_seed(13)
     a.result.steps, a.result.trained_samples = 4, 64
-    state = a._controller_state(4, 4, 12.5, [{"prompt": "in flight", "answer": "0"}])
+    state = a.checkpoints.state(4, 4, 12.5, [{"prompt": "in flight", "answer": "0"}])
     torch.save(state, tmp_path / "state.pt")
     expected = ([next(rows)["prompt"] for _ in range(9)], random.random(), float(np.random.rand()),
-                float(torch.rand(1)), a._rng.random(), a.ranker.predict(["1+2+3=", "5="]))
+                float(torch.rand(1)), a.data.rng.random(), a.ranker.predict(["1+2+3=", "5="]))
 
     b = _controller(tmp_path / "b", seed=99)
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
-    b._load_controller_state(torch.load(tmp_path / "state.pt", weights_only=True))
-    rows_b = b._rows()
+    b.checkpoints.load_state(torch.load(tmp_path / "state.pt", weights_only=True))
+    rows_b = b.data.draw()
     got = ([next(rows_b)["prompt"] for _ in range(10)], random.random(), float(np.random.rand()),
-           float(torch.rand(1)), b._rng.random(), b.ranker.predict(["1+2+3=", "5="]))
+           float(torch.rand(1)), b.data.rng.random(), b.ranker.predict(["1+2+3=", "5="]))
     assert got[0] == ["in flight"] + expected[0] and got[1:] == expected[1:]
-    assert (b._first_step, b._seconds_before, b.result.steps, b.result.trained_samples) == (5, 12.5, 4, 64)
+    restored = (b.checkpoints.first_step, b.checkpoints.seconds_before, b.result.steps, b.result.trained_samples)
+    assert restored == (5, 12.5, 4, 64)

@@ -23,8 +23,8 @@ class CheckingController(Controller):
 
     async def _send_weights(self, version):
         timings = await super()._send_weights(version)
-        trainer = tensors_checksum(await asyncio.to_thread(self.trainer.state_dict))
-        engines = [await e.weights_checksum() for e in self.engines]
+        trainer = tensors_checksum(await asyncio.to_thread(self.processes.trainer.state_dict))
+        engines = [await e.weights_checksum() for e in self.fleet.engines]
         self.checks.append((version, all(c == trainer for c in engines)))
         return timings
 
@@ -55,8 +55,9 @@ def test_trainer_rank_processes_train_an_async_run_and_the_engine_holds_their_we
     if transport == "collective":  # sent by trainer rank 0 itself, not through this process
         from workers.weights.broadcast import RankZeroSender
 
-        assert isinstance(controller.broadcaster.sender, RankZeroSender) and controller.broadcaster.last_send_ms
-    pids = controller.trainer.pids
+        broadcaster = controller.fleet.weights.broadcaster
+        assert isinstance(broadcaster.sender, RankZeroSender) and broadcaster.last_send_ms
+    pids = controller.processes.trainer.pids
     assert len(pids) == ranks
     import os
     assert not any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"

@@ -28,9 +28,9 @@ class RecordingController(Controller):
         super().__init__(*args, **kwargs)
         self.trained: list[list[float]] = []
 
-    async def _train_on(self, groups, step, t_start, stats=None):
+    async def train_on(self, groups, step, t_start, stats=None):
         self.trained += [[s.reward for s in g.samples] for g in groups]
-        return await super()._train_on(groups, step, t_start, stats)
+        return await super().train_on(groups, step, t_start, stats)
 
 
 @pytest.mark.engine

@@ -16,7 +16,7 @@ def controller(tmp_path, timeout_minutes, delay_s):
     spec = validate_spec({"name": "t", "model": {"path": "m"}, "task": {"dataset": "gen:add"},
                           "eval": {"timeout_minutes": timeout_minutes}})
     ctrl = Controller(spec, tmp_path, progress=False)
-    ctrl.eval_rows = [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(4)]
+    ctrl.evaluation.rows = [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(4)]
     ctrl.fleet.engines.append(SimpleNamespace(dead=False, index=0, active={}))
     ctrl.cancelled = 0
 
@@ -39,7 +39,7 @@ def points(tmp_path):
 def test_the_evaluation_before_step_0_past_its_timeout_is_stopped_and_reported_and_the_run_goes_on(tmp_path):
     ctrl = controller(tmp_path, timeout_minutes=0.002, delay_s=60)  # 0.12 s
     t0 = time.perf_counter()
-    accuracy = asyncio.run(ctrl.evaluate(0))
+    accuracy = asyncio.run(ctrl.evaluation.evaluate(0))
     assert time.perf_counter() - t0 < 5 and math.isnan(accuracy)
     assert ctrl.cancelled == 4  # every prompt's request cancelled, none left running
     ctrl.reporter.close()
@@ -50,7 +50,7 @@ def test_the_evaluation_before_step_0_past_its_timeout_is_stopped_and_reported_a
 
 def test_an_evaluation_within_its_timeout_reports_its_metrics_and_no_timeout(tmp_path):
     ctrl = controller(tmp_path, timeout_minutes=1, delay_s=0)
-    assert asyncio.run(ctrl.evaluate(20)) == 1.0
+    assert asyncio.run(ctrl.evaluation.evaluate(20)) == 1.0
     ctrl.reporter.close()
     got = {p["key"]: p for p in points(tmp_path)}
     assert got["eval/accuracy"]["value"] == 1.0 and got["eval/accuracy"]["step"] == 20

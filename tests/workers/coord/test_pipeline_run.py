@@ -44,7 +44,7 @@ def test_a_gae_run_trains_with_the_fused_pipeline_and_resumes_from_its_checkpoin
     first = Controller(_spec(2), out, progress=False)
     result = asyncio.run(first.run())
     assert result.steps == 2
-    pids = first.trainer.pids
+    pids = first.processes.trainer.pids
     assert len(pids) == 2 and not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
                                       for p in pids)  # the stages ended with the run
     by_key = _metrics(out)

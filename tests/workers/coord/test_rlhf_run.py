@@ -60,11 +60,11 @@ def test_an_async_rlhf_run_scores_with_the_reward_model_and_trains_and_checkpoin
     assert by_key["reward_model/texts"][-1] - by_key["reference_stage/samples"][-1] == 10
     assert by_key["reference_stage/mean_batch"][-1] > 1.5
     assert len(by_key["loss/kl"]) == 4 and by_key["loss/kl"][-1] > 0  # the policy moved off the reference
-    assert controller.trainer.reference is None  # the trainer held no reference
+    assert controller.processes.trainer.reference is None  # the trainer held no reference
     # every process's peak memory, the inference stage's workers by the names the plan gives them
     assert all(result.memory_peak_gib[name] > 0.05 for name in ("reward model", "KL reference stage", "critic stage"))
     assert {"reward model", "KL reference stage", "critic stage"} <= set(result.memory_plan_gib)  # and planned
-    assert controller.rewards.model.proc.poll() is not None  # the stage workers ended with the run
+    assert controller.fleet.rewards.model.proc.poll() is not None  # the stage workers ended with the run
     assert controller.processes.reference.proc.poll() is not None
     # the critic's forward: in the stage for every trained sample, none of them held-out ones
     assert by_key["critic_stage/samples"][-1] >= result.trained_samples

@@ -22,7 +22,7 @@ class GatherWatcher(Controller):
         self.finished_on = []
 
     async def _score(self, row, comp):
-        self.finished_on.append((comp.resubmits, comp.engine, self.fleet.gather_onto))
+        self.finished_on.append((comp.resubmits, comp.engine, self.fleet.tail.gather_onto))
         return await super()._score(row, comp)
 
 

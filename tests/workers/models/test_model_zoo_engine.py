@@ -102,7 +102,7 @@ def test_async_keep_trains_a_chat_model_of_this_architecture(arch, tmp_path):
 
     # Prompts are the chat template's rendering, encoded by the same tokenizer file.
     row, _, comp = controller.generated[-1]
-    rendered = controller.prompts.tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True,
+    rendered = controller.fleet.prompts.tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True,
                                                                tokenize=False)
     assert comp.prompt_ids == saved.encode(rendered, add_special_tokens=False).ids
 
@@ -111,7 +111,7 @@ def test_async_keep_trains_a_chat_model_of_this_architecture(arch, tmp_path):
     # training) are HF's greedy completions, token for token, up to the first stop id.
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     greedy = [c for _, t, c in controller.generated if t == 0 and c.versions.runs == [[0, c.length]]]
-    assert len(greedy) == len(controller.eval_rows) >= 100, len(greedy)
+    assert len(greedy) == len(controller.evaluation.rows) >= 100, len(greedy)
     pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
     assert greedy_completions(hf, [c.prompt_ids for c in greedy], stops, pad_id) == [c.token_ids for c in greedy]
 

@@ -58,7 +58,7 @@ def test_a_dead_rollout_engine_loses_no_accepted_sample(tmp_path, tiny_model_pat
     async def kill_engine_zero_mid_run():
         while controller.reporter.latest.get("version/current", 0) < 1:
             await asyncio.sleep(0.02)
-        engine = next(e for e in controller.engines if e.index == 0)
+        engine = next(e for e in controller.fleet.engines if e.index == 0)
         # its vLLM process: the engine server itself when vLLM runs inside it (the CPU default)
         victim = (engine.core_pids() or [engine.server_pid])[0]
         while True:
@@ -90,7 +90,7 @@ def test_a_dead_rollout_engine_loses_no_accepted_sample(tmp_path, tiny_model_pat
     assert seen.get("in_flight", 0) > 0
     assert seen["continued"] > 0  # the dead engine's in-flight sequences went on elsewhere
     assert result.steps == STEPS and result.trained_samples == STEPS * PROMPTS * GROUP
-    assert controller.engine_deaths == 1
+    assert controller.fleet.engine_deaths == 1
     err = capfd.readouterr().err
     assert "WARNING workers.coord.generation: rollout engine 0 died" in err
     points = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]

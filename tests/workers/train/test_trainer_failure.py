@@ -16,5 +16,5 @@ def test_a_trainer_exception_is_reported_as_a_trainer_failure(tmp_path):
         raise ValueError("NaN in the loss")
 
     with pytest.raises(TrainerError, match="the trainer failed: ValueError: NaN in the loss"):
-        asyncio.run(controller._in_trainer(broken))
+        asyncio.run(controller.work.run(broken))
     assert not isinstance(TrainerError("x"), ValueError)  # __main__ maps ValueError to exit code 2

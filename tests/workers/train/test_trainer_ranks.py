@@ -92,6 +92,11 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+def _without_timings(stats: dict) -> dict:
+    """A step's statistics without the wall times each rank measures for itself."""
+    return {k: v for k, v in stats.items() if not k.endswith("_s")}
+
+
 def _assert_same_stats(got: dict, want: dict) -> None:
     assert set(got) == set(want)
     for key in ("loss/policy", "loss/kl", "policy/clip_frac", "policy/entropy", "mismatch/kl",
@@ -298,7 +303,8 @@ def test_two_nodes_on_loopback_form_one_world(tiny_model_path, batch, tmp_path):
             node1.wait()
     assert node1.returncode == 0, err[-3000:]
     remote = json.loads(next(line for line in out.splitlines() if line.startswith("STATS "))[6:])
-    assert remote == stats  # every rank reduces the same statistics
+    # every rank reduces the same statistics (its own wall times, trainer/*_s, aside)
+    assert _without_timings(remote) == _without_timings(stats)
 
     one = Trainer(validate_spec(raw), tiny_model_path, threads=1)
     _assert_same_stats(stats, one.train_step(linear))
