@@ -195,7 +195,7 @@ def test_the_async_drop_check_bounds_the_oldest_trained_token(trainer_version, d
     # max_staleness 2; the group started under v0 but its oldest trained token is v2
     spec = SimpleNamespace(schedule=SimpleNamespace(max_staleness=2, batch_prompts=1),
                            algorithm=SimpleNamespace(drop_uniform_groups=False))
-    run = SimpleNamespace(spec=spec, trainer=SimpleNamespace(version=trainer_version))
+    run = SimpleNamespace(spec=spec, work=SimpleNamespace(trainer=SimpleNamespace(version=trainer_version)))
     schedule = AsyncSchedule(run)
     group = Group([_episode_sample([(2, 5), (4, 2)], [1, 1, 1, 0, 0, 1, 1])], start_version=0, index=0)
     assert schedule._drop_reason(group) == ("stale" if dropped else None)
