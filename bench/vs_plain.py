@@ -97,6 +97,9 @@ ENGINE_SYSTEMS["async_one_step"] = {"algorithm": {"minibatches": 1}}
 # the same with twice the staleness bound: at 2 the staleness sat at its cap (generation waiting
 # for the trainer) while the trainer still waited for batches a quarter of the time
 ENGINE_SYSTEMS["async_one_step_eta4"] = {"algorithm": {"minibatches": 1}, "schedule": {"max_staleness": 4}}
+# generation and training on the same cores, time-sliced by the OS, instead of half each
+# (resources.cpu_overlap): a role that waits leaves its cores to the other
+ENGINE_SYSTEMS["async_shared"] = {"resources": {"cpu_overlap": "shared"}}
 SYSTEMS = ["plain", "trl", "sync", "async"]
 ZOO_SYSTEMS = ["trl", "async"]  # the plain loop tokenizes with the tiny model's characters only
 REAL_SIZE, REAL_SIZE_SYSTEMS = "real-size", ["trl", "sync", "async"]

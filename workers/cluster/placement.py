@@ -23,8 +23,9 @@ Layouts:
 
 - **CPU** (the machine has no GPU): each role runs where the cores are. When generation and
   training overlap (``schedule.mode: async`` or ``stream_train``) the engines get the first
-  half of a node's cores and the trainer ranks the rest; otherwise (sync) each phase has
-  the whole node. Within a role the cores are split into contiguous blocks, one per
+  half of a node's cores and the trainer ranks the rest (``resources.cpu_overlap: split``), or
+  both roles all of them, time-sliced by the operating system (``shared``); otherwise (sync)
+  each phase has the whole node. Within a role the cores are split into contiguous blocks, one per
   process, or shared by all when there are fewer cores than processes. Each engine is a
   server process of its own started with its cores, as on GPUs, with vLLM inside it
   (``engine_single_process``); ``resources.engine_processes: false`` keeps them in the
@@ -198,6 +199,10 @@ class Plan:
     # process of its own starts with the plan's CUDA_VISIBLE_DEVICES; engines inside the
     # coordinator would all land on its first visible GPU, each asking for its memory share of it).
     engine_processes: bool = True
+    # CPU plans with resources.cpu_overlap shared: overlapped roles on the same cores, so the
+    # processes the plan starts wait passively (no OpenMP thread spinning on a core the other
+    # role could use)
+    shared_cores: bool = False
 
     @property
     def trainers(self) -> tuple[Process, ...]:
@@ -257,6 +262,8 @@ class Plan:
     def env(self, process: Process) -> dict[str, str]:
         """Environment variables that put a process where the plan says."""
         env = {"OMP_NUM_THREADS": str(process.threads)}
+        if self.shared_cores:
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
         if process.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = process.cuda_visible_devices
         if process.role == "trainer":
@@ -407,7 +414,7 @@ def plan_cpu(spec: "RunSpec", machine: Machine) -> Plan:
     trainers, engines = [], []
     for node in range(res.nodes):
         n_engines = engines_per_node[node]
-        if overlapped and n_engines and ranks_per_node and len(cores) >= 2:
+        if overlapped and res.cpu_overlap == "split" and n_engines and ranks_per_node and len(cores) >= 2:
             half = len(cores) // 2
             generation, training = cores[:half], cores[half:]
         else:
@@ -418,7 +425,8 @@ def plan_cpu(spec: "RunSpec", machine: Machine) -> Plan:
         for j, block in enumerate(_blocks(generation, n_engines)):
             engines.append(Process("engine", first_engine + j, node, block, len(block)))
     return Plan("cpu", res.nodes, 0, tp, res.colocate, overlapped, tuple(trainers + engines),
-                engine_processes=res.engine_processes is not False or res.nodes > 1)
+                engine_processes=res.engine_processes is not False or res.nodes > 1,
+                shared_cores=overlapped and res.cpu_overlap == "shared")
 
 
 def plan_gpu(spec: "RunSpec", machine: Machine) -> Plan:

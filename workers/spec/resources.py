@@ -30,6 +30,12 @@ class ResourcesSpec(_Strict):
                                              "(workers/rollout/server.py). Default: yes (false is refused on GPUs, "
                                              "ignored with nodes > 1); false keeps a CPU run's engines inside the "
                                              "coordinator's process")
+    cpu_overlap: Literal["split", "shared"] = Field("split", description="CPU plans whose generation and training "
+                                                    "overlap (schedule.mode async, or stream_train): split gives the "
+                                                    "engines the first half of each node's cores and the trainer the "
+                                                    "rest; shared gives both roles all of them, time-sliced by the "
+                                                    "operating system, so a role that waits leaves its cores to the "
+                                                    "other (processes it starts wait passively: OMP_WAIT_POLICY)")
     trainer_process: bool = Field(False, description="the trainer in a process of its own even with one rank "
                                   "(always so with trainer_ranks > 1): it then shares no interpreter lock with "
                                   "the coordinator's event loop")

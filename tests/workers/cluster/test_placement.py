@@ -137,6 +137,19 @@ def test_cpu_2_cores_async_halves_and_sync_gives_each_phase_the_machine():
     assert stream.overlapped and stream.cpu_bind("engine") == "0" and stream.threads("trainer") == 1
 
 
+def test_cpu_overlap_shared_gives_both_overlapped_roles_every_core_waiting_passively():
+    two = Machine(cpu_cores=2)
+    plan = plan_placement(spec({"cpu_overlap": "shared"}, mode="async"), two)
+    assert plan.overlapped and plan.shared_cores
+    assert [(p.name, p.cpu_bind, p.threads) for p in plan.processes] == \
+        [("trainer 0", "0-1", 2), ("engine 0", "0-1", 2)]
+    assert plan.env(plan.engines[0]) == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE",
+                                         "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    # a sync schedule gives each phase the machine anyway: nothing overlaps, nothing to share
+    sync = plan_placement(spec({"cpu_overlap": "shared"}, mode="sync"), two)
+    assert not sync.shared_cores and "OMP_WAIT_POLICY" not in sync.env(sync.engines[0])
+
+
 def test_cpu_16_cores_2_engines_2_ranks():
     sixteen = Machine(cpu_cores=16)
     plan = plan_placement(spec({"trainer_ranks": 2}, engines=2), sixteen)
