@@ -100,6 +100,10 @@ ENGINE_SYSTEMS["async_one_step_eta4"] = {"algorithm": {"minibatches": 1}, "sched
 # generation and training on the same cores, time-sliced by the OS, instead of half each
 # (resources.cpu_overlap): a role that waits leaves its cores to the other
 ENGINE_SYSTEMS["async_shared"] = {"resources": {"cpu_overlap": "shared"}}
+# sync with the tail of each step's generation filled by training on the groups already
+# scored (StreamRL's stream generation), and async taking the predicted-longest groups first
+ENGINE_SYSTEMS["sync_stream"] = {"schedule": {"mode": "sync", "stream_train": True}}
+ENGINE_SYSTEMS["async_longest_first"] = {"schedule": {"dispatch": "longest_first"}}
 SYSTEMS = ["plain", "trl", "sync", "async"]
 ZOO_SYSTEMS = ["trl", "async"]  # the plain loop tokenizes with the tiny model's characters only
 REAL_SIZE, REAL_SIZE_SYSTEMS = "real-size", ["trl", "sync", "async"]

@@ -94,7 +94,8 @@ WORKLOADS = {
                           lambda spec, folder, n: zoo_spec(spec, "qwen2", folder, n), ("async_one_step", "async_shared")),
     "real-size-8": Workload("training-bound: Qwen2.5-0.5B's shape, 8 new tokens", _real_size(8), ("async_shared",)),
     "real-size-256": Workload("generation-bound: Qwen2.5-0.5B's shape, 256 new tokens", _real_size(256), ()),
-    "long-tail": Workload("skewed lengths: running sums, 1 to 30+ tokens of 48", _long_tail, ("async_one_step",)),
+    "long-tail": Workload("skewed lengths: running sums, 1 to 30+ tokens of 48", _long_tail,
+                          ("async_one_step", "sync_stream", "async_longest_first")),
 }
 PEERS = ("trl", "trl_vllm")
 SYSTEMS = ("trl", "trl_vllm", "sync", "async")
