@@ -46,7 +46,6 @@ def configure_logging() -> None:
 
 
 def cmd_run(args) -> int:
-    from workers.coord.controller import Controller
     from workers.io.heartbeat import Heartbeat
     from workers.io.report import PlatformClient, Reporter
     from workers.rewards.service import RewardFunctionBroken
@@ -80,6 +79,11 @@ def cmd_run(args) -> int:
         return fail(f"invalid run spec: {exc}", 2)
     except OSError as exc:
         return fail(f"cannot read the spec: {exc}", 2)
+    from workers.spec import PASSIVE_WAITS, shares_cores
+
+    if shares_cores(spec):  # before torch starts OpenMP in this process (the trainer's threads)
+        os.environ.update(PASSIVE_WAITS)
+    from workers.coord.controller import Controller
     from workers.models.preflight import ModelCheckError, resolve_model_path
 
     try:

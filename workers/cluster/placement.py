@@ -67,7 +67,7 @@ from workers.cluster.host_memory import HostMemoryPlan, host_memory_gib, plan_ho
 from workers.cluster.memory import CRITIC_STAGE, REFERENCE_STAGE, REWARD_MODEL, MemoryPlan, plan_memory
 from workers.cluster.model_size import DTYPE_BYTES, ModelSize, model_size
 from workers.cluster.trainer_memory import TrainerMemory, trainer_memory
-from workers.spec import model_dtype
+from workers.spec import PASSIVE_WAITS, model_dtype, shares_cores
 
 if TYPE_CHECKING:
     from workers.spec import RunSpec
@@ -263,7 +263,7 @@ class Plan:
         """Environment variables that put a process where the plan says."""
         env = {"OMP_NUM_THREADS": str(process.threads)}
         if self.shared_cores:
-            env["OMP_WAIT_POLICY"] = "PASSIVE"
+            env |= PASSIVE_WAITS
         if process.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = process.cuda_visible_devices
         if process.role == "trainer":
@@ -426,7 +426,7 @@ def plan_cpu(spec: "RunSpec", machine: Machine) -> Plan:
             engines.append(Process("engine", first_engine + j, node, block, len(block)))
     return Plan("cpu", res.nodes, 0, tp, res.colocate, overlapped, tuple(trainers + engines),
                 engine_processes=res.engine_processes is not False or res.nodes > 1,
-                shared_cores=overlapped and res.cpu_overlap == "shared")
+                shared_cores=shares_cores(spec))
 
 
 def plan_gpu(spec: "RunSpec", machine: Machine) -> Plan:

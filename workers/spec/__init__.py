@@ -15,7 +15,7 @@ from workers.spec.loading import SpecError, load_spec_file, validate_spec
 from workers.spec.model import VLLM_LORA_RANKS, LoraSpec, ModelSpec, model_dtype
 from workers.spec.report import (MlflowReport, ReportSpec, TensorBoardReport, WandbReport, check_server_uri,
                                  namespace_defaults, report_outside_namespace, report_paths_outside_run, server_origin)
-from workers.spec.resources import InferenceSpec, ResourcesSpec
+from workers.spec.resources import PASSIVE_WAITS, InferenceSpec, ResourcesSpec, shares_cores
 from workers.spec.reward import RewardComponent, RewardModelSpec, RewardSpec
 from workers.spec.rollout import RolloutSpec
 from workers.spec.rules import RULES, Rule, RuleGroup
@@ -26,11 +26,12 @@ from workers.spec.trainer import CriticSpec, PipelineSpec, TrainerSpec
 from workers.spec.work import RunWork, run_work
 
 __all__ = [
-    "DEFAULT_PPO_MINIBATCHES", "MAX_GROUP_SIZE", "MAX_RUN_MINUTES", "MAX_TOKENS", "RESERVED_EVAL_SET_NAMES", "RULES",
+    "DEFAULT_PPO_MINIBATCHES", "MAX_GROUP_SIZE", "MAX_RUN_MINUTES", "MAX_TOKENS", "PASSIVE_WAITS",
+    "RESERVED_EVAL_SET_NAMES", "RULES",
     "VLLM_LORA_RANKS", "AlgorithmSpec", "CriticSpec", "EnvironmentSpec", "EvalSetSpec", "EvalSpec", "InferenceSpec",
     "LongTailSpec", "LoraSpec", "MlflowReport", "ModelSpec", "PipelineSpec", "ReportSpec", "ResourcesSpec",
     "RewardComponent", "RewardModelSpec", "RewardSpec", "RolloutSpec", "Rule", "RuleGroup", "RunSpec", "RunWork",
     "ScheduleSpec", "SpecError", "StopSpec", "TaskSpec", "TensorBoardReport", "TrainerSpec", "WandbReport",
     "check_server_uri", "load_spec_file", "model_dtype", "namespace_defaults", "report_outside_namespace",
-    "report_paths_outside_run", "run_work", "server_origin", "validate_spec",
+    "report_paths_outside_run", "run_work", "server_origin", "shares_cores", "validate_spec",
 ]

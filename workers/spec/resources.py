@@ -73,6 +73,18 @@ class ResourcesSpec(_Strict):
         return per_node
 
 
+def shares_cores(spec) -> bool:
+    """A CPU run whose overlapped roles (async, or stream_train) share every core
+    (resources.cpu_overlap shared): its processes wait passively (OMP_WAIT_POLICY), set before
+    OpenMP starts in each (the CLI for the coordinator, the plan and the rank launcher for the
+    processes they start)."""
+    overlapped = spec.schedule.mode == "async" or spec.schedule.stream_train
+    return spec.resources.cpu_overlap == "shared" and overlapped
+
+
+PASSIVE_WAITS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 class InferenceSpec(_Strict):
     """The inference stage's workers (algorithm.kl_reference: stage, critic.forward: stage): processes of their own
     beside the coordinator, fed the samples that finish generating close together."""

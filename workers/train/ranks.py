@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, NoReturn, Optional
 
 from workers.io.ports import free_port
-from workers.spec import RunSpec
+from workers.spec import PASSIVE_WAITS, RunSpec, shares_cores
 from workers.train.rank_messages import (_REPLIES, AccumulateRequest, BeginStepRequest, ErrorReply, FinishStepRequest,
                                          FormWeightGroupRequest, HostWeightGroupRequest, LeaveWeightGroupRequest,
                                          LoadStateRequest, PrepareWeightsRequest, Sample, SaveRequest,
@@ -166,6 +166,8 @@ class TrainerGroup:
                 threads = threads_per_rank[local] if isinstance(threads_per_rank, list) else threads_per_rank
                 if threads:
                     env["OMP_NUM_THREADS"] = str(threads)
+                if cuda_devices is None and shares_cores(spec):
+                    env |= PASSIVE_WAITS  # the engines compute on the same cores (resources.cpu_overlap)
                 if cuda_devices is not None:
                     # As the plan says (workers/cluster/placement.py Plan.env) and DeepSpeed's launcher
                     # does: every rank of the node sees the node's trainer GPUs and takes
