@@ -79,21 +79,12 @@ def cmd_run(args) -> int:
         return fail(f"invalid run spec: {exc}", 2)
     except OSError as exc:
         return fail(f"cannot read the spec: {exc}", 2)
+    # model.path is resolved once, by the Controller's set-up (a ModelCheckError there exits 2)
     from workers.spec import PASSIVE_WAITS, shares_cores
 
     if shares_cores(spec):  # before torch starts OpenMP in this process (the trainer's threads)
         os.environ.update(PASSIVE_WAITS)
     from workers.coord.controller import Controller
-    from workers.models.preflight import ModelCheckError, resolve_model_path
-
-    try:
-        spec.model.path = resolve_model_path(spec.model.path)
-        if spec.reward.model is not None:
-            from workers.models.reward_model import resolve_reward_model_path
-
-            spec.reward.model.path = resolve_reward_model_path(spec.reward.model.path)
-    except ModelCheckError as exc:
-        return fail(str(exc), 2)
     resume = None
     if args.resume and not args.out:
         return fail("--resume needs --out: the folder of the run to continue", 2)

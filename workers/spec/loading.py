@@ -1,6 +1,7 @@
 """A run spec from a mapping, YAML/JSON text or a file, or a SpecError naming each field."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import yaml
@@ -38,6 +39,15 @@ def validate_spec(data: Any) -> RunSpec:
 
 
 def load_spec_file(path: str) -> RunSpec:
-    """The run spec in a YAML or JSON file, validated (SpecError names the fields)."""
+    """The run spec in a YAML or JSON file: a resolved document from the platform, built as it
+    was validated there (resolved.py; its schema version checked), else validated here
+    (SpecError names the fields)."""
+    from workers.spec.resolved import is_resolved_document, load_resolved
+
     with open(path, encoding="utf-8") as fh:
-        return validate_spec(fh.read())
+        text = fh.read()
+    try:
+        data = json.loads(text)
+    except ValueError:  # YAML (or broken JSON: validate_spec's YAML reading names it)
+        return validate_spec(text)
+    return load_resolved(data) if is_resolved_document(data) else validate_spec(data)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from workers.spec.algorithm import DEFAULT_PPO_MINIBATCHES, AlgorithmSpec
-from workers.spec.base import _Strict
+from workers.spec.base import SPEC_VERSION, _Strict, version_refusal
 from workers.spec.evaluation import EvalSpec
 from workers.spec.model import ModelSpec
 from workers.spec.report import ReportSpec
@@ -20,6 +20,8 @@ from workers.spec.trainer import CriticSpec, TrainerSpec
 
 
 class RunSpec(_Strict):
+    version: int = Field(SPEC_VERSION, description="the spec schema version it is written for; FluxRL reads "
+                         f"{SPEC_VERSION} (the default) and refuses any other with the reason")
     name: str = Field(min_length=1, max_length=200)
     model: ModelSpec
     task: TaskSpec
@@ -35,6 +37,14 @@ class RunSpec(_Strict):
     resources: ResourcesSpec = ResourcesSpec()
     report: ReportSpec = Field(ReportSpec(), description="metric exporters: TensorBoard, MLflow, W&B")
     seed: int = 0
+
+    @field_validator("version")
+    @classmethod
+    def _this_version(cls, value):
+        refusal = version_refusal(value)
+        if refusal is not None:
+            raise ValueError(refusal)
+        return value
 
     @model_validator(mode="after")
     def _defaults_from_other_sections(self):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from django.apps import apps
 from django.conf import settings
@@ -41,6 +42,9 @@ from fluxrl.accounts.models import Organisation, Team
 from fluxrl.errors import Forbidden, TooLarge, field_error
 
 from .models import OrganisationQuota, TeamQuota, UserQuota
+
+if TYPE_CHECKING:
+    from workers.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -230,22 +234,22 @@ def check_run_quota(team: Team, spec: dict, owner=None) -> None:
             raise QuotaExceeded(message, fields={fields[name]: message})
 
 
-def check_spec_ceilings(spec: dict) -> None:
+def check_spec_ceilings(run: RunSpec) -> None:
     """A validated spec asking for more than the deployment allows one run: a 400 naming the field."""
+    spec = run.to_dict()
     for (section, key), (field, setting) in CEILINGS.items():
         ceiling = getattr(settings, setting)
         asked = _spec_int(spec, section, key)
         if ceiling is not None and ceiling >= 0 and asked > ceiling:
             raise field_error(field, f"{asked} is above this deployment's limit of {ceiling} per run ({setting})")
-    check_work_ceilings(spec)
+    check_work_ceilings(run)
 
 
-def check_work_ceilings(spec: dict) -> None:
+def check_work_ceilings(run: RunSpec) -> None:
     """A validated spec whose total work (the most tokens it can generate: workers.spec.run_work)
     is above a WORK_CEILINGS setting: a 400 naming the field, the amount and the limit."""
-    from workers.spec import RunSpec, run_work
+    from workers.spec import run_work
 
-    run = RunSpec.model_validate(spec)
     work, tokens = run_work(run), run.rollout.max_tokens
 
     def over(name: str, amount: int) -> int | None:

@@ -35,6 +35,7 @@ from django.db.models import Q
 from django.utils import timezone
 from workers.io.ports import free_port
 from workers.rollout.tickets import TICKET_ENV, VERIFIER_ENV
+from workers.spec.resolved import resolved_document
 
 from fluxrl.accounts.services import create_run_token
 from fluxrl.errors import DomainError
@@ -224,7 +225,7 @@ def launch(run_id: int) -> tuple[subprocess.Popen, Path] | None:
                 return None
             folder.mkdir(parents=True, exist_ok=True)
             spec_path = folder / "spec.json"
-            spec_path.write_text(json.dumps(resolve_spec(run), indent=2))
+            spec_path.write_text(json.dumps(resolved_document(resolve_spec(run)), indent=2))
             _, key = create_run_token(run)
             nodes = int(run.resolved_spec.get("resources", {}).get("nodes", 1))
             rendezvous = new_rendezvous() if nodes > 1 else ""

@@ -1,7 +1,8 @@
 """What a run's engine is given: the model folder it may load (check_model_path), its
 engine-ready spec (engine_spec, resolve_spec) and its folders on the worker host (run_dir,
-run_output_dir). Checked at submission (services) and again at dispatch (dispatch), which
-both import this module and not each other."""
+run_output_dir). The spec is validated once, at submission (services); dispatch (dispatch)
+checks the model folders again and computes the pinned files' paths anew. Both import this
+module and not each other."""
 from __future__ import annotations
 
 import copy
@@ -17,7 +18,7 @@ from fluxrl.modelstore import services as modelstore
 from fluxrl.modelstore.models import StoredModelVersion
 from fluxrl.versioned import parse_ref
 from workers.models.preflight import BUILTIN_MODELS  # model.path names the engine builds itself
-from workers.spec import SpecError, validate_spec
+from workers.spec import RunSpec, SpecError, validate_spec
 from workers.tasks.builtin_rewards import BUILTIN_REWARDS
 
 from .models import Run
@@ -102,7 +103,8 @@ def check_model_path(team, path: str, field: str = MODEL_FIELD, builtins: tuple[
     there); the outputs of one of the team's own runs (run_output_dir). Never another
     team's outputs or any other folder of the worker host. Symlinks and `..` are resolved
     (os.path.realpath) before the check, and the resolved path is what is returned, for
-    the engine to load: call this at submission and again at dispatch."""
+    the engine to load: call this at submission, and at dispatch on the folder it returned
+    then (a symlink swapped in between is checked again)."""
     if "\0" in path:
         raise field_error(field, "a path cannot hold a NUL character")
     if path.startswith("builtin:"):
@@ -151,23 +153,39 @@ def check_lora_init(team, spec: dict) -> str | None:
     return check_model_path(team, lora["init"], LORA_INIT_FIELD, builtins=())
 
 
-def engine_spec(spec: dict, dataset_version=None, reward_version=None, model_path: str | None = None,
+def engine_spec(spec: dict | RunSpec, dataset_version=None, reward_version=None, model_path: str | None = None,
                 reward_model_path: str | None = None, eval_sets: list | None = None,
                 lora_init: str | None = None, environment_version=None) -> dict:
-    """The spec with team references replaced by what a worker can use: the dataset's
-    immutable JSONL file (fields normalized to prompt/answer), the reward's code, the
-    team environment's code (task.environment becomes name 'user' with that code, which the
-    engine runs only in its sandbox), and the model folder as check_model_path resolved it.
-    ``eval_sets``: for each of eval.sets, (its team dataset version or None, its team reward
-    function's code or None)."""
-    resolved = copy.deepcopy(spec)
+    """The spec with team references replaced by what a worker can use (substitute_references).
+    A RunSpec, validated by the caller, is not validated again; a mapping is validated here
+    first, the one validation of a caller that holds only the submitted mapping."""
+    if not isinstance(spec, RunSpec):
+        try:
+            spec = validate_spec(spec)
+        except SpecError as exc:
+            raise spec_errors(exc.errors) from None
+    return substitute_references(spec.to_dict(), dataset_version, reward_version, model_path, reward_model_path,
+                                 eval_sets, lora_init, environment_version)
+
+
+def substitute_references(resolved: dict, dataset_version=None, reward_version=None, model_path: str | None = None,
+                          reward_model_path: str | None = None, eval_sets: list | None = None,
+                          lora_init: str | None = None, environment_version=None) -> dict:
+    """A validated spec (``RunSpec.to_dict()``, every section present) with the team's
+    references replaced, in place: the dataset's immutable JSONL file (fields normalized to
+    prompt/answer), the reward's code, the team environment's code (task.environment becomes
+    name 'user' with that code, which the engine runs only in its sandbox), and the model
+    folder as check_model_path resolved it. ``eval_sets``: for each of eval.sets, (its team
+    dataset version or None, its team reward function's code or None). What is written in is
+    the platform's own (paths it computed, code it parsed at upload), so the spec is not
+    validated again."""
     for one, (set_dataset, set_code) in zip(((resolved.get("eval") or {}).get("sets") or []), eval_sets or []):
         if set_dataset is not None:
             one.update(dataset=str(set_dataset.path), prompt_field="prompt", answer_field="answer")
         if set_code is not None:
             one["reward"].update(function="user", code=set_code)
     if model_path is not None:
-        resolved.setdefault("model", {})["path"] = model_path
+        resolved["model"]["path"] = model_path
     if reward_model_path is not None:
         resolved["reward"]["model"]["path"] = reward_model_path
     if lora_init is not None:
@@ -175,32 +193,32 @@ def engine_spec(spec: dict, dataset_version=None, reward_version=None, model_pat
     if dataset_version is not None:
         resolved["task"].update(dataset=str(dataset_version.path), prompt_field="prompt", answer_field="answer")
     if reward_version is not None:
-        resolved.setdefault("reward", {}).update(function="user", code=reward_version.code)
+        resolved["reward"].update(function="user", code=reward_version.code)
     if environment_version is not None:
         resolved["task"]["environment"].update(name="user", code=environment_version.code)
-    try:
-        return validate_spec(resolved).to_dict()
-    except SpecError as exc:
-        raise spec_errors(exc.errors) from None
+    return resolved
 
 
 def resolve_spec(run: Run) -> dict:
-    """Engine-ready spec of a run, from its spec and pinned versions (paths computed now,
-    so a moved FLUXRL_DATA_DIR is followed). Use this at dispatch time. The model path is
-    checked again (a spec stored before the rule, or a symlink swapped after submission,
-    must not slip through), and the engine is given the folder it resolved to."""
+    """Engine-ready spec of a run at dispatch: the spec validated and resolved at submission
+    (run.resolved_spec), with the pinned versions' paths computed again (a moved
+    FLUXRL_DATA_DIR is followed). The model folders resolved at submission are checked
+    again against the model roots (a symlink swapped after submission must not slip
+    through); the spec itself is not validated again: the engine receives it as a resolved
+    document (workers.spec.resolved) and refuses one of another schema version."""
+    stored = copy.deepcopy(run.resolved_spec)
     # an uploaded model's version was pinned at submission; anything else is checked again
     if run.model_version is not None:
         model_path = os.path.realpath(run.model_version.path)
     else:
-        model_path = check_model_path(run.team, (run.spec.get("model") or {}).get("path", ""))
+        model_path = check_model_path(run.team, (stored.get("model") or {}).get("path", ""))
     if run.reward_model_version is not None:
         reward_model_path = os.path.realpath(run.reward_model_version.path)
     else:
-        reward_model_path = check_reward_model_path(run.team, run.spec)
-    return engine_spec(run.spec, run.dataset_version, run.reward_version, model_path=model_path,
-                       reward_model_path=reward_model_path, eval_sets=pinned_eval_sets(run),
-                       lora_init=check_lora_init(run.team, run.spec), environment_version=run.environment_version)
+        reward_model_path = check_reward_model_path(run.team, stored)
+    return substitute_references(stored, run.dataset_version, run.reward_version, model_path=model_path,
+                                 reward_model_path=reward_model_path, eval_sets=pinned_eval_sets(run),
+                                 lora_init=check_lora_init(run.team, stored), environment_version=run.environment_version)
 
 
 def team_reward_function(function) -> bool:

@@ -24,8 +24,8 @@ from fluxrl.quotas import services as quotas
 from fluxrl.rewards import services as rewards
 from fluxrl.safe_yaml import BadYAML, load_yaml_mapping
 from workers.tasks.builtin_rewards import BUILTIN_REWARDS
-from workers.spec import (SpecError, namespace_defaults, report_outside_namespace, report_paths_outside_run,
-                          validate_spec)
+from workers.spec import (ReportSpec, RunSpec, SpecError, namespace_defaults, report_outside_namespace,
+                          report_paths_outside_run, validate_spec)
 from workers.tasks.datasets import GENERATORS
 
 from . import live, tasks
@@ -61,12 +61,12 @@ class NoCheckpoint(Conflict):
 # --- submission ------------------------------------------------------------------------
 
 
-def parse_user_spec(spec_input, team=None) -> dict:
-    """The submitted spec (a mapping, or YAML/JSON text) checked by workers.spec, the one
-    validator: unknown fields and bad values are reported by their dotted name. With a
-    team, its default exporters are merged under the spec's own `report` first, and the
-    tracker names it leaves out are filled in inside the team's namespace (the run keeps
-    the merged section, so its spec says where its metrics went)."""
+def parse_user_spec(spec_input, team=None) -> tuple[dict, RunSpec]:
+    """The submitted spec (a mapping, or YAML/JSON text) as submitted and as validated by
+    workers.spec, the one validator, once: unknown fields and bad values are reported by their
+    dotted name. With a team, its default exporters are merged under the spec's own `report`
+    first, and the tracker names it leaves out are filled in inside the team's namespace (the
+    run keeps the merged section, so its spec says where its metrics went)."""
     if isinstance(spec_input, (str, bytes)):
         spec_input = load_spec_text(spec_input)
     if team is not None and team.report_defaults and isinstance(spec_input, dict):
@@ -87,8 +87,11 @@ def parse_user_spec(spec_input, team=None) -> dict:
         filled = namespace_defaults(validated.report, **namespace)
         if filled:
             spec_input = {**spec_input, "report": merge_report(spec_input["report"], filled)}
-    quotas.check_spec_ceilings(validated.to_dict())  # the deployment's per-run engines and nodes
-    return copy.deepcopy(spec_input)
+            # only the section the platform filled in is new; the rest stays as validated
+            report = ReportSpec.model_validate(merge_report(validated.report.model_dump(mode="json"), filled))
+            validated = validated.model_copy(update={"report": report})
+    quotas.check_spec_ceilings(validated)  # the deployment's per-run engines, nodes and work
+    return copy.deepcopy(spec_input), validated
 
 
 def load_spec_text(text: str | bytes, field: str = "spec") -> dict:
@@ -178,13 +181,13 @@ def submit_run(team, owner, spec_input, tags=(), notes: str = "") -> Run:
     """Validate and store a run as queued. The submitted spec is kept as is (with the
     team's default exporters merged into its `report`); the dataset and reward versions it
     names are pinned, so later uploads do not change the run."""
-    spec = parse_user_spec(spec_input, team)
+    spec, validated = parse_user_spec(spec_input, team)
     model_path = check_model_path(team, spec["model"]["path"])
     reward_model_path = check_reward_model_path(team, spec)
     dataset_version, reward_version = resolve_references(team, spec)
     environment_version = resolve_environment(team, spec)
     reward_model = (spec.get("reward") or {}).get("model") or {}
-    resolved_spec = engine_spec(spec, dataset_version, reward_version, model_path=model_path,
+    resolved_spec = engine_spec(validated, dataset_version, reward_version, model_path=model_path,
                                 reward_model_path=reward_model_path, eval_sets=resolve_eval_sets(team, spec),
                                 lora_init=check_lora_init(team, spec), environment_version=environment_version)
     quotas.check_run_quota(team, resolved_spec, owner)  # locks the team's and owner's rows until stored

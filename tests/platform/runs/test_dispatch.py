@@ -20,6 +20,7 @@ from fluxrl.runs import dispatch
 from fluxrl.runs.models import Run, RunStatus
 from fluxrl.runs.engine_inputs import resolve_spec
 from fluxrl.runs.services import cancel_run, submit_run, transition
+from workers.spec import resolved_document
 
 psutil = pytest.importorskip("psutil")
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -82,7 +83,7 @@ def test_an_engine_that_exits_0_succeeds_the_run(run_a, engine):
     assert not RunToken.objects.filter(run=run, revoked_at__isnull=True).exists()
 
     folder = dispatch.run_dir(run.pk)
-    assert json.loads((folder / "spec.json").read_text()) == resolve_spec(run)
+    assert json.loads((folder / "spec.json").read_text()) == resolved_document(resolve_spec(run))
     call = json.loads((out_dir(run) / "call.json").read_text())
     argv = call["argv"]
     assert argv[:2] == ["run", str(folder / "spec.json")] and "--no-progress" in argv
