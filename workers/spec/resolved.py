@@ -11,7 +11,7 @@ A YAML or JSON spec that is not such a document (the CLI's own files) is validat
 from __future__ import annotations
 
 import types
-from typing import Any, Optional, Union, get_args, get_origin
+from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel
 
