@@ -277,3 +277,41 @@ class MicroBatcher:
     def close(self) -> None:
         if self._task is not None and not self._task.done():
             self._task.cancel()
+
+
+class StageClient:
+    """The coordinator's end of a no-grad stage in a worker process of its own (the KL
+    reference, the critic's values): the worker, started with ``config`` on the plan's
+    ``placement`` (None on a CPU plan), and a MicroBatcher that sends it ``_forward``'s
+    micro-batches. A subclass names the stage (``name``), its worker module and what
+    stats() calls a batched item (``unit``)."""
+
+    name = "a stage"
+    module = ""
+    unit = "samples"
+
+    def __init__(self, spec, config: dict, placement=None):
+        inf = spec.inference
+        self.worker = LocalWorker(self.name, self.module, config, threads=inf.threads, timeout_s=inf.timeout_s,
+                                  env=stage_env(placement))
+        self.batcher = MicroBatcher(self._forward, inf.micro_batch, inf.max_wait_ms / 1000)
+
+    def _forward(self, items: list) -> list:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        hello = self.worker.start()
+        logger.info("%s: worker pid %d", self.name, hello["pid"])
+
+    @property
+    def proc(self):
+        return self.worker.proc
+
+    def stats(self) -> dict[str, float]:
+        stats = self.batcher.stats()
+        stats[self.unit] = stats.pop("items")
+        return stats
+
+    def close(self) -> None:
+        self.batcher.close()
+        self.worker.close()

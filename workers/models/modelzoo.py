@@ -39,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-from workers.models.tinymodel import WEIGHTS, _cpu_model, default_cache, file_sha256, install_folder, recipe_id, sft_lr_factor, \
-    verify_model_folder
+from workers.models.tinymodel import (WEIGHTS, _cpu_model, default_cache, file_sha256, install_folder, recipe_id,
+                                      sft_lr_factor, supervised_steps, verify_model_folder)
 from workers.models.zoo_data import FORMATS, arith_rows, assistant_reply, held_out_key
 from workers.models.zoo_tokenizers import build_tokenizer, padded_vocab, save_tokenizer, stop_ids
 
@@ -234,6 +234,37 @@ def dev_rows(recipe: dict) -> list[dict]:
     return arith_rows(recipe["dev"], random.Random(recipe["seed"] * 1000 + 98), recipe["system_share"])
 
 
+def sft_loop(model, tokenizer, examples: list, recipe: dict, desc: str, dev_accuracy_of, progress: bool,
+             batch_of=None):
+    """A warm start's supervised steps over ``examples`` (padded into tensors by ``batch_of``,
+    this module's prompt-length batches by default) at the recipe's batch, lr schedule and
+    clipping, stopping early once ``dev_accuracy_of()`` (checked every ``check_every`` steps from
+    ``check_from``) reaches ``stop_at_accuracy``. Returns (steps done, last loss, last dev
+    accuracy or None, seconds)."""
+    steps, batch, target = recipe["steps"], recipe["batch"], recipe.get("stop_at_accuracy")
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], betas=tuple(recipe["betas"]), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: sft_lr_factor(s, recipe))
+    batch_of = batch_of or _batch
+    dev_accuracy = None
+
+    def batch_loss(step: int):
+        return sft_loss(model, *batch_of(examples[step * batch:(step + 1) * batch], tokenizer.pad_token_id))
+
+    def reached(done: int) -> bool:
+        nonlocal dev_accuracy
+        if target is None or done < recipe["check_from"] or done % recipe["check_every"]:
+            return False
+        dev_accuracy = dev_accuracy_of()
+        model.train()
+        return dev_accuracy >= target
+
+    model.train()
+    t0 = time.time()
+    done, loss = supervised_steps(model, opt, sched, steps, batch_loss, desc=desc, progress=progress, stop=reached,
+                                  postfix=lambda: {"dev": f"{dev_accuracy:.2f}"} if dev_accuracy is not None else {})
+    return done, loss, dev_accuracy, time.time() - t0
+
+
 def _sft(model, tokenizer, recipe: dict, progress: bool) -> dict:
     """At most ``steps`` steps; with ``stop_at_accuracy``, stopped at the first check (every
     ``check_every`` steps from ``check_from``) where greedy accuracy on the dev prompts
@@ -241,37 +272,13 @@ def _sft(model, tokenizer, recipe: dict, progress: bool) -> dict:
     operands are, and when that happens moves with anything that changes the run (the
     tokenizer's ids, the CPU's rounding): a fixed step count would land anywhere
     between 0.15 and 0.65, a stop on accuracy lands in the middle."""
-    from tqdm import tqdm
-
     arch = recipe["arch"]
     held_out, dev = held_out_rows(recipe), dev_rows(recipe)
     exclude = frozenset(held_out_key(r) for r in held_out + dev)
-    steps, batch, target = recipe["steps"], recipe["batch"], recipe.get("stop_at_accuracy")
-    rows = arith_rows(steps * batch, random.Random(recipe["seed"] * 1000 + 1), recipe["system_share"], exclude)
+    rows = arith_rows(recipe["steps"] * recipe["batch"], random.Random(recipe["seed"] * 1000 + 1), recipe["system_share"], exclude)
     examples = sft_examples(tokenizer, rows, arch)
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], betas=tuple(recipe["betas"]), weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: sft_lr_factor(s, recipe))
-    model.train()
-    t0, loss, dev_accuracy, done = time.time(), torch.tensor(float("nan")), None, 0
-    bar = tqdm(range(steps), desc=f"{arch} warm start (SFT)", disable=not progress, unit="step")
-    for step in bar:
-        ids, att, lab = _batch(examples[step * batch:(step + 1) * batch], tokenizer.pad_token_id)
-        loss = sft_loss(model, ids, att, lab)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        done = step + 1
-        if step % 25 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}", **({"dev": f"{dev_accuracy:.2f}"} if dev_accuracy is not None else {}))
-        if target is not None and done >= recipe["check_from"] and done % recipe["check_every"] == 0:
-            dev_accuracy = greedy_accuracy(model, tokenizer, dev, arch)
-            model.train()
-            if dev_accuracy >= target:
-                break
-    bar.close()
-    seconds = time.time() - t0
+    done, loss, dev_accuracy, seconds = sft_loop(model, tokenizer, examples, recipe, f"{arch} warm start (SFT)",
+                                                 lambda: greedy_accuracy(model, tokenizer, dev, arch), progress)
     accuracy = greedy_accuracy(model, tokenizer, held_out, arch)
     return {"sft_steps": done, "final_loss": round(float(loss.detach()), 4), "sft_seconds": round(seconds, 1),
             "dev_accuracy": dev_accuracy, "held_out_accuracy": accuracy, "held_out_size": len(held_out)}
@@ -284,15 +291,29 @@ def build_zoo_model(arch: str, out_dir, *, steps: int | None = None, seed: int =
     accuracy, weights checksum). ``steps`` overrides the recipe's SFT steps (the
     schedule stays the one planned). Single-threaded and deterministic in ``seed``."""
     recipe = zoo_recipe(arch, steps, seed)
+    out, manifest = build_folder(recipe, out_dir, arch, build_tokenizer, _sft, progress)
+    logger.info("%s: %s params, vocab %d, %d SFT steps in %.1f s, held-out greedy accuracy %.1f%% -> %s", arch,
+                f"{manifest['params']:,}", manifest["len_tokenizer"], manifest["sft_steps"], manifest["sft_seconds"],
+                100 * manifest["held_out_accuracy"], out)
+    return out
+
+
+def build_folder(recipe: dict, out_dir, arch: str, tokenizer_of, sft, progress: bool, **named) -> tuple[Path, dict]:
+    """A zoo model's folder: the tokenizer ``tokenizer_of(recipe)`` trained, the model built and
+    warm-started by ``sft(model, tokenizer, recipe, progress)`` (its report goes into the
+    manifest), then config, generation config, weights, tokenizer and ``fluxrl_zoo.json``
+    (``named`` first, then the recipe, the report and the weights' checksum) written to
+    ``out_dir``. Single-threaded: bit-for-bit reproducible, and it never oversubscribes a busy
+    machine. Returns (the folder, its manifest)."""
     out = Path(out_dir)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # bit-for-bit reproducible; never oversubscribes a busy machine
+    torch.set_num_threads(1)
     try:
         t0 = time.time()
-        tokenizer = build_tokenizer(recipe)
+        tokenizer = tokenizer_of(recipe)
         tokenizer_s = time.time() - t0
         model = build_model(recipe, tokenizer)
-        report = _sft(model, tokenizer, recipe, progress)
+        report = sft(model, tokenizer, recipe, progress)
         out.mkdir(parents=True, exist_ok=True)
         model.generation_config = generation_config(tokenizer, arch)
         model.save_pretrained(out, safe_serialization=True)
@@ -300,17 +321,14 @@ def build_zoo_model(arch: str, out_dir, *, steps: int | None = None, seed: int =
     finally:
         torch.set_num_threads(threads)
     manifest = {
-        "arch": arch, "architecture": type(model).__name__, "recipe": recipe, **report,
+        "arch": arch, **named, "architecture": type(model).__name__, "recipe": recipe, **report,
         "tokenizer_seconds": round(tokenizer_s, 1), "len_tokenizer": len(tokenizer),
         "vocab_size": model.config.vocab_size, "eos_token_id": stop_ids(tokenizer, arch),
         "params": sum(p.numel() for p in model.parameters()),
         "built_with": f"torch {torch.__version__}, {_cpu_model()}", "sha256": file_sha256(out / WEIGHTS),
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    logger.info("%s: %s params, vocab %d, %d SFT steps in %.1f s, held-out greedy accuracy %.1f%% -> %s", arch,
-                f"{manifest['params']:,}", len(tokenizer), report["sft_steps"], report["sft_seconds"],
-                100 * report["held_out_accuracy"], out)
-    return out
+    return out, manifest
 
 
 def cache_is_good(out: Path, recipe: dict) -> bool:

@@ -139,7 +139,6 @@ def accuracy(model, tokenizer, examples: list[tuple[str, float]], pad_id: int) -
 
 
 def train(recipe: dict, out: Path, progress: bool = True) -> dict:
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     torch.set_num_threads(1)  # reproducible, and polite on a busy machine
@@ -158,18 +157,13 @@ def train(recipe: dict, out: Path, progress: bool = True) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], weight_decay=0.01)
     floor = recipe["final_lr_ratio"]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(floor, 1 - s / steps))
-    bar = tqdm(range(steps), desc="reward model", disable=not progress, unit="step")
-    for step in bar:
+
+    def batch_loss(step: int):
         ids, mask, y = _batch(tokenizer, examples[step * recipe["batch"]:(step + 1) * recipe["batch"]], pad)
         logits = model(input_ids=ids, attention_mask=mask).logits[:, 0]
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, y)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if step % 25 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, y)
+
+    _, loss = tinymodel.supervised_steps(model, opt, sched, steps, batch_loss, desc="reward model", progress=progress)
     held = accuracy(model, tokenizer, held_out, pad)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

@@ -312,9 +312,32 @@ def sft_lr_factor(step: int, recipe: dict) -> float:
     return min(1.0, (step + 1) / warm) * max(recipe.get("final_lr_ratio", 0.0), cosine)
 
 
-def _train(recipe: dict, out: Path, progress: bool) -> dict:
+def supervised_steps(model, opt, sched, steps: int, batch_loss, *, desc: str, progress: bool, stop=None,
+                     postfix=None):
+    """The warm starts' supervised loop (the tiny, zoo, tool and reward models): per step
+    ``batch_loss(step)``, backward, gradients clipped to norm 1, an optimizer and a schedule
+    step, until ``steps`` or ``stop(steps done)`` says so. Returns (steps done, last loss)."""
     from tqdm import tqdm
 
+    loss, done = torch.tensor(float("nan")), 0
+    bar = tqdm(range(steps), desc=desc, disable=not progress, unit="step")
+    for step in bar:
+        loss = batch_loss(step)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        done = step + 1
+        if step % 25 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}", **(postfix() if postfix is not None else {}))
+        if stop is not None and stop(done):
+            break
+    bar.close()
+    return done, loss
+
+
+def _train(recipe: dict, out: Path, progress: bool) -> dict:
     # One thread: bit-for-bit reproducible, and it never oversubscribes a busy machine.
     torch.set_num_threads(1)
     torch.manual_seed(recipe["seed"])
@@ -325,17 +348,12 @@ def _train(recipe: dict, out: Path, progress: bool) -> dict:
     steps = recipe["steps"]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: sft_lr_factor(s, recipe))
     t0 = time.time()
-    bar = tqdm(range(steps), desc="warm start (SFT)", disable=not progress, unit="step")
-    for step in bar:
+
+    def batch_loss(step: int):
         ids, att, lab = _batch(rows[step * recipe["batch"] : (step + 1) * recipe["batch"]])
-        loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if step % 25 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+        return model(input_ids=ids, attention_mask=att, labels=lab).loss
+
+    _, loss = supervised_steps(model, opt, sched, steps, batch_loss, desc="warm start (SFT)", progress=progress)
     accuracy = greedy_accuracy(model, held_out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

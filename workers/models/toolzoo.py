@@ -38,7 +38,6 @@ import operator
 import os
 import random
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +45,6 @@ import torch
 
 from workers.models import modelzoo, zoo_data, zoo_tokenizers
 from workers.tasks.datasets import tool_arith_prompt
-from workers.models.tinymodel import WEIGHTS, _cpu_model, file_sha256, sft_lr_factor
 
 logger = logging.getLogger(__name__)
 
@@ -377,37 +375,14 @@ def dev_questions(recipe: dict) -> list[Question]:
 
 
 def _sft(model, tokenizer, recipe: dict, progress: bool) -> dict:
-    from tqdm import tqdm
-
     held_out, dev = held_out_questions(recipe), dev_questions(recipe)
-    steps, batch, target = recipe["steps"], recipe["batch"], recipe.get("stop_at_accuracy")
     rng = random.Random(recipe["seed"] * 1000 + 1)
-    qs = questions(steps * batch, rng, recipe, frozenset(held_out + dev))
+    qs = questions(recipe["steps"] * recipe["batch"], rng, recipe, frozenset(held_out + dev))
     examples = encode_episodes(tokenizer, [episode_segments(q, rng.random() < recipe["tool_share"],
                                                             rng.random() < recipe["system_share"]) for q in qs])
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], betas=tuple(recipe["betas"]), weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: sft_lr_factor(s, recipe))
-    model.train()
-    t0, loss, dev_accuracy, done = time.time(), torch.tensor(float("nan")), None, 0
-    bar = tqdm(range(steps), desc=f"{NAME} warm start (SFT)", disable=not progress, unit="step")
-    for step in bar:
-        ids, att, lab = _batch(examples[step * batch:(step + 1) * batch], tokenizer.pad_token_id)
-        loss = modelzoo.sft_loss(model, ids, att, lab)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        done = step + 1
-        if step % 25 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}", **({"dev": f"{dev_accuracy:.2f}"} if dev_accuracy is not None else {}))
-        if target is not None and done >= recipe["check_from"] and done % recipe["check_every"] == 0:
-            dev_accuracy = episode_accuracy(model, tokenizer, dev, tools=True)
-            model.train()
-            if dev_accuracy >= target:
-                break
-    bar.close()
-    seconds = time.time() - t0
+    done, loss, dev_accuracy, seconds = modelzoo.sft_loop(
+        model, tokenizer, examples, recipe, f"{NAME} warm start (SFT)",
+        lambda: episode_accuracy(model, tokenizer, dev, tools=True), progress, batch_of=_batch)
     with_tools = episode_accuracy(model, tokenizer, held_out, tools=True, details=True)
     without = episode_accuracy(model, tokenizer, held_out, tools=False, details=True)
     return {"sft_steps": done, "final_loss": round(float(loss.detach()), 4), "sft_seconds": round(seconds, 1),
@@ -422,32 +397,11 @@ def build_tool_model(out_dir, *, steps: int | None = None, seed: int = 0, progre
     ``out_dir`` with ``fluxrl_zoo.json`` (recipe, held-out accuracy with and without the
     tool, weights checksum). Single-threaded and deterministic in ``seed``."""
     recipe = tool_recipe(steps, seed)
-    out = Path(out_dir)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # bit-for-bit reproducible; never oversubscribes a busy machine
-    try:
-        t0 = time.time()
-        tokenizer = build_tokenizer(recipe)
-        tokenizer_s = time.time() - t0
-        model = modelzoo.build_model(recipe, tokenizer)
-        report = _sft(model, tokenizer, recipe, progress)
-        out.mkdir(parents=True, exist_ok=True)
-        model.generation_config = modelzoo.generation_config(tokenizer, "qwen2")
-        model.save_pretrained(out, safe_serialization=True)
-        zoo_tokenizers.save_tokenizer(tokenizer, out)
-    finally:
-        torch.set_num_threads(threads)
-    manifest = {
-        "arch": "qwen2", "name": NAME, "architecture": type(model).__name__, "recipe": recipe, **report,
-        "tokenizer_seconds": round(tokenizer_s, 1), "len_tokenizer": len(tokenizer),
-        "vocab_size": model.config.vocab_size, "eos_token_id": _stop_ids(tokenizer),
-        "params": sum(p.numel() for p in model.parameters()),
-        "built_with": f"torch {torch.__version__}, {_cpu_model()}", "sha256": file_sha256(out / WEIGHTS),
-    }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    out, manifest = modelzoo.build_folder(recipe, out_dir, "qwen2", build_tokenizer, _sft, progress, name=NAME)
     logger.info("%s: %s params, %d SFT steps in %.1f s, held-out greedy accuracy %.1f%% with the calculator, "
-                "%.1f%% without -> %s", NAME, f"{manifest['params']:,}", report["sft_steps"], report["sft_seconds"],
-                100 * report["held_out_accuracy"], 100 * report["held_out_accuracy_no_tools"], out)
+                "%.1f%% without -> %s", NAME, f"{manifest['params']:,}", manifest["sft_steps"],
+                manifest["sft_seconds"], 100 * manifest["held_out_accuracy"],
+                100 * manifest["held_out_accuracy_no_tools"], out)
     return out
 
 

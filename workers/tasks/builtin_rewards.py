@@ -71,27 +71,31 @@ def extract_answer(text: str) -> Optional[str]:
     last GSM8K ``#### N`` line, else the last number; None when there is none (or the
     last box is empty)."""
     text = text or ""
-    boxed = boxed_answers(text)
-    if boxed:
-        return boxed[-1] or None
-    marked = _GSM8K.findall(text)
-    if marked:
-        return _gsm8k_answer(marked[-1])
+    found, answer = _marked_answer(text)
+    if found:
+        return answer
     numbers = _ANSWER_NUMBER.findall(text.replace("\u2212", "-"))
     return numbers[-1] if numbers else None
+
+
+def _marked_answer(text: str) -> tuple[bool, Optional[str]]:
+    """(whether the text marks its answer, the answer): the content of the last ``\\boxed{...}``
+    (None when empty), else the last GSM8K ``#### N`` line's."""
+    boxed = boxed_answers(text)
+    if boxed:
+        return True, boxed[-1] or None
+    marked = _GSM8K.findall(text)
+    if marked:
+        return True, _gsm8k_answer(marked[-1])
+    return False, None
 
 
 def reference_answer(answer) -> Optional[str]:
     """A dataset's reference answer: a full solution's boxed or ``#### N`` answer (GSM8K's
     answer field), else the whole text, taken as given ("72", "\\frac{1}{2}", "(3, -1)")."""
     text = str(answer if answer is not None else "")
-    boxed = boxed_answers(text)
-    if boxed:
-        return boxed[-1] or None
-    marked = _GSM8K.findall(text)
-    if marked:
-        return _gsm8k_answer(marked[-1])
-    return text.strip() or None
+    found, marked = _marked_answer(text)
+    return marked if found else text.strip() or None
 
 
 def normalize_answer(answer: Optional[str]) -> Union[Fraction, str, None]:

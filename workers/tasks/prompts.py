@@ -100,19 +100,16 @@ def _bounded_filters(filters: dict, refusals: list) -> dict:
     while folding, so each refusal is also noted in refusals (compile_template reports it)."""
     base = dict(filters)
 
-    def _too_big(what, size):
-        try:
-            _check_size(what, size)
-        except Exception as exc:
-            refusals.append(str(exc))
-            raise
+    def noted(check):
+        def checked(*args):
+            try:
+                check(*args)
+            except Exception as exc:
+                refusals.append(str(exc))
+                raise
+        return checked
 
-    def _check_percent(fmt, args):
-        try:
-            _check_percent_spec(fmt, args)
-        except Exception as exc:
-            refusals.append(str(exc))
-            raise
+    _too_big, _check_percent = noted(_check_size), noted(_check_percent_spec)
 
     def center(value, width=80):
         _too_big("center", _as_size(width))

@@ -3,7 +3,8 @@ completion right-padded to the longest, position t predicting token t+1, so a sa
 generated tokens sit at columns p-1 .. p-1+len-1 (p: its prompt's length)."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import contextlib
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -23,6 +24,24 @@ def pad_sequences(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: 
 def generated_columns(prompt_length: int, length: int) -> slice:
     """The columns of a [n, width-1] per-token tensor that hold a sample's generated tokens."""
     return slice(prompt_length - 1, prompt_length - 1 + length)
+
+
+def generated_forward(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, device: torch.device,
+                      autocast: Optional[torch.dtype], forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                      after: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> list[list[float]]:
+    """A stage's no-grad forward over (prompt_ids, token_ids) pairs: padded into one batch on
+    ``device``, ``forward(ids, attention)`` under the ``autocast`` dtype (None: none), then
+    ``after(out, ids)`` outside it; ``out`` holds, at column t, the figure for token t+1. Returns
+    each pair's generated tokens' figures."""
+    ids, att = (t.to(device) for t in pad_sequences(pairs, pad_id))
+    cast = torch.autocast(device_type=device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    with torch.no_grad():
+        with cast:
+            out = forward(ids, att)
+        if after is not None:
+            out = after(out, ids)
+    out = out.cpu()
+    return [out[i, generated_columns(len(p), len(t))].tolist() for i, (p, t) in enumerate(pairs)]
 
 
 def per_token(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], columns: int,

@@ -23,7 +23,7 @@ import logging
 import sys
 from typing import Optional
 
-from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, forward_in_chunks, serve, stage_env
+from workers.io.local_worker import LocalWorkerError, StageClient, forward_in_chunks, serve
 from workers.spec import model_dtype
 from workers.tasks.model_folder import check_model_folder
 
@@ -63,21 +63,16 @@ class ReferenceScorer:
         return forward_in_chunks(items, [len(p) + len(t) for p, t in items], self.max_tokens, self._forward)
 
     def _forward(self, items: list[tuple[list[int], list[int]]]) -> list[list[float]]:
-        import contextlib
-
         from workers.train.algorithms import token_logprobs
-        from workers.train.batching import generated_columns, pad_sequences
+        from workers.train.batching import generated_forward
 
-        torch = self.torch
-        ids, att = (t.to(self.device) for t in pad_sequences(items, self.pad_id))
-        cast = (torch.autocast(device_type=self.device.type, dtype=self.autocast) if self.autocast is not None
-                else contextlib.nullcontext())
-        with torch.no_grad():
-            with cast:
-                logits = self.model(input_ids=ids, attention_mask=att).logits[:, :-1].float() / self.temperature
-            logp, _ = token_logprobs(logits, ids[:, 1:], top_k=self.top_k, top_p=self.top_p)
-        logp = logp.cpu()
-        return [logp[i, generated_columns(len(p), len(t))].tolist() for i, (p, t) in enumerate(items)]
+        def logits(ids, att):
+            return self.model(input_ids=ids, attention_mask=att).logits[:, :-1].float() / self.temperature
+
+        def logprobs(out, ids):
+            return token_logprobs(out, ids[:, 1:], top_k=self.top_k, top_p=self.top_p)[0]
+
+        return generated_forward(items, self.pad_id, self.device, self.autocast, logits, logprobs)
 
 
 def scorer_config(spec, model_path: str, pad_id: int, device: str = "cpu") -> dict:
@@ -94,24 +89,14 @@ def scorer_config(spec, model_path: str, pad_id: int, device: str = "cpu") -> di
             "adapter": lora.init if lora is not None and lora.init else None}
 
 
-class ReferenceStage:
+class ReferenceStage(StageClient):
     """The coordinator's end: ``await logprobs(prompt_ids, token_ids)`` per finished sample.
     ``placement``: the plan's process for it on a GPU plan (its CUDA_VISIBLE_DEVICES), else None."""
 
+    name, module = "the KL reference stage", "workers.train.reference"
+
     def __init__(self, spec, model_path: str, pad_id: int, placement=None):
-        inf = spec.inference
-        self.worker = LocalWorker("the KL reference stage", "workers.train.reference",
-                                  scorer_config(spec, model_path, pad_id, "cuda" if placement else "cpu"),
-                                  threads=inf.threads, timeout_s=inf.timeout_s, env=stage_env(placement))
-        self.batcher = MicroBatcher(self._forward, inf.micro_batch, inf.max_wait_ms / 1000)
-
-    def start(self) -> None:
-        hello = self.worker.start()
-        logger.info("KL reference stage: worker pid %d", hello["pid"])
-
-    @property
-    def proc(self):
-        return self.worker.proc
+        super().__init__(spec, scorer_config(spec, model_path, pad_id, "cuda" if placement else "cpu"), placement)
 
     async def logprobs(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
         if not token_ids:
@@ -123,15 +108,6 @@ class ReferenceStage:
         if not isinstance(out, list) or [len(x) for x in out] != [len(t) for _, t in items]:
             raise LocalWorkerError("the KL reference stage answered with the wrong number of log-probs")
         return out
-
-    def stats(self) -> dict[str, float]:
-        stats = self.batcher.stats()
-        stats["samples"] = stats.pop("items")
-        return stats
-
-    def close(self) -> None:
-        self.batcher.close()
-        self.worker.close()
 
 
 def _load(config: dict):

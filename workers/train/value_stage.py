@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from workers.io.local_worker import LocalWorker, LocalWorkerError, MicroBatcher, forward_in_chunks, serve, stage_env
+from workers.io.local_worker import LocalWorkerError, StageClient, forward_in_chunks, serve
 from workers.spec import model_dtype
 from workers.tasks.model_folder import check_model_folder
 
@@ -80,18 +80,11 @@ class ValueScorer:
         return forward_in_chunks(items, [len(p) + len(t) for p, t in items], self.max_tokens, self._forward)
 
     def _forward(self, items: list[tuple[list[int], list[int]]]) -> list[list[float]]:
-        import contextlib
+        from workers.train.batching import generated_forward
 
-        from workers.train.batching import generated_columns, pad_sequences
-
-        torch = self.torch
-        ids, att = (t.to(self.device) for t in pad_sequences(items, self.pad_id))
-        cast = (torch.autocast(device_type=self.device.type, dtype=self.autocast) if self.autocast is not None
-                else contextlib.nullcontext())
-        with torch.no_grad(), cast:
-            values = self.model(ids, att)[:, :-1].float().cpu()
         # position t values the state before token t+1
-        return [values[i, generated_columns(len(p), len(t))].tolist() for i, (p, t) in enumerate(items)]
+        return generated_forward(items, self.pad_id, self.device, self.autocast,
+                                 lambda ids, att: self.model(ids, att)[:, :-1].float())
 
 
 def scorer_config(spec, model_path: str, pad_id: int, device: str = "cpu") -> dict:
@@ -101,28 +94,18 @@ def scorer_config(spec, model_path: str, pad_id: int, device: str = "cpu") -> di
             "device": device, "max_tokens": spec.inference.micro_batch_tokens}
 
 
-class ValueStage:
+class ValueStage(StageClient):
     """The coordinator's end: ``await values(prompt_ids, token_ids)`` per finished sample,
     ``load(state_dict, version)`` after each trainer step. ``placement``: the plan's process
     for it on a GPU plan (its CUDA_VISIBLE_DEVICES), else None."""
 
+    name, module = "the critic stage", "workers.train.value_stage"
+
     def __init__(self, spec, model_path: str, pad_id: int, placement=None):
-        inf = spec.inference
-        self.worker = LocalWorker("the critic stage", "workers.train.value_stage",
-                                  scorer_config(spec, model_path, pad_id, "cuda" if placement else "cpu"),
-                                  threads=inf.threads, timeout_s=inf.timeout_s, env=stage_env(placement))
-        self.batcher = MicroBatcher(self._forward, inf.micro_batch, inf.max_wait_ms / 1000)
+        super().__init__(spec, scorer_config(spec, model_path, pad_id, "cuda" if placement else "cpu"), placement)
         self.folder = tempfile.mkdtemp(prefix="fluxrl-critic-")  # 0700: the weights pass through here
         self.version = -1  # of the weights the worker holds
         self.loads, self.load_s = 0, 0.0
-
-    def start(self) -> None:
-        hello = self.worker.start()
-        logger.info("critic stage: worker pid %d", hello["pid"])
-
-    @property
-    def proc(self):
-        return self.worker.proc
 
     def load(self, state_dict: dict, version: int) -> None:
         """The trainer critic's weights after step ``version`` (blocking: call it in a thread)."""
@@ -154,14 +137,10 @@ class ValueStage:
         return [(v, int(version)) for v in out]
 
     def stats(self) -> dict[str, float]:
-        stats = self.batcher.stats()
-        stats["samples"] = stats.pop("items")
-        stats["loads"], stats["load_s"] = self.loads, self.load_s
-        return stats
+        return {**super().stats(), "loads": self.loads, "load_s": self.load_s}
 
     def close(self) -> None:
-        self.batcher.close()
-        self.worker.close()
+        super().close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
