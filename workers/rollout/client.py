@@ -37,7 +37,9 @@ from workers.rollout.engine_args import asleep_after_wake
 from workers.rollout.engine_types import Completion, UpdateTiming
 from workers.rollout.messages import (REPLIES, ChecksumRequest, EngineServerConfig, GenerateRequest, GroupRequest,
                                       HandOffRequest, JoinGroupRequest, PoolView, ShutdownRequest, SleepRequest,
-                                      StartRequest, TenantInfo, UpdateRequest, WakeRequest, WeightChunkRequest)
+                                      StartRequest, TenantInfo, UpdateRequest, WakeRequest, WeightChunkRequest,
+                                      WeightsAttached, WeightsByBroadcast, WeightsByPath, WeightsByStream,
+                                      WireWeights)
 from workers.weights.files import WeightFile, read_chunks
 from workers.weights.update import BroadcastWeights, FileWeights, InlineWeights, WeightUpdate
 
@@ -244,21 +246,21 @@ class EngineClient(EngineRPC):
         files, else in bounded chunks; bytes attached; a broadcast's metadata (this client
         holds its barrier for the server: ``ArrivedEvent``, ``GoRequest``)."""
         rid = next(_request_ids)
+        blob = None
         if isinstance(weights, FileWeights) and self.same_files:
-            reply = await self._request(UpdateRequest(id=rid, version=version, weights_path=weights.file.path),
-                                        timed=False)
+            wire_weights: WireWeights = WeightsByPath(path=weights.file.path)
         elif isinstance(weights, FileWeights):
-            stream = await self._send_file(weights.file)
-            reply = await self._request(UpdateRequest(id=rid, version=version, weights_stream=stream), timed=False)
+            wire_weights = WeightsByStream(stream=await self._send_file(weights.file))
         elif isinstance(weights, InlineWeights):
-            reply = await self._request(UpdateRequest(id=rid, version=version), weights.data, timed=False)
+            wire_weights, blob = WeightsAttached(), weights.data
         else:
+            wire_weights = WeightsByBroadcast(meta=weights.group.meta)
             self._weights[rid] = weights.group
-            try:
-                reply = await self._request(UpdateRequest(id=rid, version=version,
-                                                          collective_meta=weights.group.meta), timed=False)
-            finally:
-                self._weights.pop(rid, None)
+        try:
+            reply = await self._request(UpdateRequest(id=rid, version=version, weights=wire_weights), blob,
+                                        timed=False)
+        finally:
+            self._weights.pop(rid, None)
         self.version = max(self.version, reply.version)
         timing = UpdateTiming(reply.version, reply.sync_ms, reply.load_ms)
         self.updates.append(timing)

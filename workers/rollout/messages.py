@@ -125,18 +125,42 @@ class HandOffRequest(wire.Message):
     count: int
 
 
+class WeightsByPath(wire.Message):
+    """The trainer's weight file itself, where the server sees the same files
+    (``ReadyReply.file_view``; the server checks the file is its user's, in a folder no one
+    else may enter: files.local_weight_file)."""
+    how: Literal["path"] = "path"
+    path: str = Field(max_length=4096)
+
+
+class WeightsByStream(wire.Message):
+    """A file sent before as a stream of WeightChunkRequests (its id), spooled by the server."""
+    how: Literal["stream"] = "stream"
+    stream: int
+
+
+class WeightsAttached(wire.Message):
+    """Safetensors bytes attached to the request's frame."""
+    how: Literal["attached"] = "attached"
+
+
+class WeightsByBroadcast(wire.Message):
+    """A collective broadcast: the metadata each engine's receive needs."""
+    how: Literal["broadcast"] = "broadcast"
+    meta: dict[str, Any]
+
+
+WireWeights = Annotated[Union[WeightsByPath, WeightsByStream, WeightsAttached, WeightsByBroadcast],
+                        Field(discriminator="how")]
+
+
 class UpdateRequest(wire.Message):
-    """New weights labelled ``version``: a stream of WeightChunkRequests sent before
-    (``weights_stream``), a safetensors blob attached, the metadata of a collective
-    broadcast, or (``weights_path``) the trainer's weight file itself, where the server
-    sees the same files (``ReadyReply.file_view``; the server checks the file is its
-    user's, in a folder no one else may enter: files.local_weight_file)."""
+    """New weights labelled ``version``, and how they travel: the wire's form of the
+    weight-update descriptor (workers/weights/update.py), told apart once by the server."""
     kind: Literal["update"] = "update"
     id: int
     version: int
-    collective_meta: Optional[dict[str, Any]] = None
-    weights_stream: Optional[int] = None
-    weights_path: Optional[str] = Field(None, max_length=4096)
+    weights: WireWeights
 
 
 class GoRequest(wire.Message):

@@ -57,8 +57,8 @@ from workers.rollout.engine import RolloutEngine
 from workers.rollout.engine_args import configure_cpu_environment
 from workers.rollout.engine_types import SamplingOptions, UpdateTiming
 from workers.rollout.fair_seats import FairSeats
-from workers.rollout.messages import (REQUESTS, HandOffRequest, JoinGroupRequest, PoolView, SleepRequest, StartRequest,
-                                      TenantInfo, UpdateRequest, WakeRequest)
+from workers.rollout.messages import (REQUESTS, HandOffRequest, JoinGroupRequest, PoolView, SleepRequest,
+                                      StartRequest, TenantInfo, UpdateRequest, WakeRequest, WeightsByBroadcast)
 from workers.rollout.pool_registry import (SLOTS_ENV, PoolConfig, entry_of, pool_key, process_start, read_registry,
                                            registry_file, registry_lock, write_registry)
 from workers.rollout.server import _Server
@@ -361,7 +361,8 @@ class _TenantServer(_Server):
     async def _handle(self, request, blob):
         if isinstance(request, StartRequest):
             self.engine.tenant = request.tenant
-        elif isinstance(request, self.REFUSED) or (isinstance(request, UpdateRequest) and request.collective_meta):
+        elif isinstance(request, self.REFUSED) or (isinstance(request, UpdateRequest)
+                                                            and isinstance(request.weights, WeightsByBroadcast)):
             raise ValueError(f"{request.kind} is not available on a shared engine")
         elif not isinstance(request, HandOffRequest) and self.engine.slot is None:
             raise RuntimeError(f"{request.kind} before the run joined the pool (start)")

@@ -33,8 +33,9 @@ from workers.rollout.engine_types import Completion
 from workers.rollout.messages import (REQUESTS, ArrivedEvent, ChecksumRequest, CompletionReply, EngineServerConfig,
                                       EngineStats, ErrorReply, GenerateRequest, GoRequest, GroupRequest,
                                       HandOffRequest, JoinGroupRequest, PingRequest, PongReply, PoolView, ReadyReply,
-                                      SampleReply, ShutdownRequest, SleepRequest, StartRequest, UpdatedReply,
-                                      UpdateRequest, ValueReply, WakeRequest, WeightChunkRequest, WireCompletion)
+                                      SampleReply, ShutdownRequest, SleepRequest, StartRequest, UpdateRequest,
+                                      UpdatedReply, ValueReply, WakeRequest, WeightChunkRequest, WeightsByBroadcast,
+                                      WeightsByPath, WeightsByStream, WireCompletion)
 from workers.weights.files import WeightSpool, local_weight_file
 from workers.weights.update import BroadcastWeights, FileWeights, InlineWeights, WeightUpdate
 
@@ -208,7 +209,7 @@ class _Server:
             try:
                 t = await e.update_weights(weights, request.version)
             finally:
-                if isinstance(weights, FileWeights) and request.weights_path is None:
+                if isinstance(request.weights, WeightsByStream):  # the spool's copy, not the trainer's file
                     self.spool.release(weights.file)
             return UpdatedReply(id=request.id, version=t.version, sync_ms=t.sync_ms, load_ms=t.load_ms,
                                 stats=self.stats())
@@ -238,17 +239,18 @@ class _Server:
 
     def _received(self, request: UpdateRequest, blob: Optional[bytes]) -> WeightUpdate:
         """The update an ``UpdateRequest`` carries, as the engine takes it (weights/update.py)."""
-        if request.collective_meta is not None:
-            return BroadcastWeights(_RemoteWeights(request.collective_meta, lambda: self._arrive(request.id)))
-        if request.weights_stream is not None:
-            return self._spooled(request.weights_stream)
-        if request.weights_path is not None:  # the trainer's own file: it stays the trainer's to remove
+        wire_weights = request.weights
+        if isinstance(wire_weights, WeightsByBroadcast):
+            return BroadcastWeights(_RemoteWeights(wire_weights.meta, lambda: self._arrive(request.id)))
+        if isinstance(wire_weights, WeightsByStream):
+            return self._spooled(wire_weights.stream)
+        if isinstance(wire_weights, WeightsByPath):  # the trainer's own file: it stays the trainer's to remove
             if not self.TAKES_LOCAL_FILES:
                 raise ValueError("this engine takes weights by the wire only (a path could name another run's file)")
-            return FileWeights.of(local_weight_file(request.weights_path, self.spool.max_bytes))
+            return FileWeights.of(local_weight_file(wire_weights.path, self.spool.max_bytes))
         if blob is not None:
             return InlineWeights(blob)
-        raise ValueError("an update without weights")
+        raise ValueError("an update whose weights were to be attached came without them")
 
     async def _arrive(self, update_id: int) -> None:
         from workers.weights.weight_group import WeightBroadcastError

@@ -130,14 +130,15 @@ def test_a_pool_takes_no_weight_file_by_path_since_it_could_be_another_runs(loop
     """One run's own engine server on this host takes the trainer's file by its path; a pool
     serves several teams' runs, so its runs send every update over the wire."""
     from workers.rollout.client import _request_ids
-    from workers.rollout.messages import UpdateRequest
+    from workers.rollout.messages import UpdateRequest, WeightsByPath
 
     a, b = two_teams
     _, files = adapters
     assert not a.same_files and not b.same_files
     with pytest.raises(Exception, match="takes weights by the wire only"):
         loop.run_until_complete(a._request(UpdateRequest(id=next(_request_ids), version=9,
-                                                         weights_path=files["b1"].file.path), timed=False))
+                                                         weights=WeightsByPath(path=files["b1"].file.path)),
+                                           timed=False))
     assert loop.run_until_complete(a.weights_checksum()) != loop.run_until_complete(b.weights_checksum())
 
 
