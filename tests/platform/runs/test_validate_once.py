@@ -54,3 +54,19 @@ def test_a_submitted_spec_of_another_version_is_a_400_on_the_field(api_a, spec):
     response = api_a.post("/api/runs/", {"spec": {**spec(), "version": 3}})
     assert response.status_code == 400
     assert "newer than the 1 this FluxRL reads" in response.json()["error"]["fields"]["spec.version"]
+
+
+def test_the_migration_stamps_a_stored_spec_that_validates_as_version_1_and_leaves_the_rest(run_a):
+    import importlib
+
+    from django.apps import apps
+
+    migration = importlib.import_module("fluxrl.runs.migrations.0008_resolved_spec_version")
+    unstamped = {k: v for k, v in run_a.resolved_spec.items() if k != "version"}
+    broken = {**unstamped, "rollout": {**unstamped["rollout"], "no_such_field": 1}}
+    old = Run.objects.create(team=run_a.team, owner=run_a.owner, name="old", spec=run_a.spec, resolved_spec=unstamped)
+    odd = Run.objects.create(team=run_a.team, owner=run_a.owner, name="odd", spec=run_a.spec, resolved_spec=broken)
+    migration.stamp_version_1(apps, None)
+    assert Run.objects.get(pk=old.pk).resolved_spec == {**unstamped, "version": 1}
+    assert Run.objects.get(pk=odd.pk).resolved_spec == broken  # refused by the engine, with the reason
+    assert Run.objects.get(pk=run_a.pk).resolved_spec == run_a.resolved_spec
