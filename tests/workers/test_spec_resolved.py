@@ -102,3 +102,18 @@ def test_a_spec_file_is_validated_unless_it_is_a_resolved_document(tmp_path, mon
     resolved.write_text(json.dumps(resolved_document(validate_spec(NESTED).to_dict())))
     never_validated(monkeypatch)
     assert load_spec_file(str(resolved)).name == "nested"
+
+
+def test_a_resolved_document_with_a_field_this_version_lacks_or_a_missing_section_is_refused_by_name():
+    spec = validate_spec(NESTED).to_dict()
+    spec["rollout"]["speculative"] = True  # a field a newer platform knows and this engine would drop
+    spec["eval"]["sets"][0]["reward"]["bonus"] = 1
+    del spec["task"]
+    with pytest.raises(SpecError) as err:
+        load_resolved(resolved_document(spec))
+    assert {e["field"]: e["message"] for e in err.value.errors} == {
+        "task": "missing from a resolved spec"}  # the first level's problems first
+    spec["task"] = validate_spec(NESTED).to_dict()["task"]
+    with pytest.raises(SpecError) as err:
+        load_resolved(resolved_document(spec))
+    assert [e["field"] for e in err.value.errors] == ["rollout.speculative"]

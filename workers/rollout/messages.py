@@ -25,6 +25,11 @@ def env_allowed(key: str) -> bool:
     return any(key.startswith(p[:-1]) if p.endswith("*") else key == p for p in ENV_ALLOWED)
 
 
+# The engine protocol's version: a change of a message's shape raises it. A shared engine pool
+# outlives the runs that started it, so a pool is found only by runs of its own version
+# (pool_registry.pool_id hashes it).
+PROTOCOL_VERSION = 2
+
 # -- configuration and messages ----------------------------------------------------------
 class EngineServerConfig(wire.Message):
     model_path: str

@@ -26,7 +26,7 @@ from pydantic import Field
 from workers.io import wire
 from workers.io.lifetime import pid_alive, pid_namespace
 from workers.rollout.engine_args import lora_rank_class
-from workers.rollout.messages import EngineServerConfig
+from workers.rollout.messages import PROTOCOL_VERSION, EngineServerConfig
 from workers.rollout.tickets import verifier_from_env
 
 log = logging.getLogger(__name__)
@@ -180,6 +180,7 @@ def pool_settings(run_engine: EngineServerConfig, lora_rank: int) -> tuple[str, 
     shared = engine.model_dump(include={"model_path", "dtype", "max_model_len", "max_num_seqs", "kv_cache_gb",
                                         "gpu_memory_utilization", "cpu_single_process", "enforce_eager",
                                         "tensor_parallel", "priority_scheduling", "lora_rank", "host", "env"})
+    shared["protocol"] = PROTOCOL_VERSION  # a pool started by older code speaks the older protocol
     verifier = verifier_from_env()
     if verifier is not None:  # a platform's runs meet only pools that check tickets with its key
         shared["verifier"] = hashlib.sha256(verifier.encode()).hexdigest()

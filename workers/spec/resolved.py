@@ -46,28 +46,35 @@ def load_resolved(document: dict[str, Any]) -> RunSpec:
 
 
 # -- building models without validation ---------------------------------------------------------
-def construct(cls: type[BaseModel], data: dict[str, Any]) -> Any:
+def construct(cls: type[BaseModel], data: dict[str, Any], where: str = "") -> Any:
     """``cls`` built from ``data`` without validation, nested models included (pydantic's
-    ``model_construct`` leaves nested sections as dicts). Keys ``cls`` does not declare are
-    left out; the caller has checked the document's schema version."""
-    values = {}
-    for name, field in cls.model_fields.items():
-        if name in data:
-            values[name] = _value(field.annotation, data[name])
+    ``model_construct`` leaves nested sections as dicts). The document must have the shape
+    of the schema version it states: a key ``cls`` does not declare, or a required one
+    missing, is a SpecError naming it (a newer platform's field must not be dropped in
+    silence)."""
+    from workers.spec.loading import SpecError
+
+    unknown = [k for k in data if k not in cls.model_fields]
+    missing = [n for n, f in cls.model_fields.items() if f.is_required() and n not in data]
+    if unknown or missing:
+        raise SpecError([{"field": where + k, "message": "unknown field in a resolved spec of this version"}
+                         for k in unknown] + [{"field": where + n, "message": "missing from a resolved spec"}
+                                              for n in missing])
+    values = {name: _value(cls.model_fields[name].annotation, data[name], f"{where}{name}.") for name in data}
     return cls.model_construct(_fields_set=set(values), **values)
 
 
-def _value(annotation: Any, value: Any) -> Any:
+def _value(annotation: Any, value: Any, where: str) -> Any:
     if value is None:
         return None
     origin = get_origin(annotation)
     if origin in (Union, types.UnionType):
         models = [a for a in get_args(annotation) if a is not type(None)]
         # Optional[X]: X; a union of several kinds stays as stored (the spec has none of models)
-        return _value(models[0], value) if len(models) == 1 else value
+        return _value(models[0], value, where) if len(models) == 1 else value
     if origin is list and isinstance(value, list):
         (item,) = get_args(annotation)
-        return [_value(item, v) for v in value]
+        return [_value(item, v, f"{where}{i}.") for i, v in enumerate(value)]
     if isinstance(annotation, type) and issubclass(annotation, BaseModel) and isinstance(value, dict):
-        return construct(annotation, value)
+        return construct(annotation, value, where)
     return value

@@ -103,8 +103,7 @@ def check_model_path(team, path: str, field: str = MODEL_FIELD, builtins: tuple[
     there); the outputs of one of the team's own runs (run_output_dir). Never another
     team's outputs or any other folder of the worker host. Symlinks and `..` are resolved
     (os.path.realpath) before the check, and the resolved path is what is returned, for
-    the engine to load: call this at submission, and at dispatch on the folder it returned
-    then (a symlink swapped in between is checked again)."""
+    the engine to load: call this at submission and again at dispatch."""
     if "\0" in path:
         raise field_error(field, "a path cannot hold a NUL character")
     if path.startswith("builtin:"):
@@ -202,23 +201,25 @@ def substitute_references(resolved: dict, dataset_version=None, reward_version=N
 def resolve_spec(run: Run) -> dict:
     """Engine-ready spec of a run at dispatch: the spec validated and resolved at submission
     (run.resolved_spec), with the pinned versions' paths computed again (a moved
-    FLUXRL_DATA_DIR is followed). The model folders resolved at submission are checked
-    again against the model roots (a symlink swapped after submission must not slip
-    through); the spec itself is not validated again: the engine receives it as a resolved
+    FLUXRL_DATA_DIR is followed). The model references are checked again against the model
+    roots, from the spec as submitted (a spec stored before a rule, or a symlink swapped
+    after submission, must not slip through); the spec itself is not validated again: the engine receives it as a resolved
     document (workers.spec.resolved) and refuses one of another schema version."""
     stored = copy.deepcopy(run.resolved_spec)
-    # an uploaded model's version was pinned at submission; anything else is checked again
+    # an uploaded model's version was pinned at submission; anything else is checked again from
+    # the reference as submitted (the model roots may have moved; a model: adapter is found again)
     if run.model_version is not None:
         model_path = os.path.realpath(run.model_version.path)
     else:
-        model_path = check_model_path(run.team, (stored.get("model") or {}).get("path", ""))
+        model_path = check_model_path(run.team, (run.spec.get("model") or {}).get("path", ""))
     if run.reward_model_version is not None:
         reward_model_path = os.path.realpath(run.reward_model_version.path)
     else:
-        reward_model_path = check_reward_model_path(run.team, stored)
+        reward_model_path = check_reward_model_path(run.team, run.spec)
     return substitute_references(stored, run.dataset_version, run.reward_version, model_path=model_path,
                                  reward_model_path=reward_model_path, eval_sets=pinned_eval_sets(run),
-                                 lora_init=check_lora_init(run.team, stored), environment_version=run.environment_version)
+                                 lora_init=check_lora_init(run.team, run.spec),
+                                 environment_version=run.environment_version)
 
 
 def team_reward_function(function) -> bool:

@@ -158,3 +158,14 @@ def test_a_pool_exiting_removes_only_its_own_registry_entry(registry, live_proce
 
     asyncio.run(pools._serve(config, announce_own))
     assert pool_registry.read_registry(config.pool_id) is None
+
+
+def test_a_pool_is_found_only_by_runs_of_its_protocol_version(tmp_path, monkeypatch):
+    """A pool outlives the runs that started it: one started by code of another protocol
+    version (an older message shape) is not the pool a newer run joins."""
+    from workers.rollout import messages
+
+    config = EngineServerConfig(model_path=str(tmp_path), index=0, max_model_len=256)
+    now = pool_registry.pool_settings(config, 8)[0]
+    monkeypatch.setattr(pool_registry, "PROTOCOL_VERSION", messages.PROTOCOL_VERSION - 1)
+    assert pool_registry.pool_settings(config, 8)[0] != now

@@ -12,11 +12,10 @@ def stamp_version_1(apps, schema_editor):
         stored = run.resolved_spec
         if not isinstance(stored, dict) or "version" in stored:
             continue
-        try:
-            validate_spec({**stored, "version": 1})
+        try:  # stored as validated now: the defaults of fields added since are filled in
+            run.resolved_spec = validate_spec({**stored, "version": 1}).to_dict()
         except (SpecError, ValueError):
             continue
-        run.resolved_spec = {**stored, "version": 1}
         run.save(update_fields=["resolved_spec"])
 
 
