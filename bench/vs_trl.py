@@ -129,6 +129,18 @@ def meta(argv: list[str]) -> dict:
             "load_average": round(os.getloadavg()[0], 2)}
 
 
+def settle(limit_s: float = 240.0) -> None:
+    """Wait (at most ``limit_s``) for the 1-minute load average to fall below the core count:
+    right after another bench it still counts that bench's processes, and the results file
+    records it (a row measured above the core count shows no ratio)."""
+    import time
+
+    cores, t0 = os.cpu_count() or 1, time.time()
+    while os.getloadavg()[0] >= cores and time.time() - t0 < limit_s:
+        print(f"waiting for the load average ({os.getloadavg()[0]:.2f}) to fall below {cores}...", flush=True)
+        time.sleep(15)
+
+
 # -- one run --------------------------------------------------------------------------------------
 def _peer(system: str, spec: dict, threads: int) -> dict:
     """TRL in a process of its own (bench/vs_plain.py says why), HF or vLLM generation."""
@@ -222,6 +234,7 @@ def main() -> None:
     chosen = args.systems.split(",") if args.systems else None
     if chosen and not set(chosen) <= set(PEERS) | set(ENGINE_SYSTEMS):
         p.error(f"--systems: any of {', '.join([*PEERS, *ENGINE_SYSTEMS])}")
+    settle()
     info = meta(sys.argv)
     suffix = "" if workloads == list(WORKLOADS) else "-" + "+".join(workloads)
     json_path = Path(args.json or BENCH / "results" / f"vs_trl-{info['date']}{suffix}.json")
