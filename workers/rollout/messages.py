@@ -199,13 +199,6 @@ class WakeRequest(wire.Message):
     tags: Optional[list[Literal["weights", "kv_cache"]]] = None
 
 
-class CancelRequest(wire.Message):
-    """Stop generation request ``id``: its caller gave up on it (a timed-out evaluation). No
-    reply; the engine aborts the request's sequences. Any other kind of request runs on."""
-    kind: Literal["cancel"] = "cancel"
-    id: int
-
-
 class PingRequest(wire.Message):
     kind: Literal["ping"] = "ping"
     id: int = 0
@@ -218,7 +211,7 @@ class ShutdownRequest(wire.Message):
 
 EngineRequest = Annotated[
     Union[StartRequest, GenerateRequest, GroupRequest, HandOffRequest, UpdateRequest, WeightChunkRequest, GoRequest,
-          JoinGroupRequest, ChecksumRequest, SleepRequest, WakeRequest, PingRequest, ShutdownRequest, CancelRequest],
+          JoinGroupRequest, ChecksumRequest, SleepRequest, WakeRequest, PingRequest, ShutdownRequest],
     Field(discriminator="kind"),
 ]
 
