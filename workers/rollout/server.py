@@ -209,7 +209,8 @@ class _Server:
             try:
                 t = await e.update_weights(weights, request.version)
             finally:
-                if isinstance(request.weights, WeightsByStream):  # the spool's copy, not the trainer's file
+                if isinstance(weights, FileWeights) and isinstance(request.weights, WeightsByStream):
+                    # the spool's copy, not the trainer's file
                     self.spool.release(weights.file)
             return UpdatedReply(id=request.id, version=t.version, sync_ms=t.sync_ms, load_ms=t.load_ms,
                                 stats=self.stats())

@@ -39,3 +39,11 @@ def version_refusal(version: Any) -> Optional[str]:
                 "reads: upgrade FluxRL (the platform and the workers)")
     return (f"the spec was written for schema version {version!r}; this FluxRL reads version {SPEC_VERSION} only: "
             "submit it again under this version")
+
+
+class SpecError(ValueError):
+    """A run spec that cannot run. ``errors`` is a list of {"field": "a.b", "message": ...}."""
+
+    def __init__(self, errors: list[dict[str, str]]):
+        self.errors = errors
+        super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in errors))

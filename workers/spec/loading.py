@@ -7,15 +7,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from workers.spec.base import SpecError
 from workers.spec.run import RunSpec
-
-
-class SpecError(ValueError):
-    """A run spec that cannot run. ``errors`` is a list of {"field": "a.b", "message": ...}."""
-
-    def __init__(self, errors: list[dict[str, str]]):
-        self.errors = errors
-        super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in errors))
 
 
 def validate_spec(data: Any) -> RunSpec:

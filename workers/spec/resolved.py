@@ -15,7 +15,7 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel
 
-from workers.spec.base import version_refusal
+from workers.spec.base import SpecError, version_refusal
 from workers.spec.run import RunSpec
 
 RESOLVED_KIND = "fluxrl.resolved-spec"
@@ -34,8 +34,6 @@ def is_resolved_document(data: Any) -> bool:
 def load_resolved(document: dict[str, Any]) -> RunSpec:
     """The RunSpec in a resolved document, built without validation, or SpecError naming why
     the document cannot run here (its shape or its schema version)."""
-    from workers.spec.loading import SpecError
-
     spec = document.get("spec")
     if not isinstance(spec, dict):
         raise SpecError([{"field": "(document)", "message": "a resolved spec document holds a mapping under 'spec'"}])
@@ -52,8 +50,6 @@ def construct(cls: type[BaseModel], data: dict[str, Any], where: str = "") -> An
     of the schema version it states: a key ``cls`` does not declare, or a required one
     missing, is a SpecError naming it (a newer platform's field must not be dropped in
     silence)."""
-    from workers.spec.loading import SpecError
-
     unknown = [k for k in data if k not in cls.model_fields]
     missing = [n for n, f in cls.model_fields.items() if f.is_required() and n not in data]
     if unknown or missing:

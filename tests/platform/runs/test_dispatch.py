@@ -146,11 +146,11 @@ def test_a_redelivered_task_does_not_start_the_run_again(run_a, engine):
     assert Run.objects.get(pk=run_a.pk).status == "starting"
 
 
-def test_a_run_whose_spec_no_longer_resolves_fails_at_dispatch(run_a, engine):
-    engine("ok")
-    Run.objects.filter(pk=run_a.pk).update(spec=dict(run_a.spec, algorithm={"loss": "no-such-loss"}))
+def test_a_run_whose_model_reference_no_longer_resolves_fails_at_dispatch(run_a, engine):
+    engine("ok")  # a spec stored before a rule: its model reference is checked again at dispatch
+    Run.objects.filter(pk=run_a.pk).update(spec=dict(run_a.spec, model={"path": "/etc"}))
     assert dispatch.execute_run(run_a.pk) == "failed"
-    assert Run.objects.get(pk=run_a.pk).failure_reason.startswith("Could not start the engine: spec.algorithm.loss")
+    assert Run.objects.get(pk=run_a.pk).failure_reason.startswith("Could not start the engine: spec.model.path")
 
 
 def test_a_failure_reported_without_reason_gets_the_log_tail(run_a, tmp_path):
