@@ -199,10 +199,7 @@ class Plan:
     # process of its own starts with the plan's CUDA_VISIBLE_DEVICES; engines inside the
     # coordinator would all land on its first visible GPU, each asking for its memory share of it).
     engine_processes: bool = True
-    # CPU plans with resources.cpu_overlap shared: overlapped roles on the same cores, so the
-    # processes the plan starts wait passively (no OpenMP thread spinning on a core the other
-    # role could use)
-    shared_cores: bool = False
+    shared_cores: bool = False  # resources.cpu_overlap shared: overlapped roles on the same cores wait passively
 
     @property
     def trainers(self) -> tuple[Process, ...]:
@@ -262,8 +259,7 @@ class Plan:
     def env(self, process: Process) -> dict[str, str]:
         """Environment variables that put a process where the plan says."""
         env = {"OMP_NUM_THREADS": str(process.threads)}
-        if self.shared_cores:
-            env |= PASSIVE_WAITS
+        env |= PASSIVE_WAITS if self.shared_cores else {}  # no thread spinning on the other role's cores
         if process.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = process.cuda_visible_devices
         if process.role == "trainer":
