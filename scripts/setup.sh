@@ -16,7 +16,17 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 scripts/sandbox-deps.sh
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip() { "$VENV/bin/python" -m pip "$@"; }
+# No bytecode at install time (pip's --no-compile): Python compiles a module the first time it
+# is imported, so only what runs is compiled, not every file of torch, vLLM and MLflow; this
+# halves the install. An image whose code its users cannot write (the Dockerfile) sets
+# FLUXRL_COMPILE_BYTECODE=1 to compile everything at build time instead.
+pip() {
+  if [ "$1" = install ] && [ "${FLUXRL_COMPILE_BYTECODE:-0}" != 1 ]; then
+    shift; "$VENV/bin/python" -m pip install --no-compile "$@"
+  else
+    "$VENV/bin/python" -m pip "$@"
+  fi
+}
 pip install -q --upgrade "pip<26.2" "setuptools==78.1.1" wheel
 
 ENGINE=${FLUXRL_ENGINE:-cpu}

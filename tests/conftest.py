@@ -45,7 +45,9 @@ def pytest_collection_modifyitems(config, items):
 #   rank processes, no engine), one file after another on the first worker free, beside the
 #   engine runs once the platform's tests are done;
 # - any other file is a scope of its own, taken by whichever worker is free, so the two
-#   workers end together.
+#   workers end together. Among them are the engine files of FREE_ENGINE_FILES: runs that time
+#   nothing, checked by what they train and write, which the free worker takes beside the engine
+#   chain (it would otherwise idle for its last minutes).
 # (xdist 3.8's xdist_group marks do not reach its scheduler under pytest 9, whose nodeid no
 # longer reads Item._nodeid.) The engine's and the platform's scopes are handed out first, one
 # to each worker, so the longest chains start at once, then the trainer's; xdist queues the
@@ -53,6 +55,8 @@ def pytest_collection_modifyitems(config, items):
 PLATFORM_SCOPES = ("tests/platform/", "tests/browser/", "tests/workers/rewards/")
 ENGINE_FILES = ("tests/platform/runs/test_model_export.py", "tests/platform/datasets/test_formats_train.py")
 ENGINE_MARKS = ("mark.engine", "mark.distributed")
+FREE_ENGINE_FILES = ("tests/workers/models/test_model_zoo_engine.py", "tests/workers/coord/test_rlhf_run.py",
+                     "tests/workers/cli/test_cli_exporters.py")
 TRAINER_SCOPE = "tests/workers/train/"
 
 
@@ -65,7 +69,7 @@ def test_scope(nodeid: str, root: Path) -> str:
         return "platform"
     if path.startswith(TRAINER_SCOPE):
         return "trainer"
-    return "engine" if _marks_engine(root / path) else path
+    return "engine" if path not in FREE_ENGINE_FILES and _marks_engine(root / path) else path
 
 
 @functools.cache
