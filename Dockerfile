@@ -28,9 +28,8 @@ RUN apt-get update \
 
 WORKDIR /app
 COPY . .
-# The build's throw-away SQLite database and secret key must not end up in the image. The
-# bytecode is compiled here: at run time the code is read-only to its users.
-RUN FLUXRL_COMPILE_BYTECODE=1 FLUXRL_ENGINE="$ENGINE" FLUXRL_NO_ENGINE="$FLUXRL_NO_ENGINE" FLUXRL_DATA_DIR=/tmp/build-data scripts/setup.sh \
+# The build's throw-away SQLite database and secret key must not end up in the image.
+RUN FLUXRL_ENGINE="$ENGINE" FLUXRL_NO_ENGINE="$FLUXRL_NO_ENGINE" FLUXRL_DATA_DIR=/tmp/build-data scripts/setup.sh \
     && rm -rf /tmp/build-data
 
 # Not root at run time: the code (/app, root's) is read-only to the server and workers; they

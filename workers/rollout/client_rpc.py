@@ -11,8 +11,9 @@ import time
 from typing import Optional
 
 from workers.rollout.engine_types import Completion, EngineDied, EngineRPCTimeout
-from workers.rollout.messages import (ArrivedEvent, CompletionReply, EngineStats, ErrorReply, GenerateRequest,
-                                      GoRequest, GroupRequest, PingRequest, PongReply, SampleReply, WireCompletion)
+from workers.rollout.messages import (ArrivedEvent, CancelRequest, CompletionReply, EngineStats, ErrorReply,
+                                      GenerateRequest, GoRequest, GroupRequest, PingRequest, PongReply, SampleReply,
+                                      WireCompletion)
 from workers.rollout.staleness import VersionTrack
 
 log = logging.getLogger(__name__)
@@ -49,11 +50,25 @@ class EngineRPC:
             if timed:
                 return await asyncio.wait_for(asyncio.shield(future), self.config.rpc_timeout_s)
             return await future
+        except asyncio.CancelledError:
+            # Our cancel reaches the awaited future too (cancelled, so done): only a reply
+            # already in means the server is through with it.
+            if isinstance(request, (GenerateRequest, GroupRequest)) and (future.cancelled() or not future.done()):
+                self._cancel_remote(request.id)  # the server would otherwise generate on for no one
+            raise
         except asyncio.TimeoutError:
             raise EngineRPCTimeout(f"rollout engine {self.index} did not answer {request.kind} within "
                                    f"{self.config.rpc_timeout_s:g} s (rollout.rpc_timeout_s)") from None
         finally:
             self._pending.pop(request.id, None)
+
+    def _cancel_remote(self, request_id: int) -> None:
+        if self._gone is not None:
+            return
+        try:
+            self.channel.send(CancelRequest(id=request_id))
+        except Exception as exc:  # noqa: BLE001 - best effort: a broken connection stops the server with it
+            log.debug("rollout engine %d: could not cancel request %d: %s", self.index, request_id, exc)
 
     def _when_gone(self, request):
         """A generation that cannot finish here ends as ``engine_died`` with no tokens (the

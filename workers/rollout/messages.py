@@ -25,10 +25,10 @@ def env_allowed(key: str) -> bool:
     return any(key.startswith(p[:-1]) if p.endswith("*") else key == p for p in ENV_ALLOWED)
 
 
-# The engine protocol's version: a change of a message's shape raises it. A shared engine pool
-# outlives the runs that started it, so a pool is found only by runs of its own version
-# (pool_registry.pool_id hashes it).
-PROTOCOL_VERSION = 2
+# The engine protocol's version: a new message or a change of a message's shape raises it. A
+# shared engine pool outlives the runs that started it, so a pool is found only by runs of its
+# own version (pool_registry.pool_id hashes it).
+PROTOCOL_VERSION = 3
 
 # -- configuration and messages ----------------------------------------------------------
 class EngineServerConfig(wire.Message):
@@ -199,6 +199,13 @@ class WakeRequest(wire.Message):
     tags: Optional[list[Literal["weights", "kv_cache"]]] = None
 
 
+class CancelRequest(wire.Message):
+    """Stop generation request ``id``: its caller gave up on it (a timed-out evaluation). No
+    reply; the engine aborts the request's sequences. Any other kind of request runs on."""
+    kind: Literal["cancel"] = "cancel"
+    id: int
+
+
 class PingRequest(wire.Message):
     kind: Literal["ping"] = "ping"
     id: int = 0
@@ -211,7 +218,7 @@ class ShutdownRequest(wire.Message):
 
 EngineRequest = Annotated[
     Union[StartRequest, GenerateRequest, GroupRequest, HandOffRequest, UpdateRequest, WeightChunkRequest, GoRequest,
-          JoinGroupRequest, ChecksumRequest, SleepRequest, WakeRequest, PingRequest, ShutdownRequest],
+          JoinGroupRequest, ChecksumRequest, SleepRequest, WakeRequest, PingRequest, ShutdownRequest, CancelRequest],
     Field(discriminator="kind"),
 ]
 

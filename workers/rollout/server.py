@@ -30,12 +30,12 @@ from workers.io.lifetime import exit_with_parent, file_view
 from workers.rollout.engine import RolloutEngine
 from workers.rollout.engine_args import configure_cpu_environment
 from workers.rollout.engine_types import Completion
-from workers.rollout.messages import (REQUESTS, ArrivedEvent, ChecksumRequest, CompletionReply, EngineServerConfig,
-                                      EngineStats, ErrorReply, GenerateRequest, GoRequest, GroupRequest,
-                                      HandOffRequest, JoinGroupRequest, PingRequest, PongReply, PoolView, ReadyReply,
-                                      SampleReply, ShutdownRequest, SleepRequest, StartRequest, UpdateRequest,
-                                      UpdatedReply, ValueReply, WakeRequest, WeightChunkRequest, WeightsByBroadcast,
-                                      WeightsByPath, WeightsByStream, WireCompletion)
+from workers.rollout.messages import (REQUESTS, ArrivedEvent, CancelRequest, ChecksumRequest, CompletionReply,
+                                      EngineServerConfig, EngineStats, ErrorReply, GenerateRequest, GoRequest,
+                                      GroupRequest, HandOffRequest, JoinGroupRequest, PingRequest, PongReply,
+                                      PoolView, ReadyReply, SampleReply, ShutdownRequest, SleepRequest, StartRequest,
+                                      UpdateRequest, UpdatedReply, ValueReply, WakeRequest, WeightChunkRequest,
+                                      WeightsByBroadcast, WeightsByPath, WeightsByStream, WireCompletion)
 from workers.weights.files import WeightSpool, local_weight_file
 from workers.weights.update import BroadcastWeights, FileWeights, InlineWeights, WeightUpdate
 
@@ -80,6 +80,7 @@ class _Server:
         self.started = False
         self.stop = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
+        self.generations: dict[int, asyncio.Task] = {}  # by request id: what a CancelRequest may stop
         self.go: dict[int, asyncio.Future] = {}
         # weights sent in chunks land on disk, capped by the model folder's size
         self.spool = WeightSpool.for_model(config.model_path)
@@ -156,9 +157,18 @@ class _Server:
             if future is not None and not future.done():
                 future.set_result(request.failure)
             return
+        if isinstance(request, CancelRequest):
+            generation = self.generations.get(request.id)
+            if generation is not None:
+                generation.cancel()  # the engine aborts its sequences; no reply: the caller left
+            return
         task = asyncio.ensure_future(self.handle(request, blob))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        if isinstance(request, (GenerateRequest, GroupRequest)):
+            rid = request.id
+            self.generations[rid] = task
+            task.add_done_callback(lambda _: self.generations.pop(rid, None))
 
     async def handle(self, request, blob: Optional[bytes]) -> None:
         try:

@@ -77,6 +77,35 @@ def test_a_group_request_on_the_server_samples_what_the_in_process_engine_sample
     assert all(c.engine == 3 and c.prompt_ids == prompt for c in there)
 
 
+def test_a_generation_its_caller_cancels_stops_on_the_server(loop, server):
+    """A caller that gives up (a timed-out evaluation cancels its tasks) tells the server,
+    which aborts the sequences: they generate on for no one otherwise."""
+    prompts = [encode(f"{a}+{a}=") for a in range(11, 15)]
+
+    async def tokens_now() -> int:  # every reply carries the server's count of generated tokens
+        await server.generate(prompts[0], 1, 0.0)
+        return server.generated_tokens
+
+    async def run():
+        start = await tokens_now()
+        calls = [asyncio.ensure_future(server.generate(p, 240, 1.0, ignore_eos=True)) for p in prompts]
+        calls.append(asyncio.ensure_future(server.generate_group(prompts[0], 4, 240, 1.0, ignore_eos=True)))
+        await asyncio.sleep(0.5)
+        assert not any(c.done() for c in calls)  # cancelled mid-generation, not after
+        for c in calls:
+            c.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        await asyncio.sleep(0.3)  # the cancels reach the server
+        cancelled_at = await tokens_now()
+        await asyncio.sleep(2.0)  # 8 sequences of 240 tokens would be done by now
+        return start, cancelled_at, await tokens_now()
+
+    start, cancelled_at, later = loop.run_until_complete(run())
+    assert cancelled_at - start < 8 * 240  # stopped part-way
+    assert later - cancelled_at == 1  # only the one-token probe generated since
+    assert not server.active
+
+
 def test_an_rpc_update_lands_in_flight_with_per_token_versions(loop, server, hf_model):
     """Some request generates under both versions. On a loaded machine every request can
     finish before the update lands, so the check gets three tries: each is a real update,
