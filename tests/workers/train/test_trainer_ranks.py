@@ -154,7 +154,10 @@ def test_with_several_epochs_each_sample_counts_once_in_the_batchs_statistics(ba
     assert all(r.counted == list(range(len(r.samples))) for r in single)  # disjoint shares: all counted
 
 
-@pytest.mark.parametrize("stage,minibatches", [(2, 1), (3, 1), (2, 2), (3, 2)])
+# The default run takes each stage and each minibatch count once, ZeRO-3 with minibatches (the
+# harder pair) among them; the nightly set (slow) the other two pairs.
+@pytest.mark.parametrize("stage,minibatches", [(2, 1), pytest.param(3, 1, marks=pytest.mark.slow),
+                                               pytest.param(2, 2, marks=pytest.mark.slow), (3, 2)])
 def test_two_ranks_take_the_same_step_as_one_process(stage, minibatches, tiny_model_path, batch, tmp_path):
     spec = _spec(minibatches=minibatches, trainer={"zero_stage": stage})
     linear, ordinary = _scaled(batch, LINEAR), batch
@@ -186,7 +189,8 @@ CRITIC_KEYS = ("critic/value_loss", "critic/value_mean", "critic/return_mean", "
                "critic/explained_var", "loss/policy")
 
 
-@pytest.mark.parametrize("stage,epochs", [(2, 1), (3, 1), (2, 2)])
+# ZeRO-3 and several epochs each in the default run; the plain pair in the nightly set (slow)
+@pytest.mark.parametrize("stage,epochs", [pytest.param(2, 1, marks=pytest.mark.slow), (3, 1), (2, 2)])
 def test_two_ranks_train_policy_and_critic_as_one_process_does(stage, epochs, tiny_model_path, batch):
     """algorithm.advantage gae over two ranks, the critic at the same ZeRO stage: each rank's
     critic values its samples, the statistics add up over ranks, and the critic's gradients
