@@ -214,8 +214,10 @@ class EngineClient(EngineRPC):
             self._streams.pop(request.id, None)
             for key in keys:
                 self._ended(key)
-            if not ending.done():
-                ending.cancel()
+            if not ending.done() and len(received) < n:
+                ending.cancel()  # the consumer stopped early: the server stops too (CancelRequest)
+            elif not ending.done():  # every sample is in: the closing reply is on its way, no cancel
+                ending.add_done_callback(lambda t: t.cancelled() or t.exception())
             elif not ending.cancelled():
                 ending.exception()  # retrieved: a consumer that stopped early does not want it
 
